@@ -1,0 +1,169 @@
+"""``SequenceParallelMonitor``: tokens/s, model TFLOP/s, MFU, peak memory and communication per step.
+
+Logged to the Trainer's logger (TensorBoard by default) under ``sp/<backend>/...`` so runs with
+different backends sit side by side:
+
+- ``tokens_per_s``: global tokens of the step (all dp replicas, unpadded) / wall time of the step;
+- ``tflops``: model FLOP/s of the whole job in TFLOP/s; ``mfu``: that over ``peak_flops * world``;
+- ``peak_mem_gib``: CUDA peak allocated memory of this rank (reset every step), or the process's
+  peak RSS on CPU;
+- ``comm_mib``: bytes this rank sent in sequence-parallel collectives during the step
+  (``context.comm``), in MiB; ``comm_mib/<op>`` per operation.
+
+Model FLOPs follow Megatron (Korthikanti et al. 2022), per iteration of a decoder with ``L`` layers,
+hidden ``h``, vocabulary ``V``, batch ``B`` and sequence ``s``:
+``72 * B * L * s * h^2 * (1 + s / (6h) + V / (12 h L))`` (forward + backward).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+__all__ = ["SequenceParallelMonitor", "megatron_flops_per_iteration"]
+
+# dense bf16 peak FLOP/s per device, used when peak_flops is not given
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A800": 312e12, "H800": 989e12, "L40S": 362e12,
+              "A10G": 125e12, "V100": 125e12}
+
+
+def megatron_flops_per_iteration(*, batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int) -> float:
+    """Model FLOPs of one forward + backward: ``72 B L s h^2 (1 + s/(6h) + V/(12 h L))``."""
+    b, s, n_l, h, v = batch, seq_len, num_layers, hidden, vocab
+    return 72.0 * b * n_l * s * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * h * n_l))
+
+
+def _find(config: Any, names: tuple[str, ...]) -> int | None:
+    for n in names:
+        value = config.get(n) if isinstance(config, dict) else getattr(config, n, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+class SequenceParallelMonitor(Callback):
+    """Log throughput, MFU, memory and communication volume every ``log_every_n_steps`` steps.
+
+    Args:
+        flops_per_iteration: ``f(batch, seq_len) -> FLOPs`` of one forward+backward over a global
+            batch; default: Megatron's formula from the module's config (``pl_module.config`` or
+            ``pl_module.hparams`` with ``num_layers``/``n_layer``, ``hidden``/``d_model``/``n_embd``
+            and ``vocab_size``); MFU/TFLOP/s are skipped if neither is available.
+        peak_flops: peak FLOP/s of one device; default: a table for known GPUs, none on CPU (no MFU).
+        log_every_n_steps: logging interval in optimizer steps.
+    """
+
+    def __init__(
+        self,
+        *,
+        flops_per_iteration: Callable[[int, int], float] | None = None,
+        peak_flops: float | None = None,
+        log_every_n_steps: int = 1,
+    ) -> None:
+        if log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
+        self.flops_per_iteration = flops_per_iteration
+        self.peak_flops = peak_flops
+        self.log_every_n_steps = log_every_n_steps
+        self._t0: float | None = None
+        self._batch_shape: tuple[int, int] | None = None
+        self.last_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _strategy_info(trainer: "pl.Trainer") -> tuple[str, Any, int, int]:
+        """(backend, context or None, dp degree, sp degree)."""
+        from lightning_sp.strategy import SequenceParallelStrategy
+
+        s = trainer.strategy
+        if isinstance(s, SequenceParallelStrategy):
+            return s.backend, s.context, s.parallel_dims.dp, s.parallel_dims.sp
+        return "local", None, trainer.world_size, 1
+
+    def _default_flops(self, pl_module: "pl.LightningModule") -> Callable[[int, int], float] | None:
+        config = getattr(pl_module, "config", None) or dict(getattr(pl_module, "hparams", {}))
+        n_l = _find(config, ("num_layers", "n_layer", "n_layers", "num_hidden_layers"))
+        h = _find(config, ("hidden", "hidden_size", "d_model", "n_embd", "dim"))
+        v = _find(config, ("vocab_size", "vocab", "n_vocab"))
+        if None in (n_l, h, v):
+            return None
+        return lambda b, s: megatron_flops_per_iteration(batch=b, seq_len=s, num_layers=n_l, hidden=h, vocab=v)
+
+    def _peak(self, device: torch.device) -> float | None:
+        if self.peak_flops is not None:
+            return self.peak_flops
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            for key, value in _PEAK_BF16.items():
+                if key in name:
+                    return value
+        return None
+
+    @staticmethod
+    def _peak_mem_gib(device: torch.device) -> float:
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated(device) / 2**30
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        _, context, _, _ = self._strategy_info(trainer)
+        if context is not None and batch_idx % trainer.accumulate_grad_batches == 0:
+            context.comm.reset()
+        if pl_module.device.type == "cuda" and batch_idx % trainer.accumulate_grad_batches == 0:
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        if self._t0 is None or batch_idx % trainer.accumulate_grad_batches == 0:
+            self._t0 = time.perf_counter()
+            self._tokens = 0
+
+        self._tokens += self._global_tokens(trainer, batch)
+
+    def _global_tokens(self, trainer: "pl.Trainer", batch: Any) -> int:
+        """Unpadded tokens of this micro-batch over all dp replicas."""
+        _, context, dp, _ = self._strategy_info(trainer)
+        ids = batch.get("input_ids") if isinstance(batch, dict) else (batch[0] if isinstance(batch, (list, tuple)) else batch)
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+            return 0
+        seq_len = context.global_seq_len if context is not None and context.global_seq_len else ids.size(1)
+        self._batch_shape = (ids.size(0) * dp, seq_len)
+        return ids.size(0) * seq_len * dp
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0 or self._t0 is None:
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        dt = max(time.perf_counter() - self._t0, 1e-9)
+        backend, context, _, _ = self._strategy_info(trainer)
+        if trainer.global_step % self.log_every_n_steps != 0:
+            return
+        p = f"sp/{backend}/"
+        metrics: dict[str, float] = {p + "tokens_per_s": self._tokens / dt, p + "step_time_s": dt,
+                                     p + "peak_mem_gib": self._peak_mem_gib(pl_module.device)}
+        flops_fn = self.flops_per_iteration or self._default_flops(pl_module)
+        if flops_fn is not None and self._batch_shape is not None:
+            b, s = self._batch_shape
+            flops = flops_fn(b * trainer.accumulate_grad_batches, s)
+            metrics[p + "tflops"] = flops / dt / 1e12
+            peak = self._peak(pl_module.device)
+            if peak:
+                metrics[p + "mfu"] = flops / dt / (peak * trainer.world_size)
+        if context is not None:
+            metrics[p + "comm_mib"] = context.comm.total_bytes / 2**20
+            for op, nbytes in context.comm.snapshot().items():
+                metrics[f"{p}comm_mib/{op}"] = nbytes / 2**20
+        self.last_metrics = metrics
+        if trainer.logger is not None:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)

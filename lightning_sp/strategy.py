@@ -1,0 +1,522 @@
+"""``SequenceParallelStrategy``: Lightning training over orthogonal sequence- and data-parallel groups.
+
+Built on Lightning's ``DDPStrategy``, so launching (``popen``/``spawn``, torchrun, SLURM, multi-node),
+precision plugins, checkpoint IO and cluster environments are Lightning's own. On top it
+
+- lays the world out as a ``(dp, sp)`` mesh, ``sp = ring x ulysses`` (``lightning_sp.topology``),
+  creates the groups on every rank and binds every ``SequenceParallelAttention`` of the model to a
+  ``SequenceParallelContext`` (no globals);
+- gives the ``DistributedSampler`` the data-parallel axis only, so every rank of an sp group reads
+  the same sample, then shards each tensor under ``sequence_keys`` along dim 1 with the backend's
+  layout (``batch_to_device``), padding lengths that do not divide (labels with ``ignore_index``),
+  setting ``context.global_seq_len`` so padded keys are never attended, and supplying global
+  ``position_ids`` when the key is requested but absent (right under the zigzag layout too);
+- reduces gradients over the whole world: see Note [Gradient reduction over dp x sp]
+    Replica ``d`` (an sp group of ``P`` ranks) has loss ``L_d = sum_s l_{d,s} / n_d``, the token mean of
+    its sequence, where ``l_{d,s}`` sums the token losses of shard ``s``. ``sequence_parallel_cross_entropy``
+    returns ``L_d`` on every sp rank and its backward is that of an all-reduce: each of the ``P`` copies
+    of ``L_d`` sends gradient 1 back, so rank ``(d, s)`` holds ``P * dL_d/dtheta`` *through its shard*
+    (attention communication routes the cross-shard terms)::
+
+        rank (d, s) grad  = P * g_{d,s}              sum_s g_{d,s} = dL_d/dtheta
+        mean over s       = sum_s g_{d,s}            = replica d's gradient
+        mean over d       = global-batch gradient    (equal token counts per replica)
+
+    So a plain MEAN over all ``dp * sp`` ranks is exactly the non-parallel gradient: DDP over the
+    world (``data_parallel="ddp"``) or FSDP2's reduce-scatter over the flattened world mesh
+    (``"fsdp"``). The distributed tests check it to 1e-10 in float64.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lightning_sp.context import SequenceParallelContext
+from lightning_sp.topology import MeshAxis, ParallelDims
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal", "local")
+DATA_PARALLEL = ("ddp", "fsdp")
+DEFAULT_SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "loss_mask", "inputs_embeds")
+
+
+def default_ulysses_degree(sequence_parallel_size: int) -> int:
+    """``usp`` without an explicit ``ulysses_degree``: the largest divisor ``u`` of ``sp`` with
+    ``u * u <= sp`` (e.g. 4 -> 2, 8 -> 2, 16 -> 4), a balanced ring x ulysses split."""
+    return max(d for d in range(1, sequence_parallel_size + 1) if sequence_parallel_size % d == 0 and d * d <= sequence_parallel_size)
+
+
+class SequenceParallelStrategy(DDPStrategy):
+    """Sequence (context) parallelism x data parallelism for a Lightning ``Trainer``.
+
+    Args:
+        sequence_parallel_size: ranks sharing one sequence (the ``sp`` degree); must divide
+            ``num_nodes * devices``. ``None``: all ranks (no data parallelism).
+        backend: attention backend for modules built with ``backend=None`` (see README).
+        ulysses_degree: for ``backend="usp"``, the inner Ulysses degree (must divide
+            ``sequence_parallel_size``); ``None`` picks ``default_ulysses_degree``. Only for ``usp``.
+        data_parallel: ``"ddp"`` (replicated parameters, all-reduce over the world) or ``"fsdp"``
+            (FSDP2 ``fully_shard`` over the flattened ``dp x sp`` ranks, ZeRO-3 style).
+        sequence_keys: batch keys (for a Mapping batch) or positions (for a tuple/list batch) whose
+            tensors are sharded along dim 1.
+        label_keys: those of ``sequence_keys`` padded with ``ignore_index`` instead of ``pad_value``.
+        position_ids_key: if this key is in ``sequence_keys`` but missing from a Mapping batch, the
+            strategy adds this rank's global positions ``[B, S_local]`` (padding clamped to ``N - 1``).
+        ignore_index: label value the loss ignores (padding of ``label_keys``).
+        pad_value: padding value of the other sequence tensors.
+        kernel: local kernel for modules built with ``kernel="auto"``.
+        fsdp_shard_modules: with ``"fsdp"``, module classes that get their own ``fully_shard`` unit
+            (e.g. the transformer block) before the root; default: the root only.
+        process_group_timeout: seconds (or ``timedelta``) a collective may wait before the run fails
+            with an error naming the rank; keep it short to turn a dead or stalled rank into an error.
+        **kwargs: passed to ``DDPStrategy`` (``start_method``, ``process_group_backend``,
+            ``find_unused_parameters``, ...).
+    """
+
+    strategy_name = "sequence_parallel"
+
+    def __init__(
+        self,
+        sequence_parallel_size: int | None = None,
+        *,
+        backend: str = "auto",
+        ulysses_degree: int | None = None,
+        data_parallel: Literal["ddp", "fsdp"] = "ddp",
+        sequence_keys: Sequence[str | int] = DEFAULT_SEQUENCE_KEYS,
+        label_keys: Sequence[str | int] = ("labels",),
+        position_ids_key: str | None = "position_ids",
+        ignore_index: int = -100,
+        pad_value: int | float = 0,
+        kernel: str = "auto",
+        fsdp_shard_modules: Iterable[type[nn.Module]] = (),
+        process_group_timeout: float | timedelta = timedelta(minutes=30),
+        **kwargs: Any,
+    ) -> None:
+        if "timeout" in kwargs:
+            raise ValueError("pass `process_group_timeout=` instead of `timeout=` to SequenceParallelStrategy")
+        if not isinstance(process_group_timeout, timedelta):
+            process_group_timeout = timedelta(seconds=float(process_group_timeout))
+        if process_group_timeout.total_seconds() <= 0:
+            raise ValueError(f"process_group_timeout must be positive, got {process_group_timeout}")
+        super().__init__(timeout=process_group_timeout, **kwargs)
+        if sequence_parallel_size is not None and (
+            not isinstance(sequence_parallel_size, int) or isinstance(sequence_parallel_size, bool) or sequence_parallel_size < 1
+        ):
+            raise ValueError(f"sequence_parallel_size must be a positive integer or None (all ranks), got {sequence_parallel_size!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        if ulysses_degree is not None and backend != "usp":
+            raise ValueError(
+                f"ulysses_degree={ulysses_degree} only applies to backend='usp' (got backend={backend!r}); "
+                f"use backend='usp' for a ring x ulysses split, or drop ulysses_degree"
+            )
+        if ulysses_degree is not None and sequence_parallel_size is not None:
+            ParallelDims(world_size=sequence_parallel_size, sequence_parallel_size=sequence_parallel_size,
+                         ulysses_degree=ulysses_degree)  # eager check: ulysses_degree divides sp
+        if data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL}")
+        if isinstance(sequence_keys, str):
+            raise ValueError(f"sequence_keys must be a sequence of keys, got the string {sequence_keys!r}; use ({sequence_keys!r},)")
+        self._sp_size_arg = sequence_parallel_size
+        self._backend = backend
+        self._ulysses_degree_arg = ulysses_degree
+        self._data_parallel = data_parallel
+        self.sequence_keys = tuple(sequence_keys)
+        self.label_keys = tuple(label_keys)
+        self.position_ids_key = position_ids_key
+        self.ignore_index = ignore_index
+        self.pad_value = pad_value
+        self._kernel = kernel
+        self._fsdp_shard_modules = tuple(fsdp_shard_modules)
+        self._dims: ParallelDims | None = None
+        self._context: SequenceParallelContext | None = None
+        self._dp_group: dist.ProcessGroup | None = None
+        self._owned_groups: list[dist.ProcessGroup] = []
+        self._layout: Any = None
+        self.last_batch_tokens: int = 0
+        """Tokens (incl. padding) of the last sharded batch on one sp group: ``B * N_pad``."""
+
+    # ---------------------------------------------------------------------------------- topology
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def data_parallel(self) -> str:
+        return self._data_parallel
+
+    def _world_size_from_config(self) -> int:
+        return self.num_nodes * max(self.num_processes, 1)
+
+    def _make_dims(self, world_size: int) -> ParallelDims:
+        sp = world_size if self._sp_size_arg is None else self._sp_size_arg
+        if self._backend == "usp":
+            u = self._ulysses_degree_arg or default_ulysses_degree(sp)
+        elif self._backend == "ulysses":
+            u = sp
+        else:
+            u = 1
+        try:
+            return ParallelDims(world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u)
+        except ValueError as err:
+            raise ValueError(
+                f"SequenceParallelStrategy(sequence_parallel_size={sp}, backend={self._backend!r}, "
+                f"ulysses_degree={self._ulysses_degree_arg}) on num_nodes={self.num_nodes} x "
+                f"devices={self.num_processes}: {err}"
+            ) from None
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The mesh degrees; known once the Trainer has set the devices."""
+        if self._dims is None:
+            if self.parallel_devices is None:
+                raise RuntimeError(
+                    "SequenceParallelStrategy.parallel_dims is not known yet: pass the strategy to a Trainer "
+                    "(it reads num_nodes and devices) before asking for the mesh"
+                )
+            self._dims = self._make_dims(self._world_size_from_config())
+        return self._dims
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.parallel_dims.sp
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel_dims.dp
+
+    @property
+    def context(self) -> SequenceParallelContext:
+        """This rank's ``SequenceParallelContext`` (groups, backend, comm counters); set in ``setup``."""
+        if self._context is None:
+            raise RuntimeError(
+                "SequenceParallelStrategy.context is created in Trainer setup (after the process group "
+                "exists); access it from a LightningModule hook such as `setup`, `training_step` or a callback"
+            )
+        return self._context
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup:
+        """This rank's sequence-parallel group (pass it to ``sequence_parallel_cross_entropy``)."""
+        return self.context.group
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """This rank's data-parallel group (one rank per sp group, same sp index)."""
+        if self._dp_group is None:
+            raise RuntimeError("SequenceParallelStrategy.dp_group is created in Trainer setup")
+        return self._dp_group
+
+    @property
+    def layout(self):
+        """The ``SequenceLayout`` batches are sharded with (that of the bound attention modules)."""
+        if self._layout is None:
+            raise RuntimeError("SequenceParallelStrategy.layout is known after Trainer setup binds the model")
+        return self._layout
+
+    @override
+    def _configure_launcher(self) -> None:
+        # runs at Trainer construction, before any process is launched: fail bad degrees here
+        self._dims = self._make_dims(self._world_size_from_config())
+        super()._configure_launcher()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # data-parallel axis only: every rank of an sp group reads the same samples
+        dims = self.parallel_dims
+        return {"num_replicas": dims.dp, "rank": dims.dp_rank(self.global_rank)}
+
+    # ---------------------------------------------------------------------------------- groups
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # init_process_group (or reuse an initialised one)
+        self._build_groups()
+
+    def _new_group(self, ranks: list[int]) -> dist.ProcessGroup:
+        group = dist.new_group(ranks, timeout=self._timeout)
+        self._owned_groups.append(group)
+        return group
+
+    def _build_groups(self) -> None:
+        world = dist.get_world_size()
+        dims = self._make_dims(world)
+        if world != self._world_size_from_config():
+            raise ValueError(
+                f"the process group has {world} ranks but the Trainer was configured with "
+                f"num_nodes={self.num_nodes} x devices={self.num_processes}"
+            )
+        self._dims = dims
+        rank = dist.get_rank()
+        # new_group must be called by every rank for every group, in the same order
+        mine: dict[MeshAxis, dist.ProcessGroup] = {}
+        axes = [MeshAxis.SP, MeshAxis.DP] + ([MeshAxis.ULYSSES, MeshAxis.RING] if self._backend == "usp" else [])
+        for axis in axes:
+            for ranks in dims.groups(axis):
+                group = self._new_group(ranks)
+                if rank in ranks:
+                    mine[axis] = group
+        self._dp_group = mine[MeshAxis.DP]
+        self._context = SequenceParallelContext(
+            group=mine[MeshAxis.SP],
+            backend=self._backend,
+            ulysses_degree=dims.ulysses if self._backend == "usp" else None,
+            ulysses_group=mine.get(MeshAxis.ULYSSES),
+            ring_group=mine.get(MeshAxis.RING),
+            kernel=self._kernel,
+        )
+        rank_zero_info(
+            f"SequenceParallelStrategy: world={world} dp={dims.dp} sp={dims.sp} (ring={dims.ring} x "
+            f"ulysses={dims.ulysses}) backend={self._backend} data_parallel={self._data_parallel}"
+        )
+
+    def _bind_model(self, module: nn.Module) -> None:
+        from lightning_sp.attention import SequenceParallelAttention, layout_for_backend
+
+        layouts = {}
+        for name, m in module.named_modules():
+            if isinstance(m, SequenceParallelAttention):
+                m.bind(self.context)
+                layouts[name] = m.layout
+        distinct = set(layouts.values())
+        if len(distinct) > 1:
+            raise ValueError(
+                "the model's SequenceParallelAttention modules need different sequence layouts "
+                f"({ {k: str(v) for k, v in layouts.items()} }), but a batch can be sharded only one way: "
+                "build them with backend=None (the strategy's backend) or backends of the same layout"
+            )
+        if distinct:
+            self._layout = distinct.pop()
+        else:
+            self._layout = layout_for_backend(self._backend, ulysses_degree=self.context.ulysses_degree)
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.lightning_module is not None
+        self._bind_model(self.lightning_module)
+        super().setup(trainer)
+
+    # ---------------------------------------------------------------------------------- batches
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self._context is None:
+            return batch
+        return self.shard_batch(batch)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """Shard every tensor under ``sequence_keys`` along dim 1 (``[B, N, ...] -> [B, N_pad/P, ...]``),
+        set ``context.global_seq_len = N`` and add global ``position_ids`` if requested and absent."""
+        from lightning_sp.layout import sequence_positions, shard_sequence
+
+        group, layout = self.context.group, self.layout
+        if isinstance(batch, Mapping):
+            items = [(k, batch[k]) for k in self.sequence_keys if k in batch and isinstance(batch[k], torch.Tensor)]
+        elif isinstance(batch, (list, tuple)):
+            items = [(k, batch[k]) for k in self.sequence_keys
+                     if isinstance(k, int) and -len(batch) <= k < len(batch) and isinstance(batch[k], torch.Tensor)]
+        else:
+            return batch
+        if not items:
+            return batch
+        lengths = {k: t.size(1) for k, t in items if t.dim() >= 2}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"sequence_keys tensors disagree on the sequence length (dim 1): {lengths}")
+        if not lengths:
+            return batch
+        seq_len = next(iter(lengths.values()))
+        sharded = {}
+        for k, t in items:
+            if t.dim() < 2:
+                continue
+            pad = self.ignore_index if k in self.label_keys else self.pad_value
+            sharded[k] = shard_sequence(t, group, dim=1, layout=layout, pad_value=pad)
+        if isinstance(batch, Mapping):
+            key = self.position_ids_key
+            if key is not None and key in self.sequence_keys and key not in batch:
+                ref = next(iter(sharded.values()))
+                # [S_local] global positions; padding (>= N) clamped so embedding lookups stay in range
+                pos = sequence_positions(seq_len, group, layout=layout, device=ref.device).clamp_(max=seq_len - 1)
+                sharded[key] = pos.unsqueeze(0).expand(ref.size(0), -1)  # [B, S_local]
+            out: Any = dict(batch)
+            out.update(sharded)
+            if not isinstance(batch, dict):
+                try:
+                    out = type(batch)(out)
+                except TypeError:
+                    pass
+        else:
+            as_list = list(batch)
+            for k, t in sharded.items():
+                as_list[k] = t
+            out = type(batch)(as_list) if not hasattr(batch, "_fields") else type(batch)(*as_list)
+        self.context.global_seq_len = seq_len
+        first = next(iter(sharded.values()))
+        self.last_batch_tokens = first.size(0) * first.size(1) * self.parallel_dims.sp
+        return out
+
+    # ---------------------------------------------------------------------------------- model wrapping
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        if self._data_parallel == "ddp":
+            return super()._setup_model(model)  # DDP over the world: see Note [Gradient reduction over dp x sp]
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        # flattened dp x sp mesh = the world, in global rank order
+        mesh = DeviceMesh(self.root_device.type, torch.arange(dist.get_world_size()))
+        for m in model.modules():
+            if m is not model and isinstance(m, self._fsdp_shard_modules):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # an FSDP2 root only unshards in its forward hooks: route the step through __call__
+        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._data_parallel == "fsdp" and self.model is self.lightning_module:
+            with self.precision_plugin.train_step_context():
+                return self._redirect("training_step", *args, **kwargs)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._data_parallel == "fsdp" and self._is_fsdp_root():
+            with self.precision_plugin.val_step_context():
+                return self._redirect("validation_step", *args, **kwargs)
+        return super().validation_step(*args, **kwargs)
+
+    def _is_fsdp_root(self) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+
+        return isinstance(self.model, FSDPModule)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self):
+        if self._data_parallel == "fsdp" and self._is_fsdp_root():
+            # accumulate unsharded gradients locally, reduce-scatter on the last micro-batch only
+            self.model.set_requires_gradient_sync(False)
+            try:
+                yield None
+            finally:
+                self.model.set_requires_gradient_sync(True)
+        else:
+            with super().block_backward_sync():
+                yield None
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    # DDP: Lightning's single-file checkpoint (nothing is sharded by sp, so any sp degree can resume).
+    # FSDP: the full (unsharded) state dict is gathered on every rank and written once by rank 0, so
+    # a checkpoint also resumes under another degree or under DDP.
+    def _fsdp_options(self, **kw):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._data_parallel == "fsdp" and self._is_fsdp_root():
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return get_model_state_dict(self.model, options=self._fsdp_options())
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._data_parallel == "fsdp" and self._is_fsdp_root():
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            return get_optimizer_state_dict(self.model, optimizer, options=self._fsdp_options())
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._data_parallel == "fsdp" and self._is_fsdp_root():
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(self.model, checkpoint["state_dict"], options=self._fsdp_options(strict=strict))
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._data_parallel == "fsdp" and self._is_fsdp_root():
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+                set_optimizer_state_dict(self.model, optimizer, state, options=self._fsdp_options())
+            return
+        super().load_optimizer_state_dict(checkpoint)
+
+    # ---------------------------------------------------------------------------------- faults
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        text = str(exception)
+        if re.search(r"timed? ?out|timeout|Connection closed|Connection reset|peer", text, re.IGNORECASE):
+            hint = (
+                f"\n[lightning_sp] rank {self.global_rank} (dp rank {self.parallel_dims.dp_rank(self.global_rank)}, "
+                f"sp rank {self.parallel_dims.sp_rank(self.global_rank)}) failed in a collective: another rank died or "
+                f"stalled, or ranks issued collectives in different orders. process_group_timeout="
+                f"{self._timeout.total_seconds():.0f}s. Resume with `trainer.fit(..., ckpt_path='last')`."
+            )
+            try:
+                exception.args = (f"{exception.args[0] if exception.args else ''}{hint}",) + tuple(exception.args[1:])
+            except Exception:  # noqa: BLE001 - never mask the original error
+                pass
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if dist.is_initialized():
+            for group in self._owned_groups:
+                try:
+                    dist.destroy_process_group(group)
+                except Exception:  # noqa: BLE001 - best effort; the world group may already be gone
+                    pass
+        self._owned_groups.clear()
+        self._context = None
+        self._dp_group = None
+
+    # ---------------------------------------------------------------------------------- registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls,
+                description="Sequence parallelism (ulysses/ring/zigzag/usp) x data parallelism (DDP/FSDP2)",
+            )
+        if "sequence_parallel_spawn" not in strategy_registry:
+            strategy_registry.register(
+                "sequence_parallel_spawn", cls,
+                description="SequenceParallelStrategy with start_method='spawn'", start_method="spawn",
+            )
+
+
+def register_strategy() -> None:
+    """Make ``Trainer(strategy="sequence_parallel")`` work (idempotent)."""
+    SequenceParallelStrategy.register_strategies(StrategyRegistry)
+
+
+register_strategy()
