@@ -1,0 +1,184 @@
+"""Real protein sequences, long protein contexts and the masked-residue objective.
+
+Sources (read at run time from installed packages; nothing large is committed):
+
+- ``pyhmmer`` test data: ``938293.PRJEB85.HG003687.faa``, 2,100 proteins predicted from a real
+  bacterial genome (682K residues, longest 4,560): the *single-protein* source.
+- homolog families shipped with ``pyhmmer``: ``LuxC.faa`` (12 LuxC reductases) and ``PKSI.faa``
+  (10 type-I polyketide synthases, 1.5K-4K residues each): the *family* source. A family context is
+  its members in a random order, each ``<cls> seq <eos>``, as **one** document (members attend to
+  each other, as in homolog-conditioned protein language models), 10K-30K tokens before cropping.
+
+Contexts:
+
+- ``single``: proteins packed back to back into ``context_len`` tokens, one document each
+  (``cu_seqlens``; attention stays inside a protein; positions restart per protein).
+- ``family``: one family context cropped to a random ``context_len`` window (positions global).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from lightning_sp.data.fasta import FastaRecord, read_fasta
+from lightning_sp.data.packing import greedy_pack, pack_documents
+from lightning_sp.data.tokenizer import ResidueTokenizer
+
+IGNORE_INDEX = -100
+
+
+def pyhmmer_data_dir() -> Path:
+    """Folder of the FASTA files shipped in the ``pyhmmer`` wheel (``pip install lightning-sp[data]``)."""
+    spec = importlib.util.find_spec("pyhmmer")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(
+            "protein data comes from the 'pyhmmer' package's test data; install it with "
+            "`pip install -e '.[data]'` (or `pip install pyhmmer`)"
+        )
+    d = Path(spec.origin).parent / "tests" / "data" / "seqs"
+    if not d.is_dir():
+        raise FileNotFoundError(f"pyhmmer is installed but has no test data folder {d}")
+    return d
+
+
+def default_single_fasta() -> list[Path]:
+    return [pyhmmer_data_dir() / "938293.PRJEB85.HG003687.faa"]
+
+
+def default_family_fastas() -> list[Path]:
+    d = pyhmmer_data_dir()
+    return [d / "LuxC.faa", d / "PKSI.faa"]
+
+
+@dataclass(kw_only=True)
+class ProteinDataConfig:
+    context_len: int = 1024
+    """Tokens per training context (the global sequence length that sequence parallelism splits)."""
+    kinds: tuple[str, ...] = ("single", "family")
+    """Which contexts to draw: ``single`` (packed proteins), ``family`` (concatenated homologs)."""
+    single_fasta: list[str] = field(default_factory=list)
+    """FASTA files of single proteins; empty: pyhmmer's 2,100-protein genome file."""
+    family_fasta: list[str] = field(default_factory=list)
+    """FASTA files, one homolog family each; empty: pyhmmer's LuxC and PKSI families."""
+    mask_prob: float = 0.15
+    """Fraction of residues selected for the masked-residue objective (80% <mask>, 10% random, 10% kept)."""
+    samples_per_epoch: int = 64
+    """Contexts per epoch (family windows and packed-protein contexts are re-drawn per index)."""
+    val_fraction: float = 0.1
+    """Fraction of single proteins held out for validation."""
+    seed: int = 0
+    """Seeds masking, family order and crops: sample ``i`` is the same tensor on every rank."""
+
+    def __post_init__(self) -> None:
+        self.kinds = tuple(self.kinds)
+        if self.context_len < 16:
+            raise ValueError(f"context_len must be >= 16, got {self.context_len}")
+        bad = [k for k in self.kinds if k not in ("single", "family")]
+        if not self.kinds or bad:
+            raise ValueError(f"kinds must be a non-empty subset of ('single', 'family'), got {self.kinds}")
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+        if self.samples_per_epoch < 1:
+            raise ValueError(f"samples_per_epoch must be >= 1, got {self.samples_per_epoch}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+
+
+def mask_residues(
+    input_ids: torch.Tensor, tok: ResidueTokenizer, mask_prob: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT/ESM masking of residues only (specials never masked).
+
+    ``input_ids [N] -> (masked_ids [N], labels [N])``; ``labels`` is the original id at selected
+    positions and ``-100`` elsewhere. At least one residue is always selected.
+    """
+    is_residue = input_ids >= tok.first_residue_id  # [N]
+    select = (torch.rand(input_ids.shape, generator=generator) < mask_prob) & is_residue
+    if not select.any() and is_residue.any():
+        select[is_residue.nonzero()[0]] = True
+    labels = torch.where(select, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+    roll = torch.rand(input_ids.shape, generator=generator)
+    masked = input_ids.clone()
+    masked[select & (roll < 0.8)] = tok.mask_id
+    rand_ids = torch.randint(tok.first_residue_id, tok.vocab_size, input_ids.shape, generator=generator)
+    swap = select & (roll >= 0.8) & (roll < 0.9)
+    masked[swap] = rand_ids[swap]
+    return masked, labels
+
+
+class ProteinContextDataset(Dataset):
+    """Sample ``i``: dict ``input_ids, labels, position_ids [context_len]``, ``cu_seqlens [n_docs + 1]``.
+
+    Deterministic in ``(seed, i)``, so every rank of a sequence-parallel group builds the same sample.
+    """
+
+    def __init__(
+        self,
+        *,
+        proteins: list[FastaRecord],
+        families: list[list[FastaRecord]],
+        config: ProteinDataConfig,
+        tokenizer: ResidueTokenizer,
+        length: int,
+    ) -> None:
+        self.cfg, self.tok, self.length = config, tokenizer, length
+        self.kinds = [k for k in config.kinds if (k == "single" and proteins) or (k == "family" and families)]
+        if not self.kinds:
+            raise ValueError(f"no data for kinds {config.kinds}: {len(proteins)} proteins, {len(families)} families")
+        self.protein_ids = [tokenizer.encode(r.sequence) for r in proteins]
+        self.family_ids = [[tokenizer.encode(r.sequence) for r in fam] for fam in families]
+        total = sum(t.numel() for t in self.protein_ids)
+        if "single" in self.kinds and total < config.context_len:
+            raise ValueError(f"single proteins hold {total} tokens, fewer than context_len={config.context_len}")
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _single(self, g: torch.Generator) -> dict[str, torch.Tensor]:
+        # Proteins in a random order from a random start; greedily packed; take the first full context.
+        order = torch.randperm(len(self.protein_ids), generator=g).tolist()
+        docs, n = [], 0
+        for j in order:
+            docs.append(self.protein_ids[j])
+            n += docs[-1].numel()
+            if n >= self.cfg.context_len:
+                break
+        ctx = greedy_pack(docs, self.cfg.context_len)[0]
+        return pack_documents(ctx)
+
+    def _family(self, g: torch.Generator) -> dict[str, torch.Tensor]:
+        fam = self.family_ids[int(torch.randint(len(self.family_ids), (1,), generator=g))]
+        order = torch.randperm(len(fam), generator=g).tolist()
+        ids = torch.cat([fam[j] for j in order])  # one document: homologs see each other
+        if ids.numel() < self.cfg.context_len:  # short family: repeat it in another order
+            reps = -(-self.cfg.context_len // ids.numel())
+            ids = torch.cat([ids] + [torch.cat([fam[j] for j in torch.randperm(len(fam), generator=g).tolist()]) for _ in range(reps - 1)])
+        start = int(torch.randint(ids.numel() - self.cfg.context_len + 1, (1,), generator=g))
+        return pack_documents([ids[start:start + self.cfg.context_len]], restart_positions=False)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + i)
+        kind = self.kinds[i % len(self.kinds)]
+        sample = self._single(g) if kind == "single" else self._family(g)
+        masked, labels = mask_residues(sample["input_ids"], self.tok, self.cfg.mask_prob, g)
+        return {**sample, "input_ids": masked, "labels": labels}
+
+
+def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Batch of one packed context: ``[S] -> [1, S]``; ``cu_seqlens`` stays 1-D ``[n_docs + 1]``."""
+    if len(samples) != 1:
+        raise ValueError(f"packed contexts use batch_size=1 (documents are packed instead), got {len(samples)}")
+    s = samples[0]
+    return {k: (v if k == "cu_seqlens" else v.unsqueeze(0)) for k, v in s.items()}
+
+
+def load_protein_records(config: ProteinDataConfig) -> tuple[list[FastaRecord], list[list[FastaRecord]]]:
+    singles = [r for p in (config.single_fasta or default_single_fasta()) for r in read_fasta(os.fspath(p))]
+    families = [read_fasta(os.fspath(p)) for p in (config.family_fasta or default_family_fastas())] if "family" in config.kinds else []
+    return singles, families
