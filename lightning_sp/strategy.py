@@ -57,9 +57,11 @@ DEFAULT_SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask"
 
 
 def default_ulysses_degree(sequence_parallel_size: int) -> int:
-    """``usp`` without an explicit ``ulysses_degree``: the largest divisor ``u`` of ``sp`` with
-    ``u * u <= sp`` (e.g. 4 -> 2, 8 -> 2, 16 -> 4), a balanced ring x ulysses split."""
-    return max(d for d in range(1, sequence_parallel_size + 1) if sequence_parallel_size % d == 0 and d * d <= sequence_parallel_size)
+    """``usp`` without an explicit ``ulysses_degree``: the attention module's default (the largest
+    divisor of ``sp`` that leaves a ring of >= 2 ranks), so strategy and modules agree."""
+    from lightning_sp.attention import default_ulysses_degree as attention_default
+
+    return attention_default(sequence_parallel_size)
 
 
 class SequenceParallelStrategy(DDPStrategy):
@@ -304,7 +306,9 @@ class SequenceParallelStrategy(DDPStrategy):
         if distinct:
             self._layout = distinct.pop()
         else:
-            self._layout = layout_for_backend(self._backend, ulysses_degree=self.context.ulysses_degree)
+            self._layout = layout_for_backend(
+                self._backend, group_size=self.parallel_dims.sp, ulysses_degree=self.context.ulysses_degree
+            )
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:

@@ -1,0 +1,88 @@
+"""Command line: ``lightning-sp fit --config experiments/protein_demo/config.yaml`` (LightningCLI).
+
+Any model / data module / strategy is picked by ``class_path`` in the YAML; ``model.vocab_size`` is
+linked to the data module's tokenizer. TensorBoard logging is the default, and rank zero prints
+where the event files are and how to open them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import lightning as L
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
+
+
+class LogLocation(L.Callback):
+    """Prints the TensorBoard location at the start, and the loss trend and wall time at the end."""
+
+    def __init__(self, monitor: str = "train/loss", window: int = 10) -> None:
+        self.monitor, self.window = monitor, window
+        self.losses: list[float] = []
+        self._t0 = 0.0
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._t0 = time.perf_counter()
+        self._say(trainer, "TensorBoard event files: {log_dir}\n  view them with:  tensorboard --logdir {save_dir}")
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is not None:
+            self.losses.append(float(value))
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        n = min(self.window, max(1, len(self.losses) // 2))
+        if self.losses:
+            first, last = sum(self.losses[:n]) / n, sum(self.losses[-n:]) / n
+            trend = f"{self.monitor}: mean of first {n} steps {first:.4f} -> last {n} steps {last:.4f}"
+        else:
+            trend = f"{self.monitor}: not logged"
+        secs = time.perf_counter() - self._t0
+        self._say(trainer, f"{trend}; {trainer.global_step} steps in {secs:.1f} s\n"
+                           "TensorBoard event files: {log_dir}\n  view them with:  tensorboard --logdir {save_dir}")
+
+    @rank_zero_only
+    def _say(self, trainer: L.Trainer, template: str) -> None:
+        tb = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+        if tb is None:
+            print(template.split("TensorBoard")[0].strip() or "no TensorBoard logger configured", flush=True)
+            return
+        print(template.format(log_dir=os.path.abspath(tb.log_dir), save_dir=os.path.relpath(tb.save_dir)), flush=True)
+
+
+class SequenceParallelCLI(LightningCLI):
+    """LightningCLI with the vocabulary linked from data to model and TensorBoard on by default."""
+
+    @override
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+        parser.set_defaults({
+            "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                               "init_args": {"save_dir": "runs", "name": "default"}},
+        })
+
+
+def main(args: list[str] | None = None, *, run: bool = True) -> SequenceParallelCLI:
+    """Entry point of ``lightning-sp``; ``args`` defaults to ``sys.argv[1:]``."""
+    return SequenceParallelCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        trainer_defaults={"callbacks": [LogLocation()]},
+        args=args if args is not None else sys.argv[1:],
+        run=run,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Differentiable collectives along the sequence and head dims, each counting the bytes it sends.
+
+Byte convention: see ``lightning_sp.comm.stats``. Backward rules (each rank's loss differs, so
+gradients of replicated results are *summed* over ranks):
+
+    all-to-all (seq -> heads)   backward: all-to-all (heads -> seq)
+    all-gather along a dim      backward: reduce-scatter along that dim
+    all-reduce (sum)            backward: all-reduce (sum)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_sp.comm.stats import CommStats
+
+# torch >= 2.10 renamed the tensor variants; keep working on older releases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _count(stats: CommStats | None, op: str, nbytes: int) -> None:
+    if stats is not None:
+        stats.add(op, nbytes)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ----------------------------------------------------------------------------------------------
+# all-to-all: sequence split <-> head split (DeepSpeed-Ulysses)
+# ----------------------------------------------------------------------------------------------
+
+
+def seq_to_head_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
+    """``[B, S/P, H, D] -> [B, S, H/P, D]``: gather the sequence, scatter the heads (no autograd)."""
+    world = dist.get_world_size(group)
+    b, s_local, h, d = x.shape
+    # [B, S/P, H, D] -> [B, S/P, P, H/P, D] -> [P, S/P, B, H/P, D]: chunk p goes to rank p
+    send = x.reshape(b, s_local, world, h // world, d).permute(2, 1, 0, 3, 4).contiguous()
+    recv = torch.empty_like(send)  # [P(source rank), S/P, B, H/P, D]
+    _count(stats, "all_to_all", _nbytes(send))
+    dist.all_to_all_single(recv, send, group=group)
+    # [P, S/P, B, H/P, D] -> [B, P, S/P, H/P, D] -> [B, S, H/P, D]
+    return recv.permute(2, 0, 1, 3, 4).reshape(b, world * s_local, h // world, d)
+
+
+def head_to_seq_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
+    """``[B, S, H/P, D] -> [B, S/P, H, D]``: scatter the sequence, gather the heads (no autograd)."""
+    world = dist.get_world_size(group)
+    b, s, h_local, d = x.shape
+    s_local = s // world
+    # [B, S, H/P, D] -> [B, P, S/P, H/P, D] -> [P, S/P, B, H/P, D]: sequence chunk p goes to rank p
+    send = x.reshape(b, world, s_local, h_local, d).permute(1, 2, 0, 3, 4).contiguous()
+    recv = torch.empty_like(send)  # [P(source rank = head group), S/P, B, H/P, D]
+    _count(stats, "all_to_all", _nbytes(send))
+    dist.all_to_all_single(recv, send, group=group)
+    # [P, S/P, B, H/P, D] -> [B, S/P, P, H/P, D] -> [B, S/P, H, D]
+    return recv.permute(2, 1, 0, 3, 4).reshape(b, s_local, world * h_local, d)
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, stats):
+        ctx.group, ctx.stats = group, stats
+        return seq_to_head_all_to_all(x, group, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return head_to_seq_all_to_all(grad.contiguous(), ctx.group, ctx.stats), None, None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, stats):
+        ctx.group, ctx.stats = group, stats
+        return head_to_seq_all_to_all(x, group, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return seq_to_head_all_to_all(grad.contiguous(), ctx.group, ctx.stats), None, None
+
+
+def seq_to_head(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
+    """Differentiable ``[B, S/P, H, D] -> [B, S, H/P, D]``."""
+    return _SeqToHead.apply(x, group, stats)
+
+
+def head_to_seq(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
+    """Differentiable ``[B, S, H/P, D] -> [B, S/P, H, D]``."""
+    return _HeadToSeq.apply(x, group, stats)
+
+
+# ----------------------------------------------------------------------------------------------
+# all-gather / reduce-scatter along a dim
+# ----------------------------------------------------------------------------------------------
+
+
+def all_gather_raw(x: torch.Tensor, group, dim: int, stats: CommStats | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order (no autograd)."""
+    world = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()  # [S_local, ...]
+    out = torch.empty((world * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _count(stats, "all_gather", (world - 1) * _nbytes(x))
+    _all_gather_single(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter_raw(x: torch.Tensor, group, dim: int, stats: CommStats | None = None) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's slice of ``dim`` (no autograd)."""
+    world = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()  # [S, ...]
+    out = torch.empty((x.size(0) // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _count(stats, "reduce_scatter", (world - 1) * _nbytes(out))
+    _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group)
+    return out.movedim(0, dim)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, stats):
+        ctx.group, ctx.dim, ctx.stats = group, dim, stats
+        return all_gather_raw(x, group, dim, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_raw(grad, ctx.group, ctx.dim, ctx.stats), None, None, None
+
+
+def all_gather_along(x: torch.Tensor, group, *, dim: int, stats: CommStats | None = None) -> torch.Tensor:
+    """Differentiable all-gather along ``dim``; backward is a reduce-scatter of the gradients."""
+    return _AllGather.apply(x, group, dim % x.dim(), stats)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable sum over ranks; backward sums the gradients over ranks too."""
+    return _AllReduceSum.apply(x, group)

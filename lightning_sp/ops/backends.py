@@ -1,0 +1,139 @@
+"""Each sequence-parallel backend as a composition of differentiable collectives and block attention.
+
+All take this rank's ``q [B, S/P, H, D]``, ``k, v [B, S/P, H_kv, D]`` laid out with the backend's
+``SequenceLayout`` and return ``out [B, S/P, H, D]`` exactly equal to dense attention over the
+whole global sequence (masks from global positions, ``doc_bounds`` and ``causal``).
+
+    backend        layout        communication (forward, per rank)
+    local          contiguous    none
+    ulysses        contiguous    4 all-to-alls: 4*N*h/P (K/V: H_kv/H of that)
+    ring           contiguous    P-1 K/V ring sends: (P-1)/P * 2*N*h_kv
+    zigzag_ring    zigzag        as ring; balanced causal work
+    allgather_kv   zigzag        all-gather K and V: (P-1)/P * 2*N*h_kv
+    usp            zigzag(U)     Ulysses over U ranks, zigzag ring over P/U
+    colossal       contiguous    ring K then ring V; O(N^2/P) score memory
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lightning_sp.comm.collectives import all_gather_along, head_to_seq, seq_to_head
+from lightning_sp.comm.stats import CommStats
+from lightning_sp.layout import Run, SequenceLayout, runs_of, token_indices
+from lightning_sp.ops.colossal import colossal_attention
+from lightning_sp.ops.kernels import LocalKernel
+from lightning_sp.ops.ring_attention import BlockAttentionSpec, block_attention
+
+BACKENDS = ("ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal", "local", "auto")
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """What is common to every backend for one forward call."""
+
+    kernel: LocalKernel
+    scale: float
+    causal: bool
+    layout: SequenceLayout
+    padded_len: int
+    doc_bounds: list[int] | None
+    stats: CommStats | None
+
+    def positions(self, world: int, rank: int) -> torch.Tensor:
+        return token_indices(self.layout, world, self.padded_len, rank)
+
+    def spec(self, q_runs, k_runs_by_rank, group=None) -> BlockAttentionSpec:
+        return BlockAttentionSpec(
+            kernel=self.kernel, scale=self.scale, causal=self.causal, q_runs=q_runs,
+            k_runs_by_rank=k_runs_by_rank, doc_bounds=self.doc_bounds, group=group, stats=self.stats,
+        )
+
+
+def kv_head_replication(num_heads: int, num_kv_heads: int, degree: int) -> int:
+    """How many times to replicate each KV head so ``degree`` ranks can split them (GQA/MQA with
+    ``H_kv < degree``). Keeps query head ``h`` on the same rank as its KV head."""
+    if num_heads % degree:
+        raise ValueError(
+            f"Ulysses splits heads across ranks: num_heads={num_heads} is not divisible by the Ulysses "
+            f"degree {degree}. Use backend='usp' with a ulysses_degree dividing {num_heads}, or "
+            f"backend='ring'/'zigzag_ring'/'allgather_kv', which have no head limit."
+        )
+    return degree // math.gcd(num_kv_heads, degree)
+
+
+def local_attention(q, k, v, call: AttentionCall) -> torch.Tensor:
+    whole = [Run(0, 0, q.size(1))]
+    return block_attention(q, k, v, call.spec(whole, [whole]))
+
+
+def _attend_gathered(q, k, v, call: AttentionCall, positions: torch.Tensor) -> torch.Tensor:
+    """Local attention over a gathered sequence whose tokens sit at ``positions``: reorder to global
+    order when the layout scattered them, so one call covers everything."""
+    runs = runs_of(positions)
+    if len(runs) == 1:
+        return block_attention(q, k, v, call.spec(runs, [runs]))
+    order = torch.argsort(positions).to(q.device)
+    inverse = torch.argsort(order)
+    whole = [Run(0, int(positions.min()), q.size(1))]
+    out = block_attention(q.index_select(1, order), k.index_select(1, order), v.index_select(1, order),
+                          call.spec(whole, [whole]))
+    return out.index_select(1, inverse)
+
+
+def ulysses_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
+    world = torch.distributed.get_world_size(group)
+    rep = kv_head_replication(q.size(2), k.size(2), world)
+    if rep > 1:  # [B, S/P, H_kv, D] -> [B, S/P, H_kv*rep, D]
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    # [B, S/P, H, D] -> [B, S, H/P, D]
+    qh, kh, vh = (seq_to_head(t, group, call.stats) for t in (q, k, v))
+    positions = torch.cat([call.positions(world, r) for r in range(world)])
+    out = _attend_gathered(qh, kh, vh, call, positions)  # [B, S, H/P, D]
+    return head_to_seq(out, group, call.stats)  # [B, S/P, H, D]
+
+
+def ring_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
+    """``ring`` and ``zigzag_ring``: the layout decides which blocks are skipped."""
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    runs = [runs_of(call.positions(world, r)) for r in range(world)]
+    return block_attention(q, k, v, call.spec(runs[rank], runs, group=group))
+
+
+def allgather_kv_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    # [B, S/P, H_kv, D] -> [B, S, H_kv, D] in rank order; backward: reduce-scatter of dK, dV
+    k_all = all_gather_along(k, group, dim=1, stats=call.stats)
+    v_all = all_gather_along(v, group, dim=1, stats=call.stats)
+    k_runs = runs_of(torch.cat([call.positions(world, r) for r in range(world)]))
+    return block_attention(q, k_all, v_all, call.spec(runs_of(call.positions(world, rank)), [k_runs]))
+
+
+def usp_attention(q, k, v, call: AttentionCall, *, ulysses_group, ring_group) -> torch.Tensor:
+    u = torch.distributed.get_world_size(ulysses_group)
+    r = torch.distributed.get_world_size(ring_group)
+    ring_rank = torch.distributed.get_rank(ring_group)
+    rep = kv_head_replication(q.size(2), k.size(2), u)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    # [B, S/P, H, D] -> [B, S/R, H/U, D]: this ring rank's zigzag pair of chunks, H/U heads
+    if u > 1:
+        q, k, v = (seq_to_head(t, ulysses_group, call.stats) for t in (q, k, v))
+    world = u * r
+    ring_runs = [
+        runs_of(torch.cat([call.positions(world, i * u + j) for j in range(u)])) for i in range(r)
+    ]
+    out = block_attention(q, k, v, call.spec(ring_runs[ring_rank], ring_runs, group=ring_group))
+    return head_to_seq(out, ulysses_group, call.stats) if u > 1 else out  # [B, S/P, H, D]
+
+
+def colossal(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
+    world = torch.distributed.get_world_size(group)
+    positions = [call.positions(world, r) for r in range(world)]
+    return colossal_attention(
+        q, k, v, group=group, positions_by_rank=positions, causal=call.causal,
+        doc_bounds=call.doc_bounds, scale=call.scale, stats=call.stats,
+    )

@@ -1,0 +1,150 @@
+"""Which (query slice, key slice, mask) kernel calls one block of attention needs.
+
+Every backend reduces to "these local queries attend to these local keys", where both sides are
+described by their global positions as ``Run``s. ``plan_blocks`` turns that into the fewest kernel
+calls, each with a mask the fast kernels understand:
+
+- ``FULL``: every query sees every key (keys strictly before the queries, or bidirectional);
+- ``CAUSAL``: a square diagonal block, key ``j`` visible to query ``i`` iff ``j <= i``;
+- ``DENSE``: anything else, as an explicit boolean mask (rare: queries straddling a document
+  boundary are split first, so it is only hit by unusual run boundaries).
+
+Blocks no query can see (keys after every query under a causal mask, other documents, padding) are
+never computed: this is how zigzag and causal rings skip fully masked work.
+
+Documents: ``doc_bounds`` is the sorted list ``[0, l1, l1+l2, ..., N, (N_pad)]`` of global document
+boundaries (padding, if any, is a last document of its own so no real token attends to it).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from lightning_sp.layout import Run
+
+
+class MaskKind(Enum):
+    FULL = "full"
+    CAUSAL = "causal"
+    DENSE = "dense"
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    q_start: int  # local offset into the queries
+    q_len: int
+    k_start: int  # local offset into the keys
+    k_len: int
+    kind: MaskKind
+    q_global: int  # global position of the first query / key (for DENSE masks)
+    k_global: int
+
+    def dense_mask(self, causal: bool, doc_bounds: list[int] | None, device=None) -> torch.Tensor:
+        """``[q_len, k_len]`` bool, True = visible."""
+        qpos = torch.arange(self.q_global, self.q_global + self.q_len, device=device)
+        kpos = torch.arange(self.k_global, self.k_global + self.k_len, device=device)
+        return visibility(qpos, kpos, causal=causal, doc_bounds=doc_bounds)
+
+
+def visibility(qpos: torch.Tensor, kpos: torch.Tensor, *, causal: bool, doc_bounds: list[int] | None) -> torch.Tensor:
+    """``[Sq, Sk]`` bool from global positions: same document and (if causal) key not after query."""
+    visible = torch.ones(qpos.numel(), kpos.numel(), dtype=torch.bool, device=qpos.device)
+    if causal:
+        visible &= kpos[None, :] <= qpos[:, None]
+    if doc_bounds is not None:
+        bounds = torch.tensor(doc_bounds, device=qpos.device)
+        qdoc = torch.bucketize(qpos, bounds, right=True)
+        kdoc = torch.bucketize(kpos, bounds, right=True)
+        visible &= qdoc[:, None] == kdoc[None, :]
+    return visible
+
+
+def _split_at_docs(run: Run, doc_bounds: list[int] | None) -> list[Run]:
+    """Cut ``run`` where a document ends, so that every piece lies inside one document."""
+    if doc_bounds is None:
+        return [run]
+    pieces, start = [], run.global_start
+    while start < run.global_end:
+        j = bisect.bisect_right(doc_bounds, start)
+        stop = min(run.global_end, doc_bounds[j]) if j < len(doc_bounds) else run.global_end
+        pieces.append(Run(run.local_start + start - run.global_start, start, stop - start))
+        start = stop
+    return pieces
+
+
+def plan_blocks(
+    q_runs: list[Run], k_runs: list[Run], *, causal: bool, doc_bounds: list[int] | None = None
+) -> list[BlockCall]:
+    """Kernel calls so that each query attends exactly to its visible keys among ``k_runs``."""
+    calls: list[BlockCall] = []
+    for q_run in q_runs:
+        for q in _split_at_docs(q_run, doc_bounds):  # each piece lies inside one document
+            qs, qe = q.global_start, q.global_end
+            if doc_bounds is not None:
+                i = bisect.bisect_right(doc_bounds, qs) - 1
+                lo, doc_end = doc_bounds[i], doc_bounds[i + 1]
+            else:
+                lo, doc_end = 0, None
+            hi = qe if causal else doc_end  # keys in [lo, hi) may be visible
+            for k in k_runs:
+                a0 = max(k.global_start, lo)
+                a1 = k.global_end if hi is None else min(k.global_end, hi)
+                if a0 >= a1:
+                    continue  # nothing visible: skipped, never computed
+                pieces = []
+                if causal:
+                    if a0 < qs:  # keys before every query: fully visible
+                        pieces.append((a0, min(a1, qs), MaskKind.FULL, q))
+                    d0, d1 = max(a0, qs), a1  # keys inside the query range: the diagonal
+                    if d0 < d1:
+                        kind = MaskKind.CAUSAL if (d0, d1) == (qs, qe) else MaskKind.DENSE
+                        pieces.append((d0, d1, kind, q))
+                else:
+                    pieces.append((a0, a1, MaskKind.FULL, q))
+                for k0, k1, kind, qq in pieces:
+                    calls.append(
+                        BlockCall(
+                            q_start=qq.local_start, q_len=qq.length,
+                            k_start=k.local_start + k0 - k.global_start, k_len=k1 - k0,
+                            kind=kind, q_global=qq.global_start, k_global=k0,
+                        )
+                    )
+    return _coalesce(calls)
+
+
+def _coalesce(calls: list[BlockCall]) -> list[BlockCall]:
+    """Merge FULL calls that share a key slice and have adjacent query slices (and vice versa)."""
+    if len(calls) < 2:
+        return calls
+    merged = True
+    while merged:
+        merged = False
+        out: list[BlockCall] = []
+        for c in sorted(calls, key=lambda c: (c.kind.value, c.k_start, c.k_len, c.q_start, c.q_len)):
+            p = out[-1] if out else None
+            if (
+                p is not None and p.kind is MaskKind.FULL and c.kind is MaskKind.FULL
+                and (p.k_start, p.k_len) == (c.k_start, c.k_len) and p.q_start + p.q_len == c.q_start
+            ):
+                out[-1] = BlockCall(p.q_start, p.q_len + c.q_len, p.k_start, p.k_len, MaskKind.FULL, p.q_global, p.k_global)
+                merged = True
+            else:
+                out.append(c)
+        calls = out
+        out = []
+        for c in sorted(calls, key=lambda c: (c.kind.value, c.q_start, c.q_len, c.k_start, c.k_len)):
+            p = out[-1] if out else None
+            if (
+                p is not None and p.kind is MaskKind.FULL and c.kind is MaskKind.FULL
+                and (p.q_start, p.q_len) == (c.q_start, c.q_len) and p.k_start + p.k_len == c.k_start
+            ):
+                out[-1] = BlockCall(p.q_start, p.q_len, p.k_start, p.k_len + c.k_len, MaskKind.FULL, p.q_global, p.k_global)
+                merged = True
+            else:
+                out.append(c)
+        calls = out
+    return calls

@@ -1,0 +1,123 @@
+"""Blockwise attention over K/V blocks that visit this rank around a ring (or all sit here).
+
+One loop serves ``local``, ``ring``, ``zigzag_ring``, ``allgather_kv`` and the ring part of ``usp``;
+they differ only in where the K/V blocks come from and in the global positions of the tokens:
+
+    for each source rank s (ring order; s = this rank when there is no ring):
+        calls = plan_blocks(q_runs, k_runs[s])          # fully masked blocks are skipped
+        for each call: (out_b, lse_b) = kernel(q[call], k_s[call], v_s[call]); merge
+
+The backward replays the same plan with the merged ``out``/``lse`` (flash-attention style) and
+sends dK/dV partial sums around the ring behind the K/V blocks (``ring_pass_with_grads``), so no
+rank ever holds more than two K/V blocks: activation memory stays O(N/P).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from lightning_sp.comm.ring import RingComm, ring_pass, ring_pass_with_grads
+from lightning_sp.comm.stats import CommStats
+from lightning_sp.layout import Run
+from lightning_sp.ops.kernels import LocalKernel
+from lightning_sp.ops.merge import accumulation_dtype, merge_into
+from lightning_sp.ops.plan import MaskKind, plan_blocks
+
+
+@dataclass(frozen=True, eq=False)
+class BlockAttentionSpec:
+    """Everything but the tensors: what a forward/backward pair needs to agree on."""
+
+    kernel: LocalKernel
+    scale: float
+    causal: bool
+    q_runs: list[Run]
+    """Global positions of the local queries."""
+    k_runs_by_rank: list[list[Run]]
+    """Global positions of the K/V block owned by each ring rank (index = ring rank)."""
+    doc_bounds: list[int] | None = None
+    group: object = None
+    """Ring group; ``None``: K/V are all local (a single step)."""
+    stats: CommStats | None = None
+
+    def comm(self) -> RingComm | None:
+        return None if self.group is None else RingComm(self.group, self.stats)
+
+
+class AttentionResult(NamedTuple):
+    out: torch.Tensor  # [B, S_q, H, D], accumulation dtype
+    lse: torch.Tensor  # [B, H, S_q], accumulation dtype
+
+
+def _mask_for(call, spec: BlockAttentionSpec, device):
+    return call.dense_mask(spec.causal, spec.doc_bounds, device) if call.kind is MaskKind.DENSE else None
+
+
+def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResult:
+    """``q [B, Sq, H, D]``, ``k, v [B, Sk, H_kv, D]`` (this rank's block) -> merged ``(out, lse)``."""
+    acc = accumulation_dtype(q.dtype)
+    b, sq, h, _ = q.shape
+    out = torch.zeros(b, sq, h, v.size(-1), dtype=acc, device=q.device)
+    lse = torch.full((b, h, sq), -math.inf, dtype=acc, device=q.device)
+
+    def step(_step, src, blocks):
+        k_blk, v_blk = blocks
+        for c in plan_blocks(spec.q_runs, spec.k_runs_by_rank[src], causal=spec.causal, doc_bounds=spec.doc_bounds):
+            qs, ks = slice(c.q_start, c.q_start + c.q_len), slice(c.k_start, c.k_start + c.k_len)
+            o_b, lse_b = spec.kernel.forward(
+                q[:, qs], k_blk[:, ks], v_blk[:, ks], scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device)
+            )
+            merge_into(out[:, qs], lse[:, :, qs], o_b, lse_b)
+
+    ring_pass(spec.comm(), (k, v), step)
+    return AttentionResult(out, lse)
+
+
+def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
+    """Gradients of the merged attention for this rank's ``q`` and its own ``k, v`` block."""
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+
+    def grads(_step, src, blocks):
+        k_blk, v_blk = blocks
+        dk_blk = torch.zeros(k_blk.shape, dtype=acc, device=q.device)
+        dv_blk = torch.zeros(v_blk.shape, dtype=acc, device=q.device)
+        for c in plan_blocks(spec.q_runs, spec.k_runs_by_rank[src], causal=spec.causal, doc_bounds=spec.doc_bounds):
+            qs, ks = slice(c.q_start, c.q_start + c.q_len), slice(c.k_start, c.k_start + c.k_len)
+            dq_c, dk_c, dv_c = spec.kernel.backward(
+                dout[:, qs], q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs], lse[:, :, qs],
+                scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device),
+            )
+            dq[:, qs] += dq_c
+            dk_blk[:, ks] += dk_c
+            dv_blk[:, ks] += dv_c
+        return dk_blk, dv_blk
+
+    dk, dv = ring_pass_with_grads(spec.comm(), (k, v), grads)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class BlockAttentionFunction(torch.autograd.Function):
+    """Thin autograd wrapper: saves tensors, calls the two loops above."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec: BlockAttentionSpec):
+        res = block_attention_forward(spec, q, k, v)
+        out = res.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, res.lse)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = block_attention_backward(ctx.spec, dout.contiguous(), q, k, v, out, lse)
+        return dq, dk, dv, None
+
+
+def block_attention(q, k, v, spec: BlockAttentionSpec) -> torch.Tensor:
+    return BlockAttentionFunction.apply(q, k, v, spec)

@@ -1,0 +1,122 @@
+"""Every backend against dense float64 attention on the full sequence, forward and backward, on real
+gloo ranks (2 and 4). One spawn per world size runs the whole grid; the parent asserts per case."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from lightning_sp import SequenceParallelAttention, gather_sequence, shard_sequence
+from lightning_sp.comm.volume import forward_elements
+from tests.distributed.harness import run_on_ranks
+from tests.reference import dense_attention
+
+pytestmark = pytest.mark.distributed
+
+BACKENDS = ["ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal", "auto"]
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+N = 37  # divisible by no degree: exercises padding everywhere
+DOCS = [0, 10, 11, 30, 37]  # a length-1 document included
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def _case_tensors(seed, n, h, h_kv, d, dtype):
+    g = torch.Generator().manual_seed(seed)
+    b = 1
+    q = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, n, h_kv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, n, h_kv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
+    return [t.to(dtype) for t in (q, k, v, dout)]
+
+
+def _run_case(group, backend, causal, heads, docs, dtype, kernel, seed):
+    """Shard, run forward/backward, gather. Returns the errors against dense fp64 (and a control)."""
+    h, h_kv = HEADS[heads]
+    q, k, v, dout = _case_tensors(seed, N, h, h_kv, 8, dtype)
+    cu = torch.tensor(DOCS, dtype=torch.int32) if docs else None
+    attn = SequenceParallelAttention(causal=causal, backend=backend, group=group, kernel=kernel)
+    layout = attn.layout
+    local = [shard_sequence(t, group, layout=layout).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
+    out = attn(*local[:3], cu_seqlens=cu, seq_len=N)
+    out.backward(local[3])
+    got = [gather_sequence(t, group, layout=layout, seq_len=N) for t in (out.detach(), local[0].grad, local[1].grad, local[2].grad)]
+    # reference: dense fp64 on the full sequence, same inputs
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref = dense_attention(qd, kd, vd, causal=causal, cu_seqlens=cu)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.double())
+    errors = [float((a.double() - b.detach()).abs().max()) for a, b in zip(got, (ref, *ref_grads))]
+    # negative control: the same comparison against the other mask must fail the tolerance
+    control = dense_attention(q, k, v, causal=not causal, cu_seqlens=cu)
+    control_err = float((got[0].double() - control).abs().max())
+    return errors, control_err
+
+
+def _grid(world):
+    cases = []
+    for backend, causal, heads, docs in itertools.product(BACKENDS, (True, False), HEADS, (False, True)):
+        cases.append((backend, causal, heads, docs, torch.float64, "auto"))
+    for backend in BACKENDS:  # the pure-PyTorch kernel, and low precision
+        cases.append((backend, True, "gqa", True, torch.float64, "torch"))
+        cases.append((backend, True, "gqa", False, torch.float32, "auto"))
+        cases.append((backend, False, "mha", True, torch.bfloat16, "auto"))
+    return cases
+
+
+def _volume_cases():
+    # (backend, heads); N divisible so the analytic formula applies exactly
+    return [(b, hd) for b in ("ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal") for hd in ("mha", "gqa")]
+
+
+def _worker(rank, world):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    results = {}
+    for i, (backend, causal, heads, docs, dtype, kernel) in enumerate(_grid(world)):
+        results[(backend, causal, heads, docs, str(dtype), kernel)] = _run_case(group, backend, causal, heads, docs, dtype, kernel, seed=i)
+    volumes = {}
+    n = 16 * world
+    for backend, heads in _volume_cases():
+        h, h_kv = HEADS[heads]
+        attn = SequenceParallelAttention(causal=True, backend=backend, group=group)
+        q, k, v, _ = _case_tensors(0, n, h, h_kv, 8, torch.float64)
+        local = [shard_sequence(t, group, layout=attn.layout) for t in (q, k, v)]
+        attn(*local)  # warm-up creates usp sub-groups
+        attn.comm_stats.reset()
+        attn(*local)
+        measured = attn.comm_stats.total_bytes / 8  # fp64 elements
+        analytic = forward_elements(backend, seq_len=n, world=world, num_heads=h, num_kv_heads=h_kv, head_dim=8,
+                                    ulysses_degree=attn.layout.ulysses_degree)
+        volumes[(backend, heads)] = (measured, analytic)
+    return {"cases": results, "volumes": volumes}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def grid_results(request):
+    return request.param, run_on_ranks(_worker, request.param, timeout_s=600)
+
+
+def test_every_backend_matches_dense_fp64(grid_results):
+    world, per_rank = grid_results
+    failures = []
+    for key, (errors, control_err) in per_rank[0]["cases"].items():
+        dtype = {str(d): d for d in TOL}[key[4]]
+        tol = TOL[dtype]
+        if max(errors) > tol:
+            failures.append(f"{key}: out/dq/dk/dv errors {errors} > {tol}")
+        if control_err < 10 * tol:
+            failures.append(f"{key}: negative control passed ({control_err}): the comparison cannot fail")
+    assert not failures, f"world={world}:\n" + "\n".join(failures)
+    # every rank reports the same gathered results
+    assert per_rank[0]["cases"].keys() == per_rank[-1]["cases"].keys()
+
+
+def test_forward_bytes_equal_analytic_volume(grid_results):
+    world, per_rank = grid_results
+    for rank_result in per_rank:
+        for key, (measured, analytic) in rank_result["volumes"].items():
+            assert analytic > 0
+            assert measured / analytic == pytest.approx(1.0, abs=1e-9), f"world={world} {key}: {measured} vs {analytic}"
