@@ -165,6 +165,7 @@ class SDPAKernel:
     def backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
         h, h_kv = q.size(2), k.size(2)
         out = out.to(q.dtype)
+        lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # a row that saw no key: p = exp(-inf) = 0, not nan
         qh, kh, vh = q.transpose(1, 2), expand_kv(k, h).transpose(1, 2), expand_kv(v, h).transpose(1, 2)
         doh, oh = dout.to(q.dtype).transpose(1, 2), out.transpose(1, 2)
         if q.is_cuda:
