@@ -116,7 +116,10 @@ def _make_model(causal: bool):
             return self.head(x)
 
         def training_step(self, batch, batch_idx):
-            logits = self(batch["input_ids"], batch["position_ids"])
+            pos = batch.get("position_ids")  # supplied (global) by the strategy; absent without it
+            if pos is None:
+                pos = torch.arange(batch["input_ids"].size(1)).expand_as(batch["input_ids"])
+            logits = self(batch["input_ids"], pos)
             strategy = self.trainer.strategy
             if isinstance(strategy, SequenceParallelStrategy):
                 return sequence_parallel_cross_entropy(logits, batch["labels"], group=strategy.sp_group)
@@ -137,12 +140,26 @@ def _dataset(num_samples: int) -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def _reference(causal: bool, data, global_batch: int, steps: int, dtype=torch.float64) -> dict[str, torch.Tensor]:
-    """Plain PyTorch, one process, full sequence: step t uses samples [t*G, (t+1)*G) mod len(data)."""
+def _schedule(cfg: dict, num_samples: int, epoch: int) -> list[list[int]]:
+    """Sample indices of every optimizer step of one epoch, over all dp replicas, as Lightning draws
+    them: a shuffling ``DistributedSampler`` (seed 0) over the dp axis only, ``set_epoch(epoch)``."""
+    from torch.utils.data import DistributedSampler
+
+    dp, per_step = WORLD // cfg["sp"], cfg["b"] * cfg.get("accum", 1)
+    per_rank = []
+    for r in range(dp):
+        sampler = DistributedSampler(range(num_samples), num_replicas=dp, rank=r, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        per_rank.append(list(sampler))
+    steps = len(per_rank[0]) // per_step
+    return [[i for r in range(dp) for i in per_rank[r][t * per_step:(t + 1) * per_step]] for t in range(steps)]
+
+
+def _reference(causal: bool, data, schedule: list[list[int]], dtype=torch.float64) -> dict[str, torch.Tensor]:
+    """Plain PyTorch, one process, full sequence, one optimizer step per entry of ``schedule``."""
     model = _make_model(causal).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    for t in range(steps):
-        idx = [(t * global_batch + j) % len(data) for j in range(global_batch)]
+    for idx in schedule:
         ids = torch.stack([data[i]["input_ids"] for i in idx])  # [G, N]
         labels = torch.stack([data[i]["labels"] for i in idx])
         pos = torch.arange(SEQ_LEN).expand_as(ids)
@@ -180,10 +197,6 @@ def _fit(cfg: dict, model, data, *, epochs=None, steps=None, ckpt_in=None, ckpt_
     if ckpt_out is not None:
         trainer.save_checkpoint(ckpt_out)
     return trainer
-
-
-def _global_batch(cfg: dict) -> int:
-    return cfg["b"] * (WORLD // cfg["sp"]) * cfg.get("accum", 1)
 
 
 # --------------------------------------------------------------------------- cases
@@ -234,7 +247,7 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
         init = _full_params(model)
         trainer = _fit(cfg, model, data, steps=STEPS, callbacks=monitor)
         got = _full_params(trainer.lightning_module)
-        ref = _reference(cfg["causal"], data, _global_batch(cfg), STEPS)
+        ref = _reference(cfg["causal"], data, _schedule(cfg, len(data), 0)[:STEPS])
         out["diff"][cfg["name"]] = _max_diff(got, ref)
         out["moved"][cfg["name"]] = _max_diff(ref, {k: v.double() for k, v in init.items()})
         if monitor:
@@ -250,7 +263,7 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
             for p in fresh.parameters():
                 p.add_(1.0)
         trainer = _fit(second, fresh, small, epochs=2, ckpt_in=path)
-        ref = _reference(True, small, 2, 4)
+        ref = _reference(True, small, _schedule(first, len(small), 0) + _schedule(second, len(small), 1))
         out["diff"][name] = _max_diff(_full_params(trainer.lightning_module), ref)
         out["moved"][name] = 1.0
 
@@ -258,7 +271,7 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
     trainer = _fit(BF16, model, data, steps=STEPS)
     got = _full_params(trainer.lightning_module)
     out["bf16_finite"] = all(bool(torch.isfinite(v).all()) for v in got.values())
-    out["bf16_diff"] = _max_diff(got, _reference(True, data, _global_batch(BF16), STEPS))
+    out["bf16_diff"] = _max_diff(got, _reference(True, data, _schedule(BF16, len(data), 0)[:STEPS]))
     out["bf16_dtype"] = str(next(iter(got.values())).dtype)
 
     out["metrics"] = _metrics_case(rank)
