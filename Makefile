@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "not gpu" tests
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -ra -m gpu tests/gpu
