@@ -429,6 +429,13 @@ class SequenceParallelStrategy(DDPStrategy):
                 yield None
 
     # ---------------------------------------------------------------------------------- checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # load into the converted (e.g. float64) and, for FSDP, sharded model: loading before setup
+        # would round a float64 checkpoint through the float32 module
+        return True
+
     # DDP: Lightning's single-file checkpoint (nothing is sharded by sp, so any sp degree can resume).
     # FSDP: the full (unsharded) state dict is gathered on every rank and written once by rank 0, so
     # a checkpoint also resumes under another degree or under DDP.

@@ -155,6 +155,16 @@ def _schedule(cfg: dict, num_samples: int, epoch: int) -> list[list[int]]:
     return [[i for r in range(dp) for i in per_rank[r][t * per_step:(t + 1) * per_step]] for t in range(steps)]
 
 
+def _first_steps(cfg: dict, num_samples: int, steps: int) -> list[list[int]]:
+    """The first ``steps`` optimizer steps, running on into later epochs."""
+    out: list[list[int]] = []
+    epoch = 0
+    while len(out) < steps:
+        out += _schedule(cfg, num_samples, epoch)
+        epoch += 1
+    return out[:steps]
+
+
 def _reference(causal: bool, data, schedule: list[list[int]], dtype=torch.float64) -> dict[str, torch.Tensor]:
     """Plain PyTorch, one process, full sequence, one optimizer step per entry of ``schedule``."""
     model = _make_model(causal).to(dtype)
@@ -247,7 +257,7 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
         init = _full_params(model)
         trainer = _fit(cfg, model, data, steps=STEPS, callbacks=monitor)
         got = _full_params(trainer.lightning_module)
-        ref = _reference(cfg["causal"], data, _schedule(cfg, len(data), 0)[:STEPS])
+        ref = _reference(cfg["causal"], data, _first_steps(cfg, len(data), STEPS))
         out["diff"][cfg["name"]] = _max_diff(got, ref)
         out["moved"][cfg["name"]] = _max_diff(ref, {k: v.double() for k, v in init.items()})
         if monitor:
@@ -271,7 +281,7 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
     trainer = _fit(BF16, model, data, steps=STEPS)
     got = _full_params(trainer.lightning_module)
     out["bf16_finite"] = all(bool(torch.isfinite(v).all()) for v in got.values())
-    out["bf16_diff"] = _max_diff(got, _reference(True, data, _schedule(BF16, len(data), 0)[:STEPS]))
+    out["bf16_diff"] = _max_diff(got, _reference(True, data, _first_steps(BF16, len(data), STEPS)))
     out["bf16_dtype"] = str(next(iter(got.values())).dtype)
 
     out["metrics"] = _metrics_case(rank)
