@@ -1,0 +1,81 @@
+"""Bad SequenceParallelStrategy configurations fail at construction (before any process is launched
+or any data is read) with messages that say what to change. No process group is needed."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import lightning as L
+import pytest
+
+from lightning_sp.strategy import SequenceParallelStrategy
+
+
+def _trainer(strategy, devices=4, num_nodes=1):
+    return L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, logger=False,
+                     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+
+
+def test_sp_must_divide_world_at_trainer_construction():
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=3 does not divide world_size=4.*in \[1, 2, 4\]"):
+        _trainer(SequenceParallelStrategy(3, backend="ring"))
+    with pytest.raises(ValueError, match=r"num_nodes=2 x devices=3.*sequence_parallel_size=4 does not divide world_size=6"):
+        _trainer(SequenceParallelStrategy(4, backend="ring"), devices=3, num_nodes=2)
+
+
+def test_usp_ulysses_degree_must_divide_sp():
+    with pytest.raises(ValueError, match=r"ulysses_degree=3 does not divide sequence_parallel_size=4.*in \[1, 2, 4\]"):
+        SequenceParallelStrategy(4, backend="usp", ulysses_degree=3)
+    # sp = None (all ranks) is checked once the world size is known
+    with pytest.raises(ValueError, match=r"ulysses_degree=3 does not divide sequence_parallel_size=4"):
+        _trainer(SequenceParallelStrategy(None, backend="usp", ulysses_degree=3))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(sequence_parallel_size=2, backend="ring", ulysses_degree=2), r"ulysses_degree=2 only applies to backend='usp'.*use backend='usp'"),
+        (dict(sequence_parallel_size=2, backend="ringg"), r"backend='ringg' is not one of .*'zigzag_ring'"),
+        (dict(sequence_parallel_size=2, data_parallel="zero3"), r"data_parallel='zero3' is not one of \('ddp', 'fsdp'\)"),
+        (dict(sequence_parallel_size=0), r"sequence_parallel_size must be a positive integer or None"),
+        (dict(sequence_parallel_size=2, sequence_keys="input_ids"), r"sequence_keys must be a sequence of keys.*\('input_ids',\)"),
+        (dict(sequence_parallel_size=2, timeout=timedelta(seconds=5)), r"pass `process_group_timeout=`"),
+        (dict(sequence_parallel_size=2, process_group_timeout=0), r"process_group_timeout must be positive"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SequenceParallelStrategy(**kwargs)
+
+
+def test_properties_before_setup_raise_clearly():
+    strategy = SequenceParallelStrategy(2, backend="ring")
+    with pytest.raises(RuntimeError, match="pass the strategy to a Trainer"):
+        strategy.parallel_dims
+    with pytest.raises(RuntimeError, match="created in Trainer setup"):
+        strategy.context
+    with pytest.raises(RuntimeError, match="known after Trainer setup"):
+        strategy.layout
+    _trainer(strategy)
+    assert (strategy.data_parallel_size, strategy.sequence_parallel_size) == (2, 2)
+    with pytest.raises(RuntimeError, match="created in Trainer setup"):
+        strategy.sp_group
+
+
+def test_sampler_uses_data_parallel_axis_only():
+    strategy = SequenceParallelStrategy(2, backend="zigzag_ring")
+    _trainer(strategy, devices=8)
+    ranks = []
+    for global_rank in range(8):
+        strategy.cluster_environment.set_global_rank(global_rank)
+        ranks.append(strategy.distributed_sampler_kwargs)
+    # ranks 2k and 2k+1 share a sequence, hence a sample; 4 replicas, not 8
+    assert ranks == [{"num_replicas": 4, "rank": r // 2} for r in range(8)]
+
+
+def test_registered_by_name():
+    trainer = _trainer("sequence_parallel")
+    assert isinstance(trainer.strategy, SequenceParallelStrategy)
+    assert trainer.strategy.sequence_parallel_size == 4  # default: the whole world
+    trainer = _trainer("sequence_parallel_spawn", devices=2)
+    assert isinstance(trainer.strategy, SequenceParallelStrategy) and trainer.strategy._start_method == "spawn"
