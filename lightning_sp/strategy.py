@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -64,6 +65,20 @@ def default_ulysses_degree(sequence_parallel_size: int) -> int:
     return attention_default(sequence_parallel_size)
 
 
+def _recompute_in_backward(module: nn.Module) -> None:
+    """Make ``module``'s forward non-reentrant-checkpointed (idempotent). The recomputation repeats the
+    module's collectives during backward, in the same order on every rank."""
+    if getattr(module, "_lightning_sp_checkpointed", False):
+        return
+    forward = module.forward
+
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed_forward
+    module._lightning_sp_checkpointed = True
+
+
 class SequenceParallelStrategy(DDPStrategy):
     """Sequence (context) parallelism x data parallelism for a Lightning ``Trainer``.
 
@@ -85,6 +100,9 @@ class SequenceParallelStrategy(DDPStrategy):
         kernel: local kernel for modules built with ``kernel="auto"``.
         fsdp_shard_modules: with ``"fsdp"``, module classes that get their own ``fully_shard`` unit
             (e.g. the transformer block) before the root; default: the root only.
+        checkpoint_attention: selective activation checkpointing (Korthikanti et al. 2022): keep
+            no activations inside each ``SequenceParallelAttention`` and recompute it (with its
+            communication) in the backward pass; everything else is stored as usual.
         process_group_timeout: seconds (or ``timedelta``) a collective may wait before the run fails
             with an error naming the rank; keep it short to turn a dead or stalled rank into an error.
         **kwargs: passed to ``DDPStrategy`` (``start_method``, ``process_group_backend``,
@@ -107,6 +125,7 @@ class SequenceParallelStrategy(DDPStrategy):
         pad_value: int | float = 0,
         kernel: str = "auto",
         fsdp_shard_modules: Iterable[type[nn.Module]] = (),
+        checkpoint_attention: bool = False,
         process_group_timeout: float | timedelta = timedelta(minutes=30),
         **kwargs: Any,
     ) -> None:
@@ -146,6 +165,7 @@ class SequenceParallelStrategy(DDPStrategy):
         self.pad_value = pad_value
         self._kernel = kernel
         self._fsdp_shard_modules = tuple(fsdp_shard_modules)
+        self.checkpoint_attention = checkpoint_attention
         self._dims: ParallelDims | None = None
         self._context: SequenceParallelContext | None = None
         self._dp_group: dist.ProcessGroup | None = None
@@ -296,6 +316,8 @@ class SequenceParallelStrategy(DDPStrategy):
             if isinstance(m, SequenceParallelAttention):
                 m.bind(self.context)
                 layouts[name] = m.layout
+                if self.checkpoint_attention:
+                    _recompute_in_backward(m)
         distinct = set(layouts.values())
         if len(distinct) > 1:
             raise ValueError(

@@ -224,6 +224,7 @@ EQUAL_CASES = [
     _c("zigzag_ring/fsdp/sp2xdp2", "zigzag_ring", 2, dp="fsdp"),
     _c("ulysses/fsdp", "ulysses", 4, dp="fsdp"),
     _c("usp/fsdp/bidirectional", "usp", 4, ulysses=2, dp="fsdp", causal=False),
+    _c("zigzag_ring/ddp/checkpoint_attention", "zigzag_ring", 4, strategy_kwargs={"checkpoint_attention": True}),
     _c("zigzag_ring/ddp/accumulate2", "zigzag_ring", 2, accum=2),
     _c("ulysses/fsdp/accumulate2", "ulysses", 4, dp="fsdp", accum=2),
 ]
@@ -260,6 +261,7 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
         ref = _reference(cfg["causal"], data, _first_steps(cfg, len(data), STEPS))
         out["diff"][cfg["name"]] = _max_diff(got, ref)
         out["moved"][cfg["name"]] = _max_diff(ref, {k: v.double() for k, v in init.items()})
+        out.setdefault("comm_calls", {})[cfg["name"]] = sum(model.attn.context.comm.calls_by_op.values())
         if monitor:
             out["monitor"] = dict(monitor[0].last_metrics)
 
@@ -335,6 +337,12 @@ def test_parameters_equal_single_process(results, name):
     for rank, res in enumerate(results):
         assert res["diff"][name] < TOL, f"rank {rank} {name}: max |param - reference| = {res['diff'][name]:.3e}"
         assert res["moved"][name] > 1e-2, f"{name}: training barely moved the parameters; comparison is vacuous"
+
+
+def test_checkpoint_attention_recomputes(results):
+    # same run, but the attention's collectives are issued again in backward
+    calls = results[0]["comm_calls"]
+    assert calls["zigzag_ring/ddp/checkpoint_attention"] > calls["zigzag_ring/ddp"] > 0, calls
 
 
 def test_negative_control_differs(results):
