@@ -502,6 +502,11 @@ class SequenceParallelStrategy(DDPStrategy):
         super().load_optimizer_state_dict(checkpoint)
 
     # ---------------------------------------------------------------------------------- faults
+    def _global_step_or_none(self) -> int | None:
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        return trainer.global_step if trainer is not None else None
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
@@ -511,7 +516,8 @@ class SequenceParallelStrategy(DDPStrategy):
                 f"\n[lightning_sp] rank {self.global_rank} (dp rank {self.parallel_dims.dp_rank(self.global_rank)}, "
                 f"sp rank {self.parallel_dims.sp_rank(self.global_rank)}) failed in a collective: another rank died or "
                 f"stalled, or ranks issued collectives in different orders. process_group_timeout="
-                f"{self._timeout.total_seconds():.0f}s. Resume with `trainer.fit(..., ckpt_path='last')`."
+                f"{self._timeout.total_seconds():.0f}s, global step {self._global_step_or_none()}. Resume from the "
+                f"last saved checkpoint with `trainer.fit(..., ckpt_path=...)`."
             )
             try:
                 exception.args = (f"{exception.args[0] if exception.args else ''}{hint}",) + tuple(exception.args[1:])

@@ -195,7 +195,7 @@ def _fit(cfg: dict, model, data, *, epochs=None, steps=None, ckpt_in=None, ckpt_
     os.environ["WORLD_SIZE"] = str(WORLD)  # LightningEnvironment.teardown removes it
     strategy = SequenceParallelStrategy(
         cfg["sp"], backend=cfg["backend"], ulysses_degree=cfg.get("ulysses"), data_parallel=cfg.get("dp", "ddp"),
-        process_group_timeout=60, **cfg.get("strategy_kwargs", {}),
+        process_group_timeout=cfg.get("timeout", 60), **cfg.get("strategy_kwargs", {}),
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, precision=cfg.get("precision", "64-true"),
