@@ -94,7 +94,9 @@ def _make_model(causal: bool):
     import lightning as L
 
     from lightning_sp.attention import SequenceParallelAttention
+    from lightning_sp.layout import sequence_positions
     from lightning_sp.loss import sequence_parallel_cross_entropy
+    from lightning_sp.metrics import TokenAccuracy, TokenCrossEntropy
     from lightning_sp.strategy import SequenceParallelStrategy
 
     class TinyLM(L.LightningModule):
@@ -107,6 +109,7 @@ def _make_model(causal: bool):
             self.attn = SequenceParallelAttention(causal=causal)  # backend=None: the strategy's
             self.proj = nn.Linear(HIDDEN, HIDDEN)
             self.head = nn.Linear(HIDDEN, VOCAB)
+            self.val_ce, self.val_acc = TokenCrossEntropy(), TokenAccuracy()
 
         def forward(self, input_ids, position_ids):  # [B, S] -> [B, S, V]
             b, s = input_ids.shape
@@ -115,15 +118,35 @@ def _make_model(causal: bool):
             x = x + self.proj(self.attn(q, k, v).reshape(b, s, HIDDEN))
             return self.head(x)
 
-        def training_step(self, batch, batch_idx):
-            pos = batch.get("position_ids")  # supplied (global) by the strategy; absent without it
-            if pos is None:
-                pos = torch.arange(batch["input_ids"].size(1)).expand_as(batch["input_ids"])
-            logits = self(batch["input_ids"], pos)
+        def _unpack(self, batch):
+            """dict batches (positions from the strategy) or ``(input_ids, labels)`` tuples."""
             strategy = self.trainer.strategy
-            if isinstance(strategy, SequenceParallelStrategy):
-                return sequence_parallel_cross_entropy(logits, batch["labels"], group=strategy.sp_group)
-            return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+            sp = strategy if isinstance(strategy, SequenceParallelStrategy) else None
+            if isinstance(batch, dict):
+                ids, labels, pos = batch["input_ids"], batch["labels"], batch.get("position_ids")
+            else:
+                ids, labels = batch
+                # [S_local] global positions of this rank's tokens, padding clamped into range
+                pos = None if sp is None else sequence_positions(
+                    sp.context.global_seq_len, sp.sp_group, layout=sp.layout).clamp(max=SEQ_LEN - 1).expand_as(ids)
+            if pos is None:  # no strategy: the whole sequence is here
+                pos = torch.arange(ids.size(1)).expand_as(ids)
+            return ids, labels, pos, sp
+
+        def training_step(self, batch, batch_idx):
+            ids, labels, pos, sp = self._unpack(batch)
+            logits = self(ids, pos)
+            if sp is not None:
+                return sequence_parallel_cross_entropy(logits, labels, group=sp.sp_group)
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+        def validation_step(self, batch, batch_idx):
+            ids, labels, pos, _ = self._unpack(batch)
+            logits = self(ids, pos)  # [B, S_local, V]: local shard; the metrics sum over the world
+            self.val_ce.update(logits, labels)
+            self.val_acc.update(logits, labels)
+            self.log("val_ce", self.val_ce, on_epoch=True)
+            self.log("val_acc", self.val_acc, on_epoch=True)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
@@ -165,8 +188,9 @@ def _first_steps(cfg: dict, num_samples: int, steps: int) -> list[list[int]]:
     return out[:steps]
 
 
-def _reference(causal: bool, data, schedule: list[list[int]], dtype=torch.float64) -> dict[str, torch.Tensor]:
-    """Plain PyTorch, one process, full sequence, one optimizer step per entry of ``schedule``."""
+def _reference(causal: bool, data, schedule: list[list[int]], dtype=torch.float64, *, val_data=None):
+    """Plain PyTorch, one process, full sequence, one optimizer step per entry of ``schedule``;
+    returns the parameters, and with ``val_data`` also ``(cross-entropy, accuracy)`` on it."""
     model = _make_model(causal).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for idx in schedule:
@@ -177,7 +201,16 @@ def _reference(causal: bool, data, schedule: list[list[int]], dtype=torch.float6
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if val_data is None:
+        return params
+    with torch.no_grad():
+        ids = torch.stack([d["input_ids"] for d in val_data])
+        labels = torch.stack([d["labels"] for d in val_data])
+        logits = model(ids, torch.arange(SEQ_LEN).expand_as(ids))
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+        acc = (logits.argmax(-1) == labels).double().mean().item()
+    return params, (ce, acc)
 
 
 def _full_params(model) -> dict[str, torch.Tensor]:
@@ -186,7 +219,7 @@ def _full_params(model) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def _fit(cfg: dict, model, data, *, epochs=None, steps=None, ckpt_in=None, ckpt_out=None, callbacks=()):
+def _fit(cfg: dict, model, data, *, epochs=None, steps=None, ckpt_in=None, ckpt_out=None, callbacks=(), val_data=None):
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -202,8 +235,10 @@ def _fit(cfg: dict, model, data, *, epochs=None, steps=None, ckpt_in=None, ckpt_
         max_epochs=epochs if epochs is not None else -1, max_steps=steps if steps is not None else -1,
         accumulate_grad_batches=cfg.get("accum", 1), logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=list(callbacks),
+        val_check_interval=steps if val_data is not None else None, limit_val_batches=None if val_data is not None else 0,
     )
-    trainer.fit(model, DataLoader(data, batch_size=cfg["b"], shuffle=False), ckpt_path=ckpt_in)
+    val = DataLoader(val_data, batch_size=cfg["b"], shuffle=False) if val_data is not None else None
+    trainer.fit(model, DataLoader(data, batch_size=cfg["b"], shuffle=False), val, ckpt_path=ckpt_in)
     if ckpt_out is not None:
         trainer.save_checkpoint(ckpt_out)
     return trainer
@@ -215,13 +250,17 @@ def _c(name, backend, sp, *, causal=True, b=None, **kw):
 
 
 EQUAL_CASES = [
-    _c("ulysses/ddp", "ulysses", 4),
+    _c("ulysses/ddp", "ulysses", 4, val=True),
+    _c("auto/ddp", "auto", 4),
+    _c("allgather_kv/ddp/sp2xdp2", "allgather_kv", 2),
+    _c("zigzag_ring/ddp/tuple-batch", "zigzag_ring", 4, tuples=True,
+       strategy_kwargs={"sequence_keys": (0, 1), "label_keys": (1,)}),
     _c("ring/ddp/causal", "ring", 4),
     _c("ring/ddp/bidirectional", "ring", 4, causal=False),
     _c("zigzag_ring/ddp", "zigzag_ring", 4),
     _c("usp/ddp", "usp", 4, ulysses=2, monitor=True),
     _c("ring/ddp/sp2xdp2", "ring", 2),
-    _c("zigzag_ring/fsdp/sp2xdp2", "zigzag_ring", 2, dp="fsdp"),
+    _c("zigzag_ring/fsdp/sp2xdp2", "zigzag_ring", 2, dp="fsdp", val=True),
     _c("ulysses/fsdp", "ulysses", 4, dp="fsdp"),
     _c("usp/fsdp/bidirectional", "usp", 4, ulysses=2, dp="fsdp", causal=False),
     _c("zigzag_ring/ddp/checkpoint_attention", "zigzag_ring", 4, strategy_kwargs={"checkpoint_attention": True}),
@@ -256,9 +295,15 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
         monitor = [SequenceParallelMonitor()] if cfg.get("monitor") else []
         model = _make_model(cfg["causal"])
         init = _full_params(model)
-        trainer = _fit(cfg, model, data, steps=STEPS, callbacks=monitor)
+        train = [(d["input_ids"], d["labels"]) for d in data] if cfg.get("tuples") else data
+        val_data = data[:4] if cfg.get("val") else None
+        trainer = _fit(cfg, model, train, steps=STEPS, callbacks=monitor, val_data=val_data)
         got = _full_params(trainer.lightning_module)
-        ref = _reference(cfg["causal"], data, _first_steps(cfg, len(data), STEPS))
+        ref = _reference(cfg["causal"], data, _first_steps(cfg, len(data), STEPS), val_data=val_data)
+        if val_data is not None:
+            ref, (ce, acc) = ref
+            out.setdefault("val", {})[cfg["name"]] = (
+                trainer.callback_metrics["val_ce"].item(), ce, trainer.callback_metrics["val_acc"].item(), acc)
         out["diff"][cfg["name"]] = _max_diff(got, ref)
         out["moved"][cfg["name"]] = _max_diff(ref, {k: v.double() for k, v in init.items()})
         out.setdefault("comm_calls", {})[cfg["name"]] = sum(model.attn.context.comm.calls_by_op.values())
@@ -337,6 +382,17 @@ def test_parameters_equal_single_process(results, name):
     for rank, res in enumerate(results):
         assert res["diff"][name] < TOL, f"rank {rank} {name}: max |param - reference| = {res['diff'][name]:.3e}"
         assert res["moved"][name] > 1e-2, f"{name}: training barely moved the parameters; comparison is vacuous"
+
+
+def test_validation_metrics_count_each_token_once(results):
+    # TokenCrossEntropy/TokenAccuracy on sharded, padded validation batches through the Trainer equal
+    # the single-process values of the trained reference model
+    for res in results:
+        assert set(res["val"]) == {"ulysses/ddp", "zigzag_ring/fsdp/sp2xdp2"}
+        for name, (ce, ref_ce, acc, ref_acc) in res["val"].items():
+            assert abs(ce - ref_ce) < 1e-10, (name, ce, ref_ce)
+            assert abs(acc - ref_acc) < 1e-12, (name, acc, ref_acc)
+            assert 0 < acc < 1
 
 
 def test_checkpoint_attention_recomputes(results):
