@@ -418,6 +418,15 @@ def test_monitor_logs_throughput_and_comm(results):
     assert m["sp/usp/tokens_per_s"] > 0
     assert m["sp/usp/tflops"] > 0
     assert m["sp/usp/comm_mib"] > 0, m
+    assert any(k.startswith("sp/usp/comm_mib/") for k in m), m
+    from lightning_sp.callbacks import megatron_flops_per_iteration
+
+    dt = m["sp/usp/step_time_s"]
+    # global batch of the usp case: 2 sequences x 13 real tokens (padding not counted)
+    assert m["sp/usp/tokens_per_s"] * dt == pytest.approx(2 * SEQ_LEN, rel=1e-9)
+    flops = megatron_flops_per_iteration(batch=2, seq_len=SEQ_LEN, num_layers=1, hidden=HIDDEN, vocab=VOCAB)
+    assert m["sp/usp/tflops"] * 1e12 * dt == pytest.approx(flops, rel=1e-9)
+    assert "sp/usp/mfu" not in m  # no peak FLOP/s known on CPU: MFU is not invented
     assert m["sp/usp/peak_mem_gib"] > 0
 
 

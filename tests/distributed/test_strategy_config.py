@@ -79,3 +79,13 @@ def test_registered_by_name():
     assert trainer.strategy.sequence_parallel_size == 4  # default: the whole world
     trainer = _trainer("sequence_parallel_spawn", devices=2)
     assert isinstance(trainer.strategy, SequenceParallelStrategy) and trainer.strategy._start_method == "spawn"
+
+
+def test_megatron_flops_formula():
+    from lightning_sp.callbacks import megatron_flops_per_iteration
+
+    # 72 B L s h^2 (1 + s/(6h) + V/(12hL)) with B=1, L=1, s=6, h=1, V=12: 72 * 6 * (1 + 1 + 1)
+    assert megatron_flops_per_iteration(batch=1, seq_len=6, num_layers=1, hidden=1, vocab=12) == 1296.0
+    # linear in batch
+    args = dict(seq_len=4096, num_layers=32, hidden=4096, vocab=32000)
+    assert megatron_flops_per_iteration(batch=4, **args) == 4 * megatron_flops_per_iteration(batch=1, **args)
