@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -294,6 +294,7 @@ class SequenceParallelStrategy(DDPStrategy):
                 group = self._new_group(ranks)
                 if rank in ranks:
                     mine[axis] = group
+            log.debug("rank %d: %s groups %s", rank, axis.value, dims.groups(axis))
         self._dp_group = mine[MeshAxis.DP]
         self._context = SequenceParallelContext(
             group=mine[MeshAxis.SP],
