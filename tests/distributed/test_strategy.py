@@ -262,6 +262,7 @@ EQUAL_CASES = [
     _c("ring/ddp/sp2xdp2", "ring", 2),
     _c("zigzag_ring/fsdp/sp2xdp2", "zigzag_ring", 2, dp="fsdp", val=True),
     _c("ulysses/fsdp", "ulysses", 4, dp="fsdp"),
+    _c("ring/fsdp/per-module-units", "ring", 4, dp="fsdp", strategy_kwargs={"fsdp_shard_modules": (nn.Linear,)}),
     _c("usp/fsdp/bidirectional", "usp", 4, ulysses=2, dp="fsdp", causal=False),
     _c("zigzag_ring/ddp/checkpoint_attention", "zigzag_ring", 4, strategy_kwargs={"checkpoint_attention": True}),
     _c("zigzag_ring/ddp/accumulate2", "zigzag_ring", 2, accum=2),
@@ -331,6 +332,18 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
     out["bf16_diff"] = _max_diff(got, _reference(True, data, _first_steps(BF16, len(data), STEPS)))
     out["bf16_dtype"] = str(next(iter(got.values())).dtype)
 
+    # a second attention module that wants another layout than the strategy's: fails at setup, before a step
+    from lightning_sp.attention import SequenceParallelAttention
+
+    model = _make_model(True)
+    model.attn2 = SequenceParallelAttention(causal=True, backend="ring")  # contiguous vs zigzag
+    try:
+        _fit(_c("conflict", "zigzag_ring", 4), model, data, steps=1)
+        out["conflict_error"] = None
+    except ValueError as err:
+        out["conflict_error"] = str(err)
+    out["conflict_steps"] = model.trainer.global_step
+
     out["metrics"] = _metrics_case(rank)
     return out
 
@@ -399,6 +412,13 @@ def test_checkpoint_attention_recomputes(results):
     # same run, but the attention's collectives are issued again in backward
     calls = results[0]["comm_calls"]
     assert calls["zigzag_ring/ddp/checkpoint_attention"] > calls["zigzag_ring/ddp"] > 0, calls
+
+
+def test_conflicting_layouts_fail_at_setup(results):
+    for res in results:
+        assert res["conflict_error"] is not None and "need different sequence layouts" in res["conflict_error"]
+        assert "build them with backend=None" in res["conflict_error"]
+        assert res["conflict_steps"] == 0
 
 
 def test_negative_control_differs(results):
