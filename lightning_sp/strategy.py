@@ -171,8 +171,6 @@ class SequenceParallelStrategy(DDPStrategy):
         self._dp_group: dist.ProcessGroup | None = None
         self._owned_groups: list[dist.ProcessGroup] = []
         self._layout: Any = None
-        self.last_batch_tokens: int = 0
-        """Tokens (incl. padding) of the last sharded batch on one sp group: ``B * N_pad``."""
 
     # ---------------------------------------------------------------------------------- topology
     @property
@@ -394,8 +392,6 @@ class SequenceParallelStrategy(DDPStrategy):
                 as_list[k] = t
             out = type(batch)(as_list) if not hasattr(batch, "_fields") else type(batch)(*as_list)
         self.context.global_seq_len = seq_len
-        first = next(iter(sharded.values()))
-        self.last_batch_tokens = first.size(0) * first.size(1) * self.parallel_dims.sp
         return out
 
     # ---------------------------------------------------------------------------------- model wrapping
