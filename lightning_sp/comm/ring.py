@@ -21,8 +21,9 @@ from lightning_sp.comm.stats import CommStats
 
 
 class _Pending:
-    def __init__(self, works, buffers):
+    def __init__(self, works, buffers, sent):
         self._works, self._buffers = works, buffers
+        self._sent = sent  # keep the send buffers alive until the transfer completes
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         for w in self._works:
@@ -36,21 +37,23 @@ class RingComm:
         self.stats = stats
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.next_global = dist.get_global_rank(group, (self.rank + 1) % self.world) if group is not None else (self.rank + 1) % self.world
-        self.prev_global = dist.get_global_rank(group, (self.rank - 1) % self.world) if group is not None else (self.rank - 1) % self.world
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
+        self.next_global = ranks[(self.rank + 1) % self.world]  # isend/irecv take global ranks
+        self.prev_global = ranks[(self.rank - 1) % self.world]
 
     def start(self, tensors: Sequence[torch.Tensor], op: str = "ring_send") -> _Pending:
         """Send ``tensors`` to the next rank and receive same-shaped ones from the previous."""
-        ops, recv = [], []
+        ops, recv, sent = [], [], []
         for t in tensors:
             t = t.contiguous()
+            sent.append(t)
             buf = torch.empty_like(t)
             recv.append(buf)
             ops.append(dist.P2POp(dist.isend, t, self.next_global, self.group))
             ops.append(dist.P2POp(dist.irecv, buf, self.prev_global, self.group))
             if self.stats is not None:
                 self.stats.add(op, t.numel() * t.element_size())
-        return _Pending(dist.batch_isend_irecv(ops), tuple(recv))
+        return _Pending(dist.batch_isend_irecv(ops), tuple(recv), sent)
 
 
 def ring_pass(

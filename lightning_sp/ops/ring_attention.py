@@ -57,9 +57,23 @@ def _mask_for(call, spec: BlockAttentionSpec, device):
     return call.dense_mask(spec.causal, spec.doc_bounds, device) if call.kind is MaskKind.DENSE else None
 
 
+def _single_call(spec: BlockAttentionSpec, q, k):
+    """The one kernel call that covers all queries and keys, when there is no ring and no split."""
+    if spec.group is not None:
+        return None
+    calls = plan_blocks(spec.q_runs, spec.k_runs_by_rank[0], causal=spec.causal, doc_bounds=spec.doc_bounds)
+    if len(calls) == 1 and (calls[0].q_start, calls[0].q_len, calls[0].k_start, calls[0].k_len) == (0, q.size(1), 0, k.size(1)):
+        return calls[0]
+    return None
+
+
 def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResult:
     """``q [B, Sq, H, D]``, ``k, v [B, Sk, H_kv, D]`` (this rank's block) -> merged ``(out, lse)``."""
     acc = accumulation_dtype(q.dtype)
+    single = _single_call(spec, q, k)
+    if single is not None:  # one kernel call covers everything: nothing to merge
+        o, l = spec.kernel.forward(q, k, v, scale=spec.scale, kind=single.kind, mask=_mask_for(single, spec, q.device))
+        return AttentionResult(o, l.to(acc))
     b, sq, h, _ = q.shape
     out = torch.zeros(b, sq, h, v.size(-1), dtype=acc, device=q.device)
     lse = torch.full((b, h, sq), -math.inf, dtype=acc, device=q.device)
@@ -80,6 +94,12 @@ def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResul
 def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
     """Gradients of the merged attention for this rank's ``q`` and its own ``k, v`` block."""
     acc = accumulation_dtype(q.dtype)
+    single = _single_call(spec, q, k)
+    if single is not None:
+        grads = spec.kernel.backward(
+            dout, q, k, v, out, lse, scale=spec.scale, kind=single.kind, mask=_mask_for(single, spec, q.device)
+        )
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
 
     def grads(_step, src, blocks):
