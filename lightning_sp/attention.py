@@ -19,7 +19,7 @@ from torch import nn
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.context import SequenceParallelContext
 from lightning_sp.layout import SequenceLayout, group_size_and_rank
-from lightning_sp.ops import backends as B
+from lightning_sp.ops import backends
 from lightning_sp.ops.kernels import KERNELS, make_kernel
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -32,8 +32,8 @@ def default_ulysses_degree(group_size: int) -> int:
 
 def layout_for_backend(backend: str, *, group_size: int | None = None, ulysses_degree: int | None = None) -> SequenceLayout:
     """How the global sequence must be split across the group for ``backend``."""
-    if backend not in B.BACKENDS:
-        raise ValueError(f"backend must be one of {B.BACKENDS}, got {backend!r}")
+    if backend not in backends.BACKENDS:
+        raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}")
     if backend in ("zigzag_ring", "allgather_kv", "auto"):
         return SequenceLayout("zigzag")
     if backend == "usp":
@@ -108,8 +108,8 @@ class SequenceParallelAttention(nn.Module):
             raise NotImplementedError(
                 "sliding-window attention is not supported; use cu_seqlens to restrict attention to documents"
             )
-        if backend is not None and backend not in B.BACKENDS:
-            raise ValueError(f"backend must be one of {B.BACKENDS} or None, got {backend!r}")
+        if backend is not None and backend not in backends.BACKENDS:
+            raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         if ulysses_degree is not None and ulysses_degree < 1:
@@ -197,28 +197,27 @@ class SequenceParallelAttention(nn.Module):
         doc_bounds = _doc_bounds(cu_seqlens, seq_len, padded_len)
         if self.validate_inputs and world > 1:
             _check_across_ranks(q, k, self.causal, backend, cu_seqlens, seq_len, group)
-        if backend == "auto":
-            h, h_kv = q.size(2), k.size(2)
-            backend = "ulysses" if h % world == 0 else "zigzag_ring"
+        if backend == "auto":  # lowest traffic when the heads split; else the balanced ring
+            backend = "ulysses" if q.size(2) % world == 0 else "zigzag_ring"
         layout = self.layout
-        call = B.AttentionCall(
+        call = backends.AttentionCall(
             kernel=self._make_kernel(q), scale=self.softmax_scale or 1.0 / math.sqrt(q.size(-1)),
             causal=self.causal, layout=layout, padded_len=padded_len, doc_bounds=doc_bounds,
             stats=self.context.comm,
         )
         if backend == "local":
-            return B.local_attention(q, k, v, call)
+            return backends.local_attention(q, k, v, call)
         if backend == "ulysses":
-            return B.ulysses_attention(q, k, v, call, group=group)
+            return backends.ulysses_attention(q, k, v, call, group=group)
         if backend in ("ring", "zigzag_ring"):
-            return B.ring_attention(q, k, v, call, group=group)
+            return backends.ring_attention(q, k, v, call, group=group)
         if backend == "allgather_kv":
-            return B.allgather_kv_attention(q, k, v, call, group=group)
+            return backends.allgather_kv_attention(q, k, v, call, group=group)
         if backend == "colossal":
-            return B.colossal(q, k, v, call, group=group)
+            return backends.colossal(q, k, v, call, group=group)
         if backend == "usp":
             ug, rg = self._usp_groups(group, world)
-            return B.usp_attention(q, k, v, call, ulysses_group=ug, ring_group=rg)
+            return backends.usp_attention(q, k, v, call, ulysses_group=ug, ring_group=rg)
         raise AssertionError(f"unhandled backend {backend}")  # BACKENDS is checked in __init__/bind
 
     def _make_kernel(self, q):
@@ -293,7 +292,7 @@ def _check_across_ranks(q, k, causal, backend, cu_seqlens, seq_len, group) -> No
     cu = cu_seqlens.to(torch.float64) if cu_seqlens is not None else None
     sig = torch.tensor(
         [q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), _DTYPE_CODES[q.dtype], int(causal),
-         B.BACKENDS.index(backend), -1 if cu is None else cu.numel(), -1 if cu is None else float((cu * torch.arange(1, cu.numel() + 1, dtype=torch.float64)).sum()),
+         backends.BACKENDS.index(backend), -1 if cu is None else cu.numel(), -1 if cu is None else float((cu * torch.arange(1, cu.numel() + 1, dtype=torch.float64)).sum()),
          -1 if seq_len is None else seq_len],
         dtype=torch.float64,
     )
