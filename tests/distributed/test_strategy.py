@@ -219,7 +219,8 @@ def _full_params(model) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def _fit(cfg: dict, model, data, *, epochs=None, steps=None, ckpt_in=None, ckpt_out=None, callbacks=(), val_data=None):
+def _fit(cfg: dict, model, data, *, epochs=None, steps=None, ckpt_in=None, ckpt_out=None, callbacks=(), val_data=None,
+         logger=False):
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -233,7 +234,7 @@ def _fit(cfg: dict, model, data, *, epochs=None, steps=None, ckpt_in=None, ckpt_
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, precision=cfg.get("precision", "64-true"),
         max_epochs=epochs if epochs is not None else -1, max_steps=steps if steps is not None else -1,
-        accumulate_grad_batches=cfg.get("accum", 1), logger=False, enable_checkpointing=False,
+        accumulate_grad_batches=cfg.get("accum", 1), logger=logger, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=list(callbacks),
         val_check_interval=steps if val_data is not None else None, limit_val_batches=None if val_data is not None else 0,
     )
@@ -278,6 +279,7 @@ CONTROL = _c("control/padding-labels-not-ignored", "zigzag_ring", 4, strategy_kw
 BF16 = _c("bf16-mixed/ring/sp2xdp2", "ring", 2, precision="bf16-mixed")
 
 STEPS = 3
+PEAK_FLOPS = 1e9  # a made-up per-device peak so MFU is defined on CPU
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -293,12 +295,17 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
     out: dict = {"stand_in": stand_in, "diff": {}, "moved": {}, "monitor": {}}
     data = _dataset(8)
     for cfg in EQUAL_CASES + [CONTROL]:
-        monitor = [SequenceParallelMonitor()] if cfg.get("monitor") else []
+        monitor = [SequenceParallelMonitor(peak_flops=PEAK_FLOPS)] if cfg.get("monitor") else []
+        logger = False
+        if monitor:
+            from lightning.pytorch.loggers import TensorBoardLogger
+
+            logger = TensorBoardLogger(save_dir=tmpdir, name="tb", version=0)
         model = _make_model(cfg["causal"])
         init = _full_params(model)
         train = [(d["input_ids"], d["labels"]) for d in data] if cfg.get("tuples") else data
         val_data = data[:4] if cfg.get("val") else None
-        trainer = _fit(cfg, model, train, steps=STEPS, callbacks=monitor, val_data=val_data)
+        trainer = _fit(cfg, model, train, steps=STEPS, callbacks=monitor, val_data=val_data, logger=logger)
         got = _full_params(trainer.lightning_module)
         ref = _reference(cfg["causal"], data, _first_steps(cfg, len(data), STEPS), val_data=val_data)
         if val_data is not None:
@@ -310,6 +317,12 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
         out.setdefault("comm_calls", {})[cfg["name"]] = sum(model.attn.context.comm.calls_by_op.values())
         if monitor:
             out["monitor"] = dict(monitor[0].last_metrics)
+            if rank == 0:
+                from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+                events = EventAccumulator(logger.log_dir)
+                events.Reload()
+                out["tb_tags"] = {t: len(events.Scalars(t)) for t in events.Tags()["scalars"]}
 
     small = _dataset(4)  # 2 optimizer steps per epoch at global batch 2
     for name, first, second in RESUME_CASES:
@@ -446,7 +459,11 @@ def test_monitor_logs_throughput_and_comm(results):
     assert m["sp/usp/tokens_per_s"] * dt == pytest.approx(2 * SEQ_LEN, rel=1e-9)
     flops = megatron_flops_per_iteration(batch=2, seq_len=SEQ_LEN, num_layers=1, hidden=HIDDEN, vocab=VOCAB)
     assert m["sp/usp/tflops"] * 1e12 * dt == pytest.approx(flops, rel=1e-9)
-    assert "sp/usp/mfu" not in m  # no peak FLOP/s known on CPU: MFU is not invented
+    assert m["sp/usp/mfu"] == pytest.approx(flops / dt / (PEAK_FLOPS * WORLD), rel=1e-9)
+    # and it reached TensorBoard, once per optimizer step
+    tags = results[0]["tb_tags"]
+    for key in ("tokens_per_s", "tflops", "mfu", "peak_mem_gib", "comm_mib", "step_time_s"):
+        assert tags.get(f"sp/usp/{key}") == STEPS, tags
     assert m["sp/usp/peak_mem_gib"] > 0
 
 

@@ -89,3 +89,14 @@ def test_megatron_flops_formula():
     # linear in batch
     args = dict(seq_len=4096, num_layers=32, hidden=4096, vocab=32000)
     assert megatron_flops_per_iteration(batch=4, **args) == 4 * megatron_flops_per_iteration(batch=1, **args)
+
+
+def test_monitor_does_not_invent_peak_flops_on_cpu():
+    import torch
+
+    from lightning_sp.callbacks import SequenceParallelMonitor
+
+    assert SequenceParallelMonitor()._peak(torch.device("cpu")) is None
+    assert SequenceParallelMonitor(peak_flops=5.0)._peak(torch.device("cpu")) == 5.0
+    with pytest.raises(ValueError, match="log_every_n_steps must be >= 1"):
+        SequenceParallelMonitor(log_every_n_steps=0)
