@@ -21,12 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_sp.comm.collectives import all_gather_along, head_to_seq, seq_to_head
+from lightning_sp.comm.collectives import all_gather_raw, head_to_seq, reduce_scatter_raw, seq_to_head
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.layout import Run, SequenceLayout, runs_of, token_indices
 from lightning_sp.ops.colossal import colossal_attention
 from lightning_sp.ops.kernels import LocalKernel
-from lightning_sp.ops.ring_attention import BlockAttentionSpec, block_attention
+from lightning_sp.ops.ring_attention import (
+    BlockAttentionSpec,
+    block_attention,
+    block_attention_backward,
+    block_attention_forward,
+)
 
 BACKENDS = ("ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal", "local", "auto")
 
@@ -103,13 +108,35 @@ def ring_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     return block_attention(q, k, v, call.spec(runs[rank], runs, group=group))
 
 
+class _AllGatherKVFunction(torch.autograd.Function):
+    """All-gather K/V, attend locally; save only the local K/V shards (O(N/P) activations) and
+    gather them again in backward, whose dK/dV are reduce-scattered back to their owners."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec, group, stats):
+        # [B, S/P, H_kv, D] -> [B, S, H_kv, D] in rank order
+        k_all, v_all = all_gather_raw(k, group, 1, stats), all_gather_raw(v, group, 1, stats)
+        res = block_attention_forward(spec, q, k_all, v_all)
+        out = res.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, res.lse)
+        ctx.spec, ctx.group, ctx.stats = spec, group, stats
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        k_all, v_all = all_gather_raw(k, ctx.group, 1, ctx.stats), all_gather_raw(v, ctx.group, 1, ctx.stats)
+        dq, dk_all, dv_all = block_attention_backward(ctx.spec, dout.contiguous(), q, k_all, v_all, out, lse)
+        dk = reduce_scatter_raw(dk_all, ctx.group, 1, ctx.stats)  # [B, S, H_kv, D] -> [B, S/P, H_kv, D]
+        dv = reduce_scatter_raw(dv_all, ctx.group, 1, ctx.stats)
+        return dq, dk, dv, None, None, None
+
+
 def allgather_kv_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    # [B, S/P, H_kv, D] -> [B, S, H_kv, D] in rank order; backward: reduce-scatter of dK, dV
-    k_all = all_gather_along(k, group, dim=1, stats=call.stats)
-    v_all = all_gather_along(v, group, dim=1, stats=call.stats)
     k_runs = runs_of(torch.cat([call.positions(world, r) for r in range(world)]))
-    return block_attention(q, k_all, v_all, call.spec(runs_of(call.positions(world, rank)), [k_runs]))
+    spec = call.spec(runs_of(call.positions(world, rank)), [k_runs])
+    return _AllGatherKVFunction.apply(q, k, v, spec, group, call.stats)
 
 
 def usp_attention(q, k, v, call: AttentionCall, *, ulysses_group, ring_group) -> torch.Tensor:
