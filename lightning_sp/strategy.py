@@ -42,6 +42,7 @@ import torch.utils.checkpoint
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from lightning_sp.context import SequenceParallelContext
@@ -103,6 +104,9 @@ class SequenceParallelStrategy(DDPStrategy):
         checkpoint_attention: selective activation checkpointing (Korthikanti et al. 2022): keep
             no activations inside each ``SequenceParallelAttention`` and recompute it (with its
             communication) in the backward pass; everything else is stored as usual.
+        shuffle: ``True`` keeps Lightning's behaviour: the ``DistributedSampler`` it injects shuffles the
+            training data (seed ``PL_GLOBAL_SEED``) even if the ``DataLoader`` does not. ``False`` keeps
+            the dataset order, so a run compares step for step with a single-device, unshuffled run.
         process_group_timeout: seconds (or ``timedelta``) a collective may wait before the run fails
             with an error naming the rank; keep it short to turn a dead or stalled rank into an error.
         **kwargs: passed to ``DDPStrategy`` (``start_method``, ``process_group_backend``,
@@ -126,6 +130,7 @@ class SequenceParallelStrategy(DDPStrategy):
         kernel: str = "auto",
         fsdp_shard_modules: Iterable[type[nn.Module]] = (),
         checkpoint_attention: bool = False,
+        shuffle: bool = True,
         process_group_timeout: float | timedelta = timedelta(minutes=30),
         **kwargs: Any,
     ) -> None:
@@ -166,6 +171,7 @@ class SequenceParallelStrategy(DDPStrategy):
         self._kernel = kernel
         self._fsdp_shard_modules = tuple(fsdp_shard_modules)
         self.checkpoint_attention = checkpoint_attention
+        self.shuffle = shuffle
         self._dims: ParallelDims | None = None
         self._context: SequenceParallelContext | None = None
         self._dp_group: dist.ProcessGroup | None = None
@@ -262,6 +268,14 @@ class SequenceParallelStrategy(DDPStrategy):
         # data-parallel axis only: every rank of an sp group reads the same samples
         dims = self.parallel_dims
         return {"num_replicas": dims.dp, "rank": dims.dp_rank(self.global_rank)}
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        dataloader = super().process_dataloader(dataloader)
+        sampler = getattr(dataloader, "sampler", None)
+        if not self.shuffle and isinstance(sampler, DistributedSampler):
+            sampler.shuffle = False  # read at every __iter__
+        return dataloader
 
     # ---------------------------------------------------------------------------------- groups
     @override

@@ -171,7 +171,8 @@ def _schedule(cfg: dict, num_samples: int, epoch: int) -> list[list[int]]:
     dp, per_step = WORLD // cfg["sp"], cfg["b"] * cfg.get("accum", 1)
     per_rank = []
     for r in range(dp):
-        sampler = DistributedSampler(range(num_samples), num_replicas=dp, rank=r, shuffle=True, seed=0)
+        shuffle = cfg.get("strategy_kwargs", {}).get("shuffle", True)
+        sampler = DistributedSampler(range(num_samples), num_replicas=dp, rank=r, shuffle=shuffle, seed=0)
         sampler.set_epoch(epoch)
         per_rank.append(list(sampler))
     steps = len(per_rank[0]) // per_step
@@ -261,6 +262,7 @@ EQUAL_CASES = [
     _c("zigzag_ring/ddp", "zigzag_ring", 4),
     _c("usp/ddp", "usp", 4, ulysses=2, monitor=True),
     _c("ring/ddp/sp2xdp2", "ring", 2),
+    _c("ring/ddp/sp2xdp2/no-shuffle", "ring", 2, strategy_kwargs={"shuffle": False}),
     _c("zigzag_ring/fsdp/sp2xdp2", "zigzag_ring", 2, dp="fsdp", val=True),
     _c("ulysses/fsdp", "ulysses", 4, dp="fsdp"),
     _c("ring/fsdp/per-module-units", "ring", 4, dp="fsdp", strategy_kwargs={"fsdp_shard_modules": (nn.Linear,)}),
