@@ -10,12 +10,26 @@ from __future__ import annotations
 from typing import Sequence
 
 import lightning as L
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 from lightning_sp.data.multimodal import DigitSequenceDataset, MultimodalDataConfig, MultimodalVocab, collate_stack
 from lightning_sp.data.proteins import ProteinContextDataset, ProteinDataConfig, collate_packed, load_protein_records
 from lightning_sp.data.tokenizer import ResidueTokenizer
+
+
+def data_parallel_sampler(module: L.LightningDataModule, dataset: Dataset, *, shuffle: bool, seed: int) -> DistributedSampler:
+    """A seeded sampler over the data-parallel axis, identical with and without a strategy.
+
+    Lightning would otherwise swap in its own ``DistributedSampler(shuffle=True)`` under a
+    distributed strategy but a ``RandomSampler`` without one, so the same config would see different
+    batches with and without sequence parallelism. Replicas/rank come from the strategy's
+    ``distributed_sampler_kwargs`` (the data-parallel axis only, for ``SequenceParallelStrategy``).
+    """
+    trainer = getattr(module, "_trainer", None)
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+    kwargs = kwargs or {"num_replicas": 1, "rank": 0}
+    return DistributedSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"], shuffle=shuffle, seed=seed)
 
 
 class ProteinDataModule(L.LightningDataModule):
@@ -69,13 +83,15 @@ class ProteinDataModule(L.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=1, shuffle=False, collate_fn=collate_packed, num_workers=self.num_workers)
+        sampler = data_parallel_sampler(self, self.train_set, shuffle=True, seed=self.config.seed)
+        return DataLoader(self.train_set, batch_size=1, sampler=sampler, collate_fn=collate_packed, num_workers=self.num_workers)
 
     @override
     def val_dataloader(self) -> DataLoader | list:
         if self.val_set is None:
             return []
-        return DataLoader(self.val_set, batch_size=1, shuffle=False, collate_fn=collate_packed, num_workers=self.num_workers)
+        sampler = data_parallel_sampler(self, self.val_set, shuffle=False, seed=self.config.seed)
+        return DataLoader(self.val_set, batch_size=1, sampler=sampler, collate_fn=collate_packed, num_workers=self.num_workers)
 
 
 class DigitSequenceDataModule(L.LightningDataModule):
@@ -110,10 +126,12 @@ class DigitSequenceDataModule(L.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, collate_fn=collate_stack, num_workers=self.num_workers)
+        sampler = data_parallel_sampler(self, self.train_set, shuffle=True, seed=self.config.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=collate_stack, num_workers=self.num_workers)
 
     @override
     def val_dataloader(self) -> DataLoader | list:
         if self.val_set is None:
             return []
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=collate_stack, num_workers=self.num_workers)
+        sampler = data_parallel_sampler(self, self.val_set, shuffle=False, seed=self.config.seed)
+        return DataLoader(self.val_set, batch_size=self.batch_size, sampler=sampler, collate_fn=collate_stack, num_workers=self.num_workers)
