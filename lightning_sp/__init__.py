@@ -2,30 +2,32 @@
 
 Public API (see DESIGN.md): ``SequenceParallelAttention``, ``shard_sequence``, ``gather_sequence``,
 ``sequence_parallel_cross_entropy``, ``SequenceParallelStrategy``.
+
+Importing the package registers the strategy with Lightning's ``StrategyRegistry`` under
+``"sequence_parallel"`` (Lightning's own plugin mechanism; the only import-time effect), so
+``Trainer(strategy="sequence_parallel")`` works after ``import lightning_sp``.
 """
 
 from lightning_sp.attention import SequenceParallelAttention, layout_for_backend
+from lightning_sp.callbacks import SequenceParallelMonitor
 from lightning_sp.context import SequenceParallelContext
 from lightning_sp.layout import SequenceLayout, gather_sequence, sequence_positions, shard_sequence
 from lightning_sp.loss import sequence_parallel_cross_entropy
+from lightning_sp.metrics import TokenAccuracy, TokenCrossEntropy, TokenPerplexity
+from lightning_sp.strategy import SequenceParallelStrategy
 
 __all__ = [
+    "SequenceLayout",
     "SequenceParallelAttention",
     "SequenceParallelContext",
-    "SequenceLayout",
+    "SequenceParallelMonitor",
     "SequenceParallelStrategy",
+    "TokenAccuracy",
+    "TokenCrossEntropy",
+    "TokenPerplexity",
     "gather_sequence",
     "layout_for_backend",
     "sequence_parallel_cross_entropy",
     "sequence_positions",
     "shard_sequence",
 ]
-
-
-def __getattr__(name):
-    # The strategy imports Lightning; keep `import lightning_sp` light for kernel-only users.
-    if name == "SequenceParallelStrategy":
-        from lightning_sp.strategy import SequenceParallelStrategy
-
-        return SequenceParallelStrategy
-    raise AttributeError(f"module 'lightning_sp' has no attribute {name!r}")
