@@ -100,3 +100,26 @@ def test_multimodal_loss_falls():
     m = MultimodalDecoder(d_model=64, n_layers=2, n_heads=4, lr=3e-3, warmup_steps=5)
     losses = _fit(m, dm, 40)
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+
+
+@pytest.mark.parametrize("name, model_cls, vocab", [("protein_demo", ProteinEncoder, 31), ("multimodal_demo", MultimodalDecoder, 279)])
+def test_demo_configs_instantiate(name, model_cls, vocab, tmp_path):
+    from pathlib import Path
+
+    from lightning_sp.cli import main
+    from lightning_sp.strategy import SequenceParallelStrategy
+
+    cfg = Path(__file__).resolve().parents[2] / "experiments" / name / "config.yaml"
+    cli = main(["--config", str(cfg), "--trainer.logger.init_args.save_dir", str(tmp_path)], run=False)
+    assert isinstance(cli.model, model_cls) and cli.model.config.vocab_size == vocab  # linked from the data module
+    assert isinstance(cli.trainer.strategy, SequenceParallelStrategy) and cli.trainer.num_devices == 4
+
+
+def test_cli_rejects_bad_config(tmp_path, capsys):
+    from lightning_sp.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  class_path: lightning_sp.models.ProteinEncoder\n  init_args:\n    d_model: 30\n    n_heads: 4\n"
+                   "data:\n  class_path: lightning_sp.data.ProteinDataModule\n")
+    with pytest.raises(ValueError, match="divisible by n_heads"):
+        main(["--config", str(bad), "--trainer.logger", "false"], run=False)

@@ -1,0 +1,58 @@
+"""Plot a demo run's TensorBoard scalars (reads event files; never trains).
+
+    python scripts/plot_demo_loss.py runs/protein_demo/version_0 [--out paper_figures/demo_protein_loss.png]
+
+Writes the PNG and a CSV of the scalars next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="a TensorBoard run folder (with events.out.tfevents.*)")
+    p.add_argument("--out", default=str(ROOT / "paper_figures" / "demo_protein_loss.png"))
+    p.add_argument("--title", default="Protein encoder, masked-residue loss (4 gloo ranks, sequence parallel)")
+    a = p.parse_args(argv)
+    run = Path(a.run_dir)
+    if not any(run.glob("events.out.tfevents.*")):
+        raise SystemExit(f"no TensorBoard event files in {run}")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run))
+    acc.Reload()
+    tags = [t for t in ("train/loss", "val/loss") if t in acc.Tags()["scalars"]]
+    if not tags:
+        raise SystemExit(f"{run} has no train/loss or val/loss scalars; found {acc.Tags()['scalars']}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    with out.with_suffix(".csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["tag", "step", "value"])
+        for tag in tags:
+            ev = acc.Scalars(tag)
+            w.writerows([tag, e.step, e.value] for e in ev)
+            ax.plot([e.step for e in ev], [e.value for e in ev], marker="o" if tag.startswith("val") else None, label=tag)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.set_title(a.title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=150)
+    print(f"wrote {out} and {out.with_suffix('.csv')}")
+
+
+if __name__ == "__main__":
+    main()
