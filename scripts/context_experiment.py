@@ -1,6 +1,6 @@
 """Context matters: full context (sequence parallel) vs truncated context on the long-range question.
 
-    python scripts/context_experiment.py [--steps 400] [--seeds 0] [--truncate 48 96 144]
+    python scripts/context_experiment.py [--steps 800] [--seeds 0 1] [--truncate 48 96 144]
 
 Each arm is ``lightning-sp fit`` on ``experiments/context_matters/base.yaml`` (plus
 ``full_context_sp.yaml`` for the full-context arm), run in a subprocess; the final validation
@@ -35,6 +35,7 @@ def run_arm(*, truncate: int | None, seed: int, steps: int, log_root: Path) -> d
     else:
         cmd += ["--data.init_args.truncate_to", str(truncate)]
     cmd += ["--seed_everything", str(seed), "--data.init_args.seed", str(seed), "--trainer.max_steps", str(steps),
+            "--data.init_args.samples_per_epoch", str(16 * steps),  # one epoch = the whole run (batch size 16)
             "--trainer.val_check_interval", str(steps), "--trainer.logger.init_args.save_dir", str(log_root),
             "--trainer.logger.init_args.name", f"{name}_seed{seed}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -56,8 +57,8 @@ def run_arm(*, truncate: int | None, seed: int, steps: int, log_root: Path) -> d
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--truncate", type=int, nargs="+", default=[48, 96, 144])
     p.add_argument("--log-root", default=str(ROOT / "runs" / "context_matters"))
     p.add_argument("--out", default=str(OUT))
