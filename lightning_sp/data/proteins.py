@@ -12,7 +12,8 @@ Sources (read at run time from installed packages; nothing large is committed):
 Contexts:
 
 - ``single``: proteins packed back to back into ``context_len`` tokens, one document each
-  (``cu_seqlens``; attention stays inside a protein; positions restart per protein).
+  (``cu_seqlens``; attention stays inside a protein; positions restart per protein); a protein longer
+  than the context contributes a random window of it.
 - ``family``: one family context cropped to a random ``context_len`` window (positions global).
 """
 
@@ -145,8 +146,12 @@ class ProteinContextDataset(Dataset):
         order = torch.randperm(len(self.protein_ids), generator=g).tolist()
         docs, n = [], 0
         for j in order:
-            docs.append(self.protein_ids[j])
-            n += docs[-1].numel()
+            ids = self.protein_ids[j]
+            if ids.numel() > self.cfg.context_len:  # a protein longer than the context: random window (ESM-style crop)
+                start = int(torch.randint(ids.numel() - self.cfg.context_len + 1, (1,), generator=g))
+                ids = ids[start:start + self.cfg.context_len]
+            docs.append(ids)
+            n += ids.numel()
             if n >= self.cfg.context_len:
                 break
         ctx = greedy_pack(docs, self.cfg.context_len)[0]
