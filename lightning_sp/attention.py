@@ -146,8 +146,13 @@ class SequenceParallelAttention(nn.Module):
     def comm_stats(self) -> CommStats:
         return self.context.comm
 
-    def _group(self):
+    @property
+    def process_group(self):
+        """The sequence-parallel group this module attends over (``None``: no parallelism)."""
         return self.group if self.group is not None else self.context.group
+
+    def _group(self):
+        return self.process_group
 
     def resolved_backend(self) -> str:
         if self.backend is not None:

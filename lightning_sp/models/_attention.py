@@ -13,10 +13,10 @@ __all__ = ["SequenceParallelAttention", "attention_group", "sequence_parallel_cr
 def attention_group(module: nn.Module):
     """Sequence-parallel group of the first ``SequenceParallelAttention`` in ``module``.
 
-    Its own ``group=`` if given, else the group of the context the strategy bound; ``None`` when the
+    (``SequenceParallelAttention.process_group``: its own ``group=``, else the bound context's); ``None`` when the
     model runs unsharded (the loss is then a plain token mean).
     """
     for m in module.modules():
         if isinstance(m, SequenceParallelAttention):
-            return m.group if m.group is not None else m.context.group
+            return m.process_group
     return None
