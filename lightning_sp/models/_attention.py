@@ -11,11 +11,9 @@ __all__ = ["SequenceParallelAttention", "attention_group", "sequence_parallel_cr
 
 
 def attention_group(module: nn.Module):
-    """Sequence-parallel group of the first ``SequenceParallelAttention`` in ``module``.
-
-    (``SequenceParallelAttention.process_group``: its own ``group=``, else the bound context's); ``None`` when the
-    model runs unsharded (the loss is then a plain token mean).
-    """
+    """Sequence-parallel group of the first ``SequenceParallelAttention`` in ``module``: its own
+    ``group=`` if given, else the bound context's; ``None`` when the model runs unsharded (the loss
+    is then a plain token mean)."""
     for m in module.modules():
         if isinstance(m, SequenceParallelAttention):
             return m.process_group
