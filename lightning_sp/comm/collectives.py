@@ -61,36 +61,28 @@ def head_to_seq_all_to_all(x: torch.Tensor, group, stats: CommStats | None = Non
     return recv.permute(2, 1, 0, 3, 4).reshape(b, s_local, world * h_local, d)
 
 
-class _SeqToHead(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """Either direction; the backward is the other direction."""
+
     @staticmethod
-    def forward(ctx, x, group, stats):
-        ctx.group, ctx.stats = group, stats
-        return seq_to_head_all_to_all(x, group, stats)
+    def forward(ctx, x, group, stats, to_heads: bool):
+        ctx.group, ctx.stats, ctx.to_heads = group, stats, to_heads
+        return (seq_to_head_all_to_all if to_heads else head_to_seq_all_to_all)(x, group, stats)
 
     @staticmethod
     def backward(ctx, grad):
-        return head_to_seq_all_to_all(grad.contiguous(), ctx.group, ctx.stats), None, None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, stats):
-        ctx.group, ctx.stats = group, stats
-        return head_to_seq_all_to_all(x, group, stats)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_head_all_to_all(grad.contiguous(), ctx.group, ctx.stats), None, None
+        inverse = head_to_seq_all_to_all if ctx.to_heads else seq_to_head_all_to_all
+        return inverse(grad.contiguous(), ctx.group, ctx.stats), None, None, None
 
 
 def seq_to_head(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
     """Differentiable ``[B, S/P, H, D] -> [B, S, H/P, D]``."""
-    return _SeqToHead.apply(x, group, stats)
+    return _AllToAll.apply(x, group, stats, True)
 
 
 def head_to_seq(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
     """Differentiable ``[B, S, H/P, D] -> [B, S/P, H, D]``."""
-    return _HeadToSeq.apply(x, group, stats)
+    return _AllToAll.apply(x, group, stats, False)
 
 
 # ----------------------------------------------------------------------------------------------

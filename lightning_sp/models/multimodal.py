@@ -2,49 +2,22 @@
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 from typing_extensions import override
 
 from lightning_sp.models._attention import sequence_parallel_cross_entropy
-from lightning_sp.models.layers import Transformer, TransformerConfig
-from lightning_sp.models.protein import make_optimizer
+from lightning_sp.models.base import TransformerLM
 
 
-class MultimodalDecoder(L.LightningModule):
+class MultimodalDecoder(TransformerLM):
     """Next-token decoder; labels come pre-shifted from the data (``labels[t]`` = target after token ``t``).
 
     Batch: ``input_ids, labels, position_ids [B, S]``; optional ``answer_mask [B, S]`` (bool) marks the
     long-range answer target, whose accuracy is logged as ``*/answer_acc``.
     """
 
-    def __init__(
-        self,
-        *,
-        vocab_size: int = 279,
-        d_model: int = 128,
-        n_layers: int = 4,
-        n_heads: int = 4,
-        n_kv_heads: int | None = None,
-        mlp_ratio: float = 4.0,
-        attention_backend: str | None = None,
-        lr: float = 1e-3,
-        weight_decay: float = 0.01,
-        warmup_steps: int = 10,
-    ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        if lr <= 0 or warmup_steps < 0 or weight_decay < 0:
-            raise ValueError(f"need lr > 0, warmup_steps >= 0, weight_decay >= 0; got {lr}, {warmup_steps}, {weight_decay}")
-        self.config = TransformerConfig(
-            vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-            mlp_ratio=mlp_ratio, causal=True, attention_backend=attention_backend,
-        )
-        self.net = Transformer(self.config)
-
-    @override
-    def forward(self, input_ids, position_ids=None, cu_seqlens=None) -> torch.Tensor:
-        return self.net(input_ids, position_ids, cu_seqlens)  # [B, S, V]
+    causal = True
+    default_vocab_size = 279
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         logits = self(batch["input_ids"], batch.get("position_ids"), batch.get("cu_seqlens"))  # [B, S, V]
@@ -70,7 +43,3 @@ class MultimodalDecoder(L.LightningModule):
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._step(batch, "val")
-
-    @override
-    def configure_optimizers(self):
-        return make_optimizer(self, self.hparams.lr, self.hparams.weight_decay, self.hparams.warmup_steps)
