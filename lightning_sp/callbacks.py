@@ -58,6 +58,9 @@ class SequenceParallelMonitor(Callback):
             ``pl_module.hparams`` with ``num_layers``/``n_layer``, ``hidden``/``d_model``/``n_embd``
             and ``vocab_size``); MFU/TFLOP/s are skipped if neither is available.
         peak_flops: peak FLOP/s of one device; default: a table for known GPUs, none on CPU (no MFU).
+            ``"measure"``: time a dense matmul in the training dtype on this device at setup and use
+            that rate (MFU is then relative to the device's measured matmul rate, not a vendor peak;
+            the rate is logged as ``measured_peak_tflops``).
         log_every_n_steps: logging interval in optimizer steps.
     """
 
@@ -65,9 +68,11 @@ class SequenceParallelMonitor(Callback):
         self,
         *,
         flops_per_iteration: Callable[[int, int], float] | None = None,
-        peak_flops: float | None = None,
+        peak_flops: float | str | None = None,
         log_every_n_steps: int = 1,
     ) -> None:
+        if isinstance(peak_flops, str) and peak_flops != "measure":
+            raise ValueError(f"peak_flops must be a number, None or 'measure', got {peak_flops!r}")
         if log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
         self.flops_per_iteration = flops_per_iteration
@@ -97,7 +102,31 @@ class SequenceParallelMonitor(Callback):
             return None
         return lambda b, s: megatron_flops_per_iteration(batch=b, seq_len=s, num_layers=n_l, hidden=h, vocab=v)
 
+    @staticmethod
+    def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.5) -> float:
+        """Achieved FLOP/s of repeated ``[size, size] @ [size, size]`` matmuls on ``device``."""
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        a @ b  # warm-up
+        n, t0 = 0, time.perf_counter()
+        while True:
+            a @ b
+            n += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            if dt >= seconds:
+                return 2.0 * size**3 * n / dt
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if self.peak_flops == "measure" and stage == "fit":
+            dtype = next((p.dtype for p in pl_module.parameters()), torch.float32)
+            self._measured_peak = self.measure_matmul_flops(pl_module.device, dtype)
+
     def _peak(self, device: torch.device) -> float | None:
+        if self.peak_flops == "measure":
+            return getattr(self, "_measured_peak", None)
         if self.peak_flops is not None:
             return self.peak_flops
         if device.type == "cuda":
@@ -159,6 +188,8 @@ class SequenceParallelMonitor(Callback):
             peak = self._peak(pl_module.device)
             if peak:
                 metrics[p + "mfu"] = flops / dt / (peak * trainer.world_size)
+                if self.peak_flops == "measure":
+                    metrics[p + "measured_peak_tflops"] = peak / 1e12
         if context is not None:
             metrics[p + "comm_mib"] = context.comm.total_bytes / 2**20
             for op, nbytes in context.comm.snapshot().items():
