@@ -52,8 +52,10 @@ def run_on_ranks(
     *,
     timeout_s: float = 240.0,
     pg_timeout_s: float = 60.0,
+    may_die: tuple[int, ...] = (),
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+    Ranks in ``may_die`` may exit without reporting (fault tests); their result is ``None``."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -81,7 +83,10 @@ def run_on_ranks(
                 # A rank that died without reporting (segfault, os._exit) cannot answer any more.
                 if dead and all(procs[r].exitcode not in (None, 0) for r in dead):
                     for r in dead:
-                        failures[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
+                        if r in may_die:
+                            results[r] = None
+                        else:
+                            failures[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
                 continue
             (results if ok else failures)[rank] = payload
             if not ok:

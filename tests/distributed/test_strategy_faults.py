@@ -1,4 +1,4 @@
-"""A stalled rank ends the run with an error naming the rank and the timeout, never an endless hang."""
+"""A stalled or dead rank ends the run with an error naming the rank, never an endless hang."""
 
 from __future__ import annotations
 
@@ -49,3 +49,34 @@ def test_stalled_rank_fails_fast_with_clear_message():
         assert "connectFullMesh" not in res["error"], "failed while creating groups, not on the stall"
         # waited for the strategy's timeout, not the world group's 60 s
         assert PG_TIMEOUT_S - 0.5 < res["elapsed"] < 40, res["elapsed"]
+
+
+def _death_worker(rank: int, world_size: int) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    model = _make_model(causal=True)
+    step = type(model).training_step
+
+    def dying_step(self, batch, batch_idx):
+        if rank == 3 and batch_idx == 1:
+            os._exit(1)  # the process is killed (OOM killer, hardware fault, ...)
+        return step(self, batch, batch_idx)
+
+    model.training_step = dying_step.__get__(model)
+    cfg = _c("death", "zigzag_ring", 4, timeout=PG_TIMEOUT_S)
+    torch.distributed.barrier()
+    start = time.monotonic()
+    try:
+        _fit(cfg, model, _dataset(8), steps=3)
+    except Exception as err:  # noqa: BLE001 - the error itself is what is tested
+        return {"error": f"{type(err).__name__}: {err}", "elapsed": time.monotonic() - start}
+    return {"error": None, "elapsed": time.monotonic() - start}
+
+
+def test_dead_rank_fails_fast_with_clear_message():
+    results = run_on_ranks(_death_worker, WORLD, timeout_s=120, pg_timeout_s=60, may_die=(3,))
+    assert results[3] is None  # it really died
+    for rank in range(3):
+        res = results[rank]
+        assert res["error"] is not None, f"rank {rank} finished although rank 3 died"
+        assert f"[lightning_sp] rank {rank} " in res["error"], res["error"]
+        assert res["elapsed"] < 40, res["elapsed"]
