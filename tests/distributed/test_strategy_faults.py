@@ -17,18 +17,22 @@ PG_TIMEOUT_S = 4
 STALL_S = 10  # > PG_TIMEOUT_S: the peers' collectives must time out
 
 
-def _stall_worker(rank: int, world_size: int) -> dict:
+def _fault_worker(rank: int, world_size: int, fault: str) -> dict:
+    """Rank 3 stalls (``fault="stall"``) or dies (``"die"``) in its second training step."""
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
     model = _make_model(causal=True)
     step = type(model).training_step
 
-    def stalling_step(self, batch, batch_idx):
+    def faulty_step(self, batch, batch_idx):
         if rank == 3 and batch_idx == 1:
-            time.sleep(STALL_S)  # a hung data loader, a swapped-out host, ...
+            if fault == "stall":
+                time.sleep(STALL_S)  # a hung data loader, a swapped-out host, ...
+            else:
+                os._exit(1)  # the process is killed (OOM killer, hardware fault, ...)
         return step(self, batch, batch_idx)
 
-    model.training_step = stalling_step.__get__(model)
-    cfg = _c("stall", "ring", 4, timeout=PG_TIMEOUT_S)
+    model.training_step = faulty_step.__get__(model)
+    cfg = _c(fault, "ring" if fault == "stall" else "zigzag_ring", 4, timeout=PG_TIMEOUT_S)
     # the timeout also bounds creating the strategy's groups: line the ranks up first (2 busy cores)
     torch.distributed.barrier()
     start = time.monotonic()
@@ -40,7 +44,7 @@ def _stall_worker(rank: int, world_size: int) -> dict:
 
 
 def test_stalled_rank_fails_fast_with_clear_message():
-    results = run_on_ranks(_stall_worker, WORLD, timeout_s=120, pg_timeout_s=60)
+    results = run_on_ranks(_fault_worker, WORLD, args=("stall",), timeout_s=120, pg_timeout_s=60)
     for rank in range(3):  # the ranks that waited for rank 3
         res = results[rank]
         assert res["error"] is not None, f"rank {rank} finished although rank 3 stalled"
@@ -51,29 +55,8 @@ def test_stalled_rank_fails_fast_with_clear_message():
         assert PG_TIMEOUT_S - 0.5 < res["elapsed"] < 40, res["elapsed"]
 
 
-def _death_worker(rank: int, world_size: int) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
-    model = _make_model(causal=True)
-    step = type(model).training_step
-
-    def dying_step(self, batch, batch_idx):
-        if rank == 3 and batch_idx == 1:
-            os._exit(1)  # the process is killed (OOM killer, hardware fault, ...)
-        return step(self, batch, batch_idx)
-
-    model.training_step = dying_step.__get__(model)
-    cfg = _c("death", "zigzag_ring", 4, timeout=PG_TIMEOUT_S)
-    torch.distributed.barrier()
-    start = time.monotonic()
-    try:
-        _fit(cfg, model, _dataset(8), steps=3)
-    except Exception as err:  # noqa: BLE001 - the error itself is what is tested
-        return {"error": f"{type(err).__name__}: {err}", "elapsed": time.monotonic() - start}
-    return {"error": None, "elapsed": time.monotonic() - start}
-
-
 def test_dead_rank_fails_fast_with_clear_message():
-    results = run_on_ranks(_death_worker, WORLD, timeout_s=120, pg_timeout_s=60, may_die=(3,))
+    results = run_on_ranks(_fault_worker, WORLD, args=("die",), timeout_s=120, pg_timeout_s=60, may_die=(3,))
     assert results[3] is None  # it really died
     for rank in range(3):
         res = results[rank]
