@@ -41,6 +41,7 @@ __all__ = [
     "padded_length",
     "token_indices",
     "runs_of",
+    "runs_for_ranks",
     "sequence_positions",
     "shard_sequence",
     "gather_sequence",
@@ -138,6 +139,16 @@ def runs_of(indices: "torch.Tensor | list[int]") -> list[Run]:
             runs.append(Run(start, idx[start], i - start))
             start = i
     return runs
+
+
+@lru_cache(maxsize=1024)
+def runs_for_ranks(layout: SequenceLayout, world_size: int, padded_len: int, ranks: tuple[int, ...]) -> tuple[Run, ...]:
+    """Runs of the tokens of ``ranks`` concatenated in that order (e.g. all ranks after an
+    all-gather). Cached: the same layouts recur at every layer and step."""
+    indices: list[int] = []
+    for r in ranks:
+        indices.extend(_token_indices_cached(layout, world_size, padded_len, r))
+    return tuple(runs_of(indices))
 
 
 def group_size_and_rank(group) -> tuple[int, int]:

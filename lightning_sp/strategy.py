@@ -45,7 +45,9 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
+from lightning_sp.attention import default_ulysses_degree
 from lightning_sp.context import SequenceParallelContext
+from lightning_sp.ops.backends import BACKENDS
 from lightning_sp.topology import MeshAxis, ParallelDims
 
 if TYPE_CHECKING:
@@ -53,17 +55,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal", "local")
 DATA_PARALLEL = ("ddp", "fsdp")
 DEFAULT_SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "loss_mask", "inputs_embeds")
-
-
-def default_ulysses_degree(sequence_parallel_size: int) -> int:
-    """``usp`` without an explicit ``ulysses_degree``: the attention module's default (the largest
-    divisor of ``sp`` that leaves a ring of >= 2 ranks), so strategy and modules agree."""
-    from lightning_sp.attention import default_ulysses_degree as attention_default
-
-    return attention_default(sequence_parallel_size)
 
 
 def _recompute_in_backward(module: nn.Module) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from lightning_sp.comm.collectives import all_gather_raw, head_to_seq, reduce_scatter_raw, seq_to_head
 from lightning_sp.comm.stats import CommStats
-from lightning_sp.layout import Run, SequenceLayout, runs_of, token_indices
+from lightning_sp.layout import Run, SequenceLayout, runs_for_ranks, token_indices
 from lightning_sp.ops.colossal import colossal_attention
 from lightning_sp.ops.kernels import LocalKernel
 from lightning_sp.ops.ring_attention import (
@@ -51,6 +51,10 @@ class AttentionCall:
     def positions(self, world: int, rank: int) -> torch.Tensor:
         return token_indices(self.layout, world, self.padded_len, rank)
 
+    def runs(self, world: int, ranks) -> list[Run]:
+        """Runs of the tokens of ``ranks`` (concatenated in that order); cached per layout."""
+        return list(runs_for_ranks(self.layout, world, self.padded_len, tuple(ranks)))
+
     def spec(self, q_runs, k_runs_by_rank, group=None) -> BlockAttentionSpec:
         return BlockAttentionSpec(
             kernel=self.kernel, scale=self.scale, causal=self.causal, q_runs=q_runs,
@@ -75,15 +79,16 @@ def local_attention(q, k, v, call: AttentionCall) -> torch.Tensor:
     return block_attention(q, k, v, call.spec(whole, [whole]))
 
 
-def _attend_gathered(q, k, v, call: AttentionCall, positions: torch.Tensor) -> torch.Tensor:
-    """Local attention over a gathered sequence whose tokens sit at ``positions``: reorder to global
-    order when the layout scattered them, so one call covers everything."""
-    runs = runs_of(positions)
+def _attend_gathered(q, k, v, call: AttentionCall, world: int) -> torch.Tensor:
+    """Local attention over the sequence gathered from all ranks (rank order): reorder it to global
+    order when the layout scattered the tokens, so one kernel call covers everything."""
+    runs = call.runs(world, range(world))
     if len(runs) == 1:
         return block_attention(q, k, v, call.spec(runs, [runs]))
+    positions = torch.cat([call.positions(world, r) for r in range(world)])
     order = torch.argsort(positions).to(q.device)
     inverse = torch.argsort(order)
-    whole = [Run(0, int(positions.min()), q.size(1))]
+    whole = [Run(0, 0, q.size(1))]
     out = block_attention(q.index_select(1, order), k.index_select(1, order), v.index_select(1, order),
                           call.spec(whole, [whole]))
     return out.index_select(1, inverse)
@@ -96,15 +101,14 @@ def ulysses_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     # [B, S/P, H, D] -> [B, S, H/P, D]
     qh, kh, vh = (seq_to_head(t, group, call.stats) for t in (q, k, v))
-    positions = torch.cat([call.positions(world, r) for r in range(world)])
-    out = _attend_gathered(qh, kh, vh, call, positions)  # [B, S, H/P, D]
+    out = _attend_gathered(qh, kh, vh, call, world)  # [B, S, H/P, D]
     return head_to_seq(out, group, call.stats)  # [B, S/P, H, D]
 
 
 def ring_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     """``ring`` and ``zigzag_ring``: the layout decides which blocks are skipped."""
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    runs = [runs_of(call.positions(world, r)) for r in range(world)]
+    runs = [call.runs(world, [r]) for r in range(world)]
     return block_attention(q, k, v, call.spec(runs[rank], runs, group=group))
 
 
@@ -134,8 +138,7 @@ class _AllGatherKVFunction(torch.autograd.Function):
 
 def allgather_kv_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    k_runs = runs_of(torch.cat([call.positions(world, r) for r in range(world)]))
-    spec = call.spec(runs_of(call.positions(world, rank)), [k_runs])
+    spec = call.spec(call.runs(world, [rank]), [call.runs(world, range(world))])
     return _AllGatherKVFunction.apply(q, k, v, spec, group, call.stats)
 
 
@@ -150,9 +153,7 @@ def usp_attention(q, k, v, call: AttentionCall, *, ulysses_group, ring_group) ->
     if u > 1:
         q, k, v = (seq_to_head(t, ulysses_group, call.stats) for t in (q, k, v))
     world = u * r
-    ring_runs = [
-        runs_of(torch.cat([call.positions(world, i * u + j) for j in range(u)])) for i in range(r)
-    ]
+    ring_runs = [call.runs(world, range(i * u, (i + 1) * u)) for i in range(r)]
     out = block_attention(q, k, v, call.spec(ring_runs[ring_rank], ring_runs, group=ring_group))
     return head_to_seq(out, ulysses_group, call.stats) if u > 1 else out  # [B, S/P, H, D]
 
