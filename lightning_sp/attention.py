@@ -151,9 +151,6 @@ class SequenceParallelAttention(nn.Module):
         """The sequence-parallel group this module attends over (``None``: no parallelism)."""
         return self.group if self.group is not None else self.context.group
 
-    def _group(self):
-        return self.process_group
-
     def resolved_backend(self) -> str:
         if self.backend is not None:
             return self.backend
@@ -170,7 +167,7 @@ class SequenceParallelAttention(nn.Module):
     @property
     def layout(self) -> SequenceLayout:
         backend = self.resolved_backend()
-        world, _ = group_size_and_rank(self._group())
+        world, _ = group_size_and_rank(self.process_group)
         if backend in ("local",) or world == 1:
             return SequenceLayout("contiguous")
         return layout_for_backend(backend, group_size=world, ulysses_degree=self._ulysses_degree(world) if backend == "usp" else None)
@@ -191,8 +188,8 @@ class SequenceParallelAttention(nn.Module):
                 "use causal=True and/or cu_seqlens for packed documents"
             )
         _check_local_inputs(q, k, v, cu_seqlens)
-        group = self._group()
-        world, rank = group_size_and_rank(group)
+        group = self.process_group
+        world, _ = group_size_and_rank(group)
         backend = self.resolved_backend()
         if world == 1:
             backend = "local"
