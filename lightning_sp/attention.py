@@ -174,12 +174,17 @@ class SequenceParallelAttention(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens=None, seq_len: int | None = None, **unsupported) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens=None, seq_len: int | None = None,
+        softmax_scale: float | None = None, **unsupported,
+    ) -> torch.Tensor:
         """``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``[B, S_local, H, D]``.
 
         ``cu_seqlens``: int cumulative lengths ``[0, l1, ..., N]`` of the *global* packed sequence
         (``B == 1``), the same on every rank. ``seq_len``: unpadded global length (defaults to the
         bound context's ``global_seq_len``); positions at or beyond it are padding, never attended.
+        ``softmax_scale``: overrides the constructor's for this call (Hugging Face passes ``scaling``
+        per call).
         """
         if unsupported:
             names = ", ".join(sorted(unsupported))
@@ -203,7 +208,7 @@ class SequenceParallelAttention(nn.Module):
             backend = "ulysses" if q.size(2) % world == 0 else "zigzag_ring"
         layout = self.layout
         call = backends.AttentionCall(
-            kernel=self._make_kernel(q), scale=self.softmax_scale or 1.0 / math.sqrt(q.size(-1)),
+            kernel=self._make_kernel(q), scale=_resolve_scale(softmax_scale, self.softmax_scale, q.size(-1)),
             causal=self.causal, layout=layout, padded_len=padded_len, doc_bounds=doc_bounds,
             stats=self.context.comm,
         )
@@ -243,6 +248,14 @@ class SequenceParallelAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"causal={self.causal}, backend={self.backend}, kernel={self.kernel}"
+
+
+def _resolve_scale(call_scale: float | None, module_scale: float | None, head_dim: int) -> float:
+    """The per-call scale, else the module's, else ``1/sqrt(D)``."""
+    for scale in (call_scale, module_scale):
+        if scale is not None:
+            return float(scale)
+    return 1.0 / math.sqrt(head_dim)
 
 
 def _check_local_inputs(q, k, v, cu_seqlens) -> None:
