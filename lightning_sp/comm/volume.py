@@ -36,3 +36,13 @@ def forward_elements(backend: str, *, seq_len: int, world: int, num_heads: int, 
         a2a = (2 * num_heads + 2 * h_kv) * d * n / p if u > 1 else 0.0
         return a2a + (r - 1) / r * 2 * n * h_kv * d / u
     raise ValueError(f"no analytic volume for backend {backend!r}")
+
+
+def tensor_parallel_elements(*, tokens: int, hidden: int, world: int, sequence_parallel: bool = True) -> float:
+    """Forward elements sent per rank and transformer layer by Megatron tensor parallelism on ``world``
+    ranks (``tokens`` = ``B*S`` per tensor-parallel group, ``hidden`` = ``h``). With SP: 2 all-gathers
+    + 2 reduce-scatters of ``[S, h]``; without: 2 all-reduces (each ``2 (t-1)/t`` of its input). Both
+    ``4 (t-1)/t * N h``: the paper's ``4Nh`` for large ``t``. Ulysses moves ``4 N h / P``."""
+    if world == 1:
+        return 0.0
+    return 4 * (world - 1) / world * tokens * hidden

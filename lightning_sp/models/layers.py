@@ -3,6 +3,11 @@
 Every tensor here is this rank's shard of the sequence: ``S`` below is ``S_local`` under the strategy
 and the full length without it. Position-dependent math (rotary) uses the global ``position_ids`` of
 the batch, so a shard computes exactly what the unsharded model computes at those tokens.
+
+Under tensor parallelism (``SequenceParallelStrategy(tensor_parallel_size=t)``) the linears, the
+embedding and the tied head split their weights over the ``tp`` group and the residual stream holds
+``S_t = ceil(S / t)`` rows (Note [Megatron tensor + sequence parallelism]); unbound, they are the plain
+``nn`` layers, so one model runs under every combination of degrees.
 """
 
 from __future__ import annotations
@@ -14,7 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_sp.models._attention import SequenceParallelAttention, attention_group
+from lightning_sp.models._attention import SequenceParallelAttention, attention_group, sequence_parallel_cross_entropy
+from lightning_sp.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelContext,
+    TensorParallelModule,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    tensor_parallel_cross_entropy,
+    vocab_parallel_argmax,
+)
 
 
 @dataclass(kw_only=True)
@@ -78,39 +93,75 @@ def rotary(x: torch.Tensor, position_ids: torch.Tensor, base: float) -> torch.Te
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
-class Block(nn.Module):
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class MLP(nn.Sequential):
+    """``fc1`` (column-parallel) -> GELU -> ``fc2`` (row-parallel); a ``Sequential`` so parameter names
+    stay ``mlp.0.*`` / ``mlp.2.*``."""
+
+    def forward(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:  # [B, S_t, C] -> [B, S_t, C]
+        return self[2](self[1](self[0](x, seq_len=seq_len)))
+
+
+class Block(TensorParallelModule):
     """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = None
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim)
+        h, hkv, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.qkv = ColumnParallelLinear(cfg.d_model, (h + 2 * hkv) * d, output_sizes=(h * d, hkv * d, hkv * d))
         self.attn = SequenceParallelAttention(causal=cfg.causal, backend=cfg.attention_backend)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         hidden = int(cfg.mlp_ratio * cfg.d_model)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, hidden), nn.GELU(), nn.Linear(hidden, cfg.d_model))
+        self.mlp = MLP(ColumnParallelLinear(cfg.d_model, hidden), nn.GELU(), RowParallelLinear(hidden, cfg.d_model))
+
+    def bind_tensor_parallel(self, ctx: TensorParallelContext) -> None:
+        """Check that the heads divide across TP first, then Ulysses (the linears split themselves)."""
+        t, u, h, hkv = ctx.world, ctx.ulysses_degree, self.cfg.n_heads, self.cfg.kv_heads
+        if h % t or hkv % t:
+            raise ValueError(
+                f"tensor_parallel_size={t} must divide both n_heads={h} and n_kv_heads={hkv} (each rank keeps "
+                f"n_heads/t query and n_kv_heads/t key/value heads); tensor_parallel_size in "
+                f"{_divisors(math.gcd(h, hkv))} would work"
+            )
+        if (h // t) % u:
+            raise ValueError(
+                f"after tensor parallelism each rank has n_heads/tensor_parallel_size = {h}/{t} = {h // t} query heads, "
+                f"which ulysses_degree={u} does not divide (heads divide across TP first, then Ulysses); "
+                f"ulysses_degree in {_divisors(h // t)} or tensor_parallel_size in "
+                f"{[d for d in _divisors(math.gcd(h, hkv)) if (h // d) % u == 0]} would work"
+            )
+        self.tp = ctx
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        b, s, _ = x.shape  # [B, S, C]
-        h, hkv, d = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.head_dim
-        q, k, v = self.qkv(self.ln1(x)).split([h * d, hkv * d, hkv * d], dim=-1)  # [B, S, (H|Hkv)*D]
-        q = rotary(q.view(b, s, h, d), position_ids, self.cfg.rope_base)  # [B, S, H, D]
-        k = rotary(k.view(b, s, hkv, d), position_ids, self.cfg.rope_base)  # [B, S, Hkv, D]
-        v = v.view(b, s, hkv, d)  # [B, S, Hkv, D]
-        a = self.attn(q, k, v, cu_seqlens=cu_seqlens)  # [B, S, H, D]
-        x = x + self.proj(a.reshape(b, s, h * d))  # [B, S, C]
-        return x + self.mlp(self.ln2(x))
+        b, s = position_ids.shape  # x [B, S_t, C]: S_t = S without TP+SP, ceil(S / t) with it
+        t = self.tp.world if self.tp is not None else 1
+        h, hkv, d = self.cfg.n_heads // t, self.cfg.kv_heads // t, self.cfg.head_dim  # this rank's heads
+        q, k, v = self.qkv(self.ln1(x), seq_len=s).split([h * d, hkv * d, hkv * d], dim=-1)  # [B, S, (H|Hkv)/t*D]
+        q = rotary(q.view(b, s, h, d), position_ids, self.cfg.rope_base)  # [B, S, H/t, D]
+        k = rotary(k.view(b, s, hkv, d), position_ids, self.cfg.rope_base)  # [B, S, Hkv/t, D]
+        v = v.view(b, s, hkv, d)  # [B, S, Hkv/t, D]
+        a = self.attn(q, k, v, cu_seqlens=cu_seqlens)  # [B, S, H/t, D]
+        x = x + self.proj(a.reshape(b, s, h * d))  # [B, S_t, C]
+        return x + self.mlp(self.ln2(x), s)
 
 
-class Transformer(nn.Module):
-    """Token embedding -> blocks -> final norm -> tied output head. ``[B, S]`` ids -> ``[B, S, V]`` logits."""
+class Transformer(TensorParallelModule):
+    """Token embedding -> blocks -> final norm -> tied output head. ``[B, S]`` ids -> ``[B, S, V]`` logits
+    (``[B, S, V_r]``, this rank's vocabulary range, under tensor parallelism: use ``cross_entropy`` and
+    ``argmax``, which know)."""
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tp = None
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.apply(self._init)
@@ -129,11 +180,30 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         if position_ids is None:  # unsharded use only: under the strategy positions come from the batch
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        x = self.embed(input_ids)  # [B, S, C]
+        x = self.embed(input_ids)  # [B, S_t, C]
         for blk in self.blocks:
             x = blk(x, position_ids, cu_seqlens)
-        return F.linear(self.ln_f(x), self.embed.weight)  # [B, S, V]
+        # tied head: column-parallel over the vocabulary, [B, S_t, C] -> [B, S, V_r]
+        return column_parallel_linear(self.ln_f(x), self.embed.weight, None, self.tp, seq_len=input_ids.size(1))
+
+    def bind_tensor_parallel(self, ctx: TensorParallelContext) -> None:
+        self.tp = ctx
 
     def sequence_parallel_group(self):
         """The process group the attention modules are bound to (``None``: not sequence parallel)."""
         return attention_group(self)
+
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+        """Mean token cross-entropy of the global batch from this rank's ``logits [B, S, V(_r)]``, same on
+        every rank: vocabulary-parallel under TP, summed over the sequence-parallel group under CP."""
+        group = self.sequence_parallel_group()
+        if self.tp_bound:
+            return tensor_parallel_cross_entropy(logits, labels, tp=self.tp, vocab_start=self.embed.vocab_start,
+                                                 ignore_index=ignore_index, group=group)
+        return sequence_parallel_cross_entropy(logits, labels, ignore_index=ignore_index, group=group)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[B, S]`` predicted token ids (over the whole vocabulary under TP)."""
+        if self.tp_bound:
+            return vocab_parallel_argmax(logits, self.tp, vocab_start=self.embed.vocab_start)
+        return logits.argmax(-1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from typing_extensions import override
 
-from lightning_sp.models._attention import sequence_parallel_cross_entropy
 from lightning_sp.models.base import TransformerLM
 
 
@@ -22,12 +21,12 @@ class MultimodalDecoder(TransformerLM):
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         logits = self(batch["input_ids"], batch.get("position_ids"), batch.get("cu_seqlens"))  # [B, S, V]
         group = self.net.sequence_parallel_group()
-        loss = sequence_parallel_cross_entropy(logits, batch["labels"], group=group)
+        loss = self.net.cross_entropy(logits, batch["labels"])
         bsz = batch["input_ids"].shape[0]
         self.log(f"{stage}/loss", loss, prog_bar=True, on_step=stage == "train", on_epoch=stage != "train", sync_dist=stage != "train", batch_size=bsz)
         if "answer_mask" in batch:
             m = batch["answer_mask"].bool()  # [B, S]: exactly one position per sample, on one rank
-            correct = (logits.argmax(-1) == batch["labels"]) & m
+            correct = (self.net.argmax(logits) == batch["labels"]) & m
             stats = torch.stack([correct.sum(), m.sum()]).float()
             if group is not None:
                 torch.distributed.all_reduce(stats, group=group)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from typing_extensions import override
 
-from lightning_sp.models._attention import sequence_parallel_cross_entropy
 from lightning_sp.models.base import TransformerLM
 
 
@@ -21,7 +20,7 @@ class ProteinEncoder(TransformerLM):
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self(batch["input_ids"], batch.get("position_ids"), batch.get("cu_seqlens"))  # [B, S, V]
-        loss = sequence_parallel_cross_entropy(logits, batch["labels"], group=self.net.sequence_parallel_group())
+        loss = self.net.cross_entropy(logits, batch["labels"])
         return loss, logits
 
     @override
