@@ -47,11 +47,14 @@ from typing_extensions import override
 
 from lightning_sp.attention import default_ulysses_degree
 from lightning_sp.context import SequenceParallelContext
+from lightning_sp.mesh import ParallelMesh, build_parallel_mesh
 from lightning_sp.ops.backends import BACKENDS
+from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel
 from lightning_sp.topology import MeshAxis, ParallelDims
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,10 @@ class SequenceParallelStrategy(DDPStrategy):
             the dataset order, so a run compares step for step with a single-device, unshuffled run.
         process_group_timeout: seconds (or ``timedelta``) a collective may wait before the run fails
             with an error naming the rank; keep it short to turn a dead or stalled rank into an error.
+        tensor_parallel_size: Megatron tensor + sequence parallelism over the innermost ``tp`` mesh axis
+            (``lightning_sp.tensor_parallel``): every ``TensorParallelModule`` of the model keeps its
+            slice of the weights, heads divide across TP first, then Ulysses. The mesh is
+            ``dp x sp(ring x ulysses) x tp`` (``device_mesh``); DDP / FSDP2 run over ``dp x sp``.
         **kwargs: passed to ``DDPStrategy`` (``start_method``, ``process_group_backend``,
             ``find_unused_parameters``, ...).
     """
@@ -125,6 +132,7 @@ class SequenceParallelStrategy(DDPStrategy):
         checkpoint_attention: bool = False,
         shuffle: bool = True,
         process_group_timeout: float | timedelta = timedelta(minutes=30),
+        tensor_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         if "timeout" in kwargs:
@@ -148,11 +156,17 @@ class SequenceParallelStrategy(DDPStrategy):
         if ulysses_degree is not None and sequence_parallel_size is not None:
             ParallelDims(world_size=sequence_parallel_size, sequence_parallel_size=sequence_parallel_size,
                          ulysses_degree=ulysses_degree)  # eager check: ulysses_degree divides sp
+        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL}")
         if isinstance(sequence_keys, str):
             raise ValueError(f"sequence_keys must be a sequence of keys, got the string {sequence_keys!r}; use ({sequence_keys!r},)")
         self._sp_size_arg = sequence_parallel_size
+        self._tp_size = tensor_parallel_size
+        self._mesh: ParallelMesh | None = None
+        self._tp_context: TensorParallelContext | None = None
+        self._tp_sharded: set[str] = set()
         self._backend = backend
         self._ulysses_degree_arg = ulysses_degree
         self._data_parallel = data_parallel
@@ -191,7 +205,7 @@ class SequenceParallelStrategy(DDPStrategy):
         return self.num_processes if self.num_processes else None
 
     def _make_dims(self, world_size: int) -> ParallelDims:
-        sp = world_size if self._sp_size_arg is None else self._sp_size_arg
+        sp = max(world_size // self._tp_size, 1) if self._sp_size_arg is None else self._sp_size_arg
         if self._backend == "usp":
             u = self._ulysses_degree_arg or default_ulysses_degree(sp, ranks_per_node=self._ranks_per_node())
         elif self._backend == "ulysses":
@@ -199,11 +213,12 @@ class SequenceParallelStrategy(DDPStrategy):
         else:
             u = 1
         try:
-            return ParallelDims(world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u)
+            return ParallelDims(world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u,
+                                tensor_parallel_size=self._tp_size)
         except ValueError as err:
             raise ValueError(
                 f"SequenceParallelStrategy(sequence_parallel_size={sp}, backend={self._backend!r}, "
-                f"ulysses_degree={self._ulysses_degree_arg}) on num_nodes={self.num_nodes} x "
+                f"ulysses_degree={self._ulysses_degree_arg}, tensor_parallel_size={self._tp_size}) on num_nodes={self.num_nodes} x "
                 f"devices={self.num_processes}: {err}"
             ) from None
 
@@ -250,6 +265,31 @@ class SequenceParallelStrategy(DDPStrategy):
         return self._dp_group
 
     @property
+    def tensor_parallel_size(self) -> int:
+        return self._tp_size
+
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        """The 4-D ``DeviceMesh`` with axes ``("dp", "ring", "ulysses", "tp")`` (``lightning_sp.mesh``)."""
+        if self._mesh is None:
+            raise RuntimeError("SequenceParallelStrategy.device_mesh is created in Trainer setup")
+        return self._mesh.mesh
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        """This rank's tensor-parallel group (the innermost mesh axis)."""
+        if self._mesh is None:
+            raise RuntimeError("SequenceParallelStrategy.tp_group is created in Trainer setup")
+        return self._mesh.group(MeshAxis.TP)
+
+    @property
+    def tensor_parallel_context(self) -> TensorParallelContext:
+        """What the model's tensor-parallel layers are bound to (group, comm counters); set in ``setup``."""
+        if self._tp_context is None:
+            raise RuntimeError("SequenceParallelStrategy.tensor_parallel_context is created in Trainer setup")
+        return self._tp_context
+
+    @property
     def layout(self):
         """The ``SequenceLayout`` batches are sharded with (that of the bound attention modules)."""
         if self._layout is None:
@@ -283,11 +323,6 @@ class SequenceParallelStrategy(DDPStrategy):
         super().setup_environment()  # init_process_group (or reuse an initialised one)
         self._build_groups()
 
-    def _new_group(self, ranks: list[int]) -> dist.ProcessGroup:
-        group = dist.new_group(ranks, timeout=self._timeout)
-        self._owned_groups.append(group)
-        return group
-
     def _build_groups(self) -> None:
         world = dist.get_world_size()
         dims = self._make_dims(world)
@@ -297,23 +332,19 @@ class SequenceParallelStrategy(DDPStrategy):
                 f"num_nodes={self.num_nodes} x devices={self.num_processes}"
             )
         self._dims = dims
-        rank = dist.get_rank()
-        # new_group must be called by every rank for every group, in the same order
-        mine: dict[MeshAxis, dist.ProcessGroup] = {}
-        axes = [MeshAxis.SP, MeshAxis.DP] + ([MeshAxis.ULYSSES, MeshAxis.RING] if self._backend == "usp" else [])
-        for axis in axes:
-            for ranks in dims.groups(axis):
-                group = self._new_group(ranks)
-                if rank in ranks:
-                    mine[axis] = group
-            log.debug("rank %d: %s groups %s", rank, axis.value, dims.groups(axis))
-        self._dp_group = mine[MeshAxis.DP]
+        # one DeviceMesh dp x ring x ulysses x tp (collective: every rank, same order)
+        self._mesh = build_parallel_mesh(dims, self.root_device.type, timeout=self._timeout)
+        self._owned_groups.extend(self._mesh.transient_groups())
+        mesh = self._mesh
+        log.debug("rank %d: mesh %s", dist.get_rank(), mesh.mesh)
+        self._dp_group = mesh.group(MeshAxis.DP)
+        usp = self._backend == "usp"
         self._context = SequenceParallelContext(
-            group=mine[MeshAxis.SP],
+            group=mesh.group(MeshAxis.SP),
             backend=self._backend,
-            ulysses_degree=dims.ulysses if self._backend == "usp" else None,
-            ulysses_group=mine.get(MeshAxis.ULYSSES),
-            ring_group=mine.get(MeshAxis.RING),
+            ulysses_degree=dims.ulysses if usp else None,
+            ulysses_group=mesh.group(MeshAxis.ULYSSES) if usp else None,
+            ring_group=mesh.group(MeshAxis.RING) if usp else None,
             kernel=self._kernel,
             ranks_per_node=self._ranks_per_node(),
         )
@@ -325,6 +356,13 @@ class SequenceParallelStrategy(DDPStrategy):
             f"SequenceParallelStrategy: world={world} dp={dims.dp} sp={dims.sp} (ring={dims.ring} x "
             f"ulysses={dims.ulysses}) backend={backend} data_parallel={self._data_parallel}"
         )
+        self._tp_context = TensorParallelContext(
+            group=mesh.group(MeshAxis.TP) if dims.tp > 1 else None, sequence_parallel=True,
+            ulysses_degree=dims.ulysses if self._backend in ("ulysses", "usp") else 1,
+        )
+        if dims.tp > 1:
+            rank_zero_info(f"SequenceParallelStrategy: tensor_parallel_size={dims.tp} (Megatron TP+SP, innermost axis); "
+                           f"mesh dp x ring x ulysses x tp = {' x '.join(map(str, dims.mesh_shape))}")
 
     def _bind_model(self, module: nn.Module) -> None:
         from lightning_sp.attention import SequenceParallelAttention, layout_for_backend
@@ -344,6 +382,8 @@ class SequenceParallelStrategy(DDPStrategy):
                 f"({ {k: str(v) for k, v in layouts.items()} }), but a batch can be sharded only one way: "
                 "build them with backend=None (the strategy's backend) or backends of the same layout"
             )
+        if self._tp_context is not None and self._tp_context.world > 1:
+            self._bind_tensor_parallel(module)
         if distinct:
             self._layout = distinct.pop()
         else:
@@ -351,11 +391,51 @@ class SequenceParallelStrategy(DDPStrategy):
                 self._backend, group_size=self.parallel_dims.sp, ulysses_degree=self.context.ulysses_degree
             )
 
+    def _bind_tensor_parallel(self, module: nn.Module) -> None:
+        """Split the model's ``TensorParallelModule`` weights over the ``tp`` axis (Note [Megatron tensor +
+        sequence parallelism]); remember which parameters are split (the others are replicated)."""
+        self._tp_sharded = set(bind_tensor_parallel(module, self._tp_context))
+        if not self._tp_sharded:
+            raise ValueError(
+                f"tensor_parallel_size={self._tp_size} but the model has no tensor-parallel layers "
+                "(lightning_sp.tensor_parallel.ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding): "
+                "build it from them (as lightning_sp.models does), or use tensor_parallel_size=1"
+            )
+
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        from lightning.pytorch.trainer.states import TrainerFn
+
         assert self.lightning_module is not None
         self._bind_model(self.lightning_module)
-        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            super().setup(trainer)
+            return
+        # validate / test / predict. DDPStrategy.setup would broadcast every tensor from global rank 0,
+        # which breaks FSDP2-sharded parameters ("Cannot flatten unevenly sharded tensor" when a first
+        # dim does not divide the world: trainer.validate() after fit) and tensor-parallel shards.
+        # Synchronise over dp x sp only: the ranks that hold the same shard.
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if not self._is_fsdp_root():
+            self._broadcast_replicas(self.model)
+        self.setup_precision_plugin()
+
+    def _broadcast_replicas(self, module: nn.Module) -> None:
+        """Copy every parameter and buffer from the first rank of this rank's ``dp x sp`` group."""
+        from torch.distributed.tensor import DTensor
+
+        group = self._mesh.group(MeshAxis.DP_SP)
+        if dist.get_world_size(group) == 1:
+            return
+        src = dist.get_process_group_ranks(group)[0]
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                if isinstance(t, DTensor):
+                    continue  # sharded by FSDP: consistent by construction
+                dist.broadcast(t.data, src=src, group=group)
 
     # ---------------------------------------------------------------------------------- batches
     @override
@@ -455,13 +535,14 @@ class SequenceParallelStrategy(DDPStrategy):
     # ---------------------------------------------------------------------------------- model wrapping
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
+        # DDP / FSDP2 over dp x sp (the world when tp = 1): see Note [Gradient reduction over dp x sp]
         if self._data_parallel == "ddp":
-            return super()._setup_model(model)  # DDP over the world: see Note [Gradient reduction over dp x sp]
-        from torch.distributed.device_mesh import DeviceMesh
+            if self.parallel_dims.tp > 1:  # tp ranks hold different shards: never average across them
+                self._ddp_kwargs.setdefault("process_group", self._mesh.group(MeshAxis.DP_SP))
+            return super()._setup_model(model)
         from torch.distributed.fsdp import fully_shard
 
-        # flattened dp x sp mesh = the world, in global rank order
-        mesh = DeviceMesh(self.root_device.type, torch.arange(dist.get_world_size()))
+        mesh = self._mesh.dp_sp  # flattened dp x sp mesh, in global rank order
         for m in model.modules():
             if m is not model and isinstance(m, self._fsdp_shard_modules):
                 fully_shard(m, mesh=mesh)
@@ -495,6 +576,33 @@ class SequenceParallelStrategy(DDPStrategy):
             with self.precision_plugin.val_step_context():
                 return self._redirect("validation_step", *args, **kwargs)
         return super().validation_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._tp_context is None or self._tp_context.world == 1:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_tp_sum() -> Any:
+            result = closure()  # forward + backward of the last micro-batch (DDP/FSDP reduce over dp x sp)
+            self.reduce_tensor_parallel_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_tp_sum, model, **kwargs)
+
+    def reduce_tensor_parallel_gradients(self) -> None:
+        """Sum the gradients of replicated parameters over the ``tp`` axis, once per optimizer step.
+
+        Under Megatron SP a replicated parameter (a norm, a row-parallel bias) sees only ``S/t`` rows
+        on each tp rank, so its gradient is partial; split parameters already hold their full
+        gradient. (Manual optimization: call this before ``optimizer.step()``.)"""
+        from torch.distributed.tensor import DTensor
+
+        group = self._tp_context.group
+        grads = [p.grad for n, p in self.lightning_module.named_parameters()
+                 if n not in self._tp_sharded and p.grad is not None]
+        for g in grads:  # one collective per tensor, same order on every rank
+            local = g.to_local() if isinstance(g, DTensor) else g
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
 
     def _is_fsdp_root(self) -> bool:
         from torch.distributed.fsdp import FSDPModule
@@ -601,6 +709,8 @@ class SequenceParallelStrategy(DDPStrategy):
         self._owned_groups.clear()
         self._context = None
         self._dp_group = None
+        self._mesh = None
+        self._tp_context = None
 
     # ---------------------------------------------------------------------------------- registry
     @classmethod

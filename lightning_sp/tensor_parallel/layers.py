@@ -72,19 +72,19 @@ def _keep_rows(param: nn.Parameter, ranges: Sequence[tuple[int, int]], dim: int)
 
 
 def _check_rebind(module: TensorParallelModule, ctx: TensorParallelContext) -> bool:
-    """True if already bound to ``ctx`` (nothing to do); raise if bound to another context."""
-    if module.tp is None:
+    """True if the weights are already split as ``ctx`` wants (same group size and rank: a new Trainer
+    stage rebuilds the groups), after switching to ``ctx``; raise if they are split another way."""
+    done = getattr(module, "_tp_split", None)  # (world, rank) of the split already applied
+    if done is None:
         return False
-    if module.tp is ctx or (module.tp.group is ctx.group and module.tp.sequence_parallel == ctx.sequence_parallel):
+    if done == (ctx.world, ctx.rank):
         module.tp = ctx
         return True
-    if module.tp.world > 1:
-        raise ValueError(
-            f"{type(module).__name__} is already split over a tensor-parallel group of {module.tp.world} ranks; "
-            "build a fresh model to run it under another tensor_parallel_size (or load a checkpoint into one)"
-        )
-    module.tp = None
-    return False
+    raise ValueError(
+        f"{type(module).__name__} is already split as rank {done[1]} of {done[0]} tensor-parallel ranks; "
+        f"it cannot be re-split as rank {ctx.rank} of {ctx.world}: build a fresh model for another "
+        "tensor_parallel_size (and load a checkpoint into it)"
+    )
 
 
 class _SequenceParallelColumnLinear(torch.autograd.Function):
@@ -147,7 +147,7 @@ class ColumnParallelLinear(nn.Linear, TensorParallelModule):
     def bind_tensor_parallel(self, ctx: TensorParallelContext) -> None:
         if _check_rebind(self, ctx):
             return
-        self.tp = ctx
+        self.tp, self._tp_split = ctx, (ctx.world, ctx.rank)
         if ctx.world == 1:
             return
         ranges, offset = [], 0
@@ -178,7 +178,7 @@ class RowParallelLinear(nn.Linear, TensorParallelModule):
     def bind_tensor_parallel(self, ctx: TensorParallelContext) -> None:
         if _check_rebind(self, ctx):
             return
-        self.tp = ctx
+        self.tp, self._tp_split = ctx, (ctx.world, ctx.rank)
         if ctx.world > 1:
             _keep_rows(self.weight, [shard_range(self.in_features, ctx.world, ctx.rank)], 1)
 
@@ -216,7 +216,7 @@ class VocabParallelEmbedding(nn.Embedding, TensorParallelModule):
     def bind_tensor_parallel(self, ctx: TensorParallelContext) -> None:
         if _check_rebind(self, ctx):
             return
-        self.tp = ctx
+        self.tp, self._tp_split = ctx, (ctx.world, ctx.rank)
         if ctx.world > 1:
             self.vocab_start, self.vocab_stop = shard_range(self.num_embeddings, ctx.world, ctx.rank)
             _keep_rows(self.weight, [(self.vocab_start, self.vocab_stop)], 0)
