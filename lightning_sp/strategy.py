@@ -109,6 +109,10 @@ class SequenceParallelStrategy(DDPStrategy):
             (``lightning_sp.tensor_parallel``): every ``TensorParallelModule`` of the model keeps its
             slice of the weights, heads divide across TP first, then Ulysses. The mesh is
             ``dp x sp(ring x ulysses) x tp`` (``device_mesh``); DDP / FSDP2 run over ``dp x sp``.
+        distributed_checkpoint: save checkpoints as a ``torch.distributed.checkpoint`` directory in which
+            every rank writes only the chunks it holds, resumable under other tp / sp / dp degrees and
+            DDP <-> FSDP (``lightning_sp.checkpoint``). ``None``: on with FSDP or tensor parallelism,
+            otherwise Lightning's single file. Sharded directories are always recognised when loading.
         **kwargs: passed to ``DDPStrategy`` (``start_method``, ``process_group_backend``,
             ``find_unused_parameters``, ...).
     """
@@ -133,6 +137,7 @@ class SequenceParallelStrategy(DDPStrategy):
         shuffle: bool = True,
         process_group_timeout: float | timedelta = timedelta(minutes=30),
         tensor_parallel_size: int = 1,
+        distributed_checkpoint: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if "timeout" in kwargs:
@@ -167,6 +172,9 @@ class SequenceParallelStrategy(DDPStrategy):
         self._mesh: ParallelMesh | None = None
         self._tp_context: TensorParallelContext | None = None
         self._tp_sharded: set[str] = set()
+        self._distributed_checkpoint = (tensor_parallel_size > 1 or data_parallel == "fsdp") \
+            if distributed_checkpoint is None else bool(distributed_checkpoint)
+        self._restored_sharded = False
         self._backend = backend
         self._ulysses_degree_arg = ulysses_degree
         self._data_parallel = data_parallel
@@ -631,7 +639,8 @@ class SequenceParallelStrategy(DDPStrategy):
         # would round a float64 checkpoint through the float32 module
         return True
 
-    # DDP: Lightning's single-file checkpoint (nothing is sharded by sp, so any sp degree can resume).
+    # Single file (distributed_checkpoint=False; the default for DDP without tensor parallelism):
+    # DDP: Lightning's checkpoint (nothing is sharded by sp, so any sp degree can resume).
     # FSDP: the full (unsharded) state dict is gathered on every rank and written once by rank 0, so
     # a checkpoint also resumes under another degree or under DDP.
     def _fsdp_options(self, **kw):
@@ -639,8 +648,63 @@ class SequenceParallelStrategy(DDPStrategy):
 
         return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
 
+    # Sharded (``distributed_checkpoint``): see Note [Checkpoint chunks] in lightning_sp.checkpoint. The
+    # model and optimizer state stay chunked until ``save_checkpoint`` hands them to DCP; loading
+    # happens in ``load_checkpoint`` (after setup: the model is converted, wrapped and split), so the
+    # Lightning restore hooks below have nothing left to do.
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if not self._distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        from lightning_sp import checkpoint as sharded
+
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported with distributed_checkpoint=True")
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        tensors = {f"model/{k}": v for k, v in checkpoint["state_dict"].items()}
+        groups = []
+        for i, state in enumerate(checkpoint.get("optimizer_states", [])):
+            tensors.update({f"optimizer{i}/{k}": v for k, v in state["tensors"].items()})
+            groups.append(state["param_groups"])
+        meta["optimizer_param_groups"] = groups
+        dims = self.parallel_dims
+        meta["lightning_sp"] = {"dp": dims.dp, "sp": dims.sp, "tp": dims.tp, "data_parallel": self._data_parallel}
+        sharded.save(filepath, tensors, meta)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning_sp import checkpoint as sharded
+
+        self._restored_sharded = False
+        if not sharded.is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        meta = sharded.load_meta(checkpoint_path)
+        module = self.lightning_module
+        tensors = {f"model/{k}": v for k, v in sharded.model_state(module).items()}
+        saved_groups = meta.pop("optimizer_param_groups", [])
+        restore_optim = bool(self.optimizers) and len(saved_groups) == len(self.optimizers)
+        if restore_optim:
+            for i, opt in enumerate(self.optimizers):
+                sharded.init_optimizer_state(opt)
+                state, _ = sharded.optimizer_state(module, opt)
+                tensors.update({f"optimizer{i}/{k}": v for k, v in state.items()})
+        sharded.load(checkpoint_path, tensors)  # every rank reads the chunks it holds, in place
+        if restore_optim:
+            for opt, groups in zip(self.optimizers, saved_groups):
+                for group, saved in zip(opt.param_groups, groups):
+                    group.update({k: v for k, v in saved.items() if k != "params"})
+        self._restored_sharded = True
+        meta["state_dict"] = {}  # already loaded into the model
+        if restore_optim:
+            meta["optimizer_states"] = [{} for _ in self.optimizers]
+        return meta
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._distributed_checkpoint:
+            from lightning_sp.checkpoint import model_state
+
+            return model_state(self.lightning_module)
         if self._data_parallel == "fsdp" and self._is_fsdp_root():
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -649,6 +713,11 @@ class SequenceParallelStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._distributed_checkpoint:
+            from lightning_sp.checkpoint import optimizer_state
+
+            tensors, groups = optimizer_state(self.lightning_module, optimizer)
+            return {"tensors": tensors, "param_groups": groups}
         if self._data_parallel == "fsdp" and self._is_fsdp_root():
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -657,6 +726,13 @@ class SequenceParallelStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._restored_sharded:
+            return
+        if self._tp_size > 1:
+            raise ValueError(
+                "a single-file (full) checkpoint cannot be loaded into a tensor-parallel model; save it with "
+                "SequenceParallelStrategy(distributed_checkpoint=True), which reshards across degrees"
+            )
         if self._data_parallel == "fsdp" and self._is_fsdp_root():
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -666,6 +742,8 @@ class SequenceParallelStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._restored_sharded:
+            return
         if self._data_parallel == "fsdp" and self._is_fsdp_root():
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 

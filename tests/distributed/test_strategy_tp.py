@@ -241,3 +241,98 @@ def test_mesh_groups_tp_innermost(results):
     assert g[2]["tp2xdp2/ddp/decoder"] == {"tp": [2, 3], "sp": [2], "dp": [0, 2], "dp_sp": [0, 2]}
     assert g[3]["tp4/protein"] == {"tp": [0, 1, 2, 3], "sp": [3], "dp": [3], "dp_sp": [3]}
     assert all(r["comm"]["tp4/protein"] > 0 for r in results)  # the tp collectives ran (and were counted)
+
+
+# --------------------------------------------------------------------------- sharded checkpoints
+# one epoch (2 optimizer steps, global batch 2) under the first layout, saved with
+# torch.distributed.checkpoint; a second epoch resumed under the second layout
+RESUME = [
+    ("resume/protein tp2xdp2 fsdp -> tp4 ddp", _c("a", "protein", 2, 1, dp="fsdp"), _c("b", "protein", 4, 1, b=2)),
+    ("resume/decoder tp2xcp2 ddp -> cp2xdp2 fsdp", _c("a", "decoder", 2, 2, b=2), _c("b", "decoder", 1, 2, dp="fsdp")),
+]
+
+
+def _fit_epochs(cfg, model, data, epochs, *, ckpt_in=None, ckpt_out=None):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_sp.strategy import SequenceParallelStrategy
+
+    os.environ["WORLD_SIZE"] = str(WORLD)
+    strategy = SequenceParallelStrategy(
+        cfg["sp"], backend=cfg["backend"], data_parallel=cfg["dp"], tensor_parallel_size=cfg["tp"],
+        shuffle=False, process_group_timeout=60, distributed_checkpoint=True,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, precision="64-true", max_epochs=epochs,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=cfg["b"], shuffle=False), ckpt_path=ckpt_in)
+    if ckpt_out is not None:
+        trainer.save_checkpoint(ckpt_out)
+    return trainer
+
+
+def _resume_worker(rank: int, world_size: int, tmpdir: str) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    import torch.distributed as dist
+
+    from lightning_sp.models.base import make_optimizer
+    from lightning_sp.topology import ParallelDims
+
+    out: dict = {"diff": {}, "moved": {}, "files": {}}
+    for name, first, second in RESUME:
+        vocab = 31 if first["model"] == "protein" else 279
+        data = _data(vocab, 4, 9)
+        path = os.path.join(tmpdir, name.replace("/", "_").replace(" ", "_"))
+        _fit_epochs(first, _make(first["model"]), data, 1, ckpt_out=path)
+        if rank == 0:
+            out["files"][name] = {f: os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)}
+        fresh = _make(second["model"])
+        with torch.no_grad():  # a different start: only the checkpoint can make it right
+            for p in fresh.parameters():
+                p.add_(1.0)
+        trainer = _fit_epochs(second, fresh, data, 2, ckpt_in=path)
+        dims = ParallelDims(world_size=WORLD, sequence_parallel_size=second["sp"], tensor_parallel_size=second["tp"])
+        tp_groups = [dist.new_group(r) for r in dims.groups("tp")]
+        got = _full_params(trainer.lightning_module, second["tp"], tp_groups[rank // second["tp"]])
+        # reference: epoch 0 with the first layout's replicas, epoch 1 with the second's, one optimizer
+        model = _make(first["model"]).double()
+        h = model.hparams
+        conf = make_optimizer(model, h.lr, h.weight_decay, h.warmup_steps)
+        opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+        for replicas in _replica_batches(first, len(data)) + _replica_batches(second, len(data)):
+            loss = _replica_mean_loss(model, data, replicas)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+        ref = {n: p.detach() for n, p in model.named_parameters()}
+        out["diff"][name] = _max_diff(got, ref)
+        out["moved"][name] = _max_diff(ref, {n: p.detach().double() for n, p in _make(first["model"]).named_parameters()})
+        for g in tp_groups:
+            dist.destroy_process_group(g)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return run_on_ranks(_resume_worker, WORLD, args=(str(tmp_path_factory.mktemp("dcp")),), timeout_s=600, pg_timeout_s=60)
+
+
+@pytest.mark.parametrize("name", [r[0] for r in RESUME])
+def test_resume_across_degrees_equals_uninterrupted(resumed, name):
+    for rank, res in enumerate(resumed):
+        assert res["diff"][name] < TOL, f"rank {rank} {name}: {res['diff'][name]:.3e}"
+        assert res["moved"][name] > 1e-3
+
+
+@pytest.mark.parametrize("name", [r[0] for r in RESUME])
+def test_no_rank_writes_the_whole_state(resumed, name):
+    files = resumed[0]["files"][name]
+    shards = {f: n for f, n in files.items() if f.endswith(".distcp")}
+    assert len(shards) == WORLD and "meta.pt" in files, files
+    # every rank wrote its own chunks; none holds (close to) all of them
+    assert max(shards.values()) < 0.6 * sum(shards.values()), shards
