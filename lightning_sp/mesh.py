@@ -9,7 +9,7 @@ tensor-parallel shard: DDP's process group and FSDP2's mesh). Every group gets t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -48,7 +48,6 @@ class ParallelMesh:
     """1-D: the context-parallel (sequence-parallel) group, ``ring x ulysses`` flattened, Ulysses inner."""
     dp_sp: DeviceMesh
     """1-D: ``dp x ring x ulysses`` flattened; ranks that hold the same tensor-parallel shard."""
-    _groups: dict = field(default_factory=dict, repr=False)
 
     def group(self, axis: MeshAxis | str) -> dist.ProcessGroup:
         """This rank's process group along ``axis``."""

@@ -418,6 +418,10 @@ class SequenceParallelStrategy(DDPStrategy):
         self._bind_model(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)
+            if self._tp_context is not None and self._tp_context.world > 1:
+                # Lightning's clip-by-norm takes each rank's local norm; under TP that differs across
+                # tp ranks (and from one process): use the global norm instead
+                self.precision_plugin.clip_grad_by_norm = self.clip_grad_norm_
             return
         # validate / test / predict. DDPStrategy.setup would broadcast every tensor from global rank 0,
         # which breaks FSDP2-sharded parameters ("Cannot flatten unevenly sharded tensor" when a first
@@ -611,6 +615,29 @@ class SequenceParallelStrategy(DDPStrategy):
         for g in grads:  # one collective per tensor, same order on every rank
             local = g.to_local() if isinstance(g, DTensor) else g
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, clip_val: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the *global* model: squared norms of split parameters
+        summed over ``tp``, of FSDP shards over ``dp x sp``, replicated ones counted once."""
+        from torch.distributed.tensor import DTensor
+
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        grads = [(names.get(id(p)), p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        local = [(n, g.to_local() if isinstance(g, DTensor) else g) for n, g in grads]
+        sq = torch.zeros(2, dtype=torch.float64, device=local[0][1].device)  # [split, replicated]
+        for n, g in local:
+            sq[0 if n in self._tp_sharded else 1] += g.double().pow(2).sum()
+        if self._is_fsdp_root():  # every parameter is sharded over dp x sp
+            dist.all_reduce(sq, group=self._mesh.group(MeshAxis.DP_SP))
+        split = sq[0:1].clone()
+        dist.all_reduce(split, group=self._tp_context.group)
+        total = (split[0] + sq[1]).sqrt()
+        coef = (clip_val / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for _, g in local:
+            g.mul_(coef.to(g.dtype))
+        return total
 
     def _is_fsdp_root(self) -> bool:
         from torch.distributed.fsdp import FSDPModule

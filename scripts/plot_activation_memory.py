@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     ax2.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
     ax2.set_ylabel("measured / formula")
     ax2.set_ylim(0.97, 1.03)
-    ax2.set_title(f"all shapes {', '.join(f'({s},{h},{a_})' for s, h, a_ in shapes)}, t in {degrees}")
+    ax2.set_title(f"(s, h, a) in {', '.join(f'({s},{h},{a_})' for s, h, a_ in shapes)}\nt = P in {degrees}", fontsize=10)
     ax2.legend(fontsize=8)
     fig.tight_layout()
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,7 @@ CP_ROWS = [
 ]
 SHAPES_FULL = [(512, 1024, 16), (1024, 1024, 16), (2048, 512, 8), (256, 2048, 32)]  # (s, h, a)
 SHAPES_QUICK = [(64, 256, 8)]
-DEGREES = (1, 2, 4)
+DEGREES = (1, 2, 4, 8)
 BATCH = 1
 DROPOUT = 0.1
 
@@ -169,7 +169,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-cp", action="store_true", help="skip the context-parallel rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    results = measure(SHAPES_QUICK if args.quick else SHAPES_FULL, cp=not args.no_cp)
+    results = measure(SHAPES_QUICK if args.quick else SHAPES_FULL, degrees=(1, 2, 4) if args.quick else DEGREES,
+                      cp=not args.no_cp)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [asdict(r) for r in results]
     with open(args.out / "activation_memory.csv", "w", newline="") as f:

@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_sp.models._attention import SequenceParallelAttention, attention_group, sequence_parallel_cross_entropy

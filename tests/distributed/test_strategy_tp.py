@@ -27,16 +27,16 @@ TOL = 1e-10
 N_SAMPLES = 8
 
 
-def _c(name, model, tp, sp, *, backend="zigzag_ring", dp="ddp", b=1, validate=False):
-    return dict(name=name, model=model, tp=tp, sp=sp, backend=backend, dp=dp, b=b, validate=validate)
+def _c(name, model, tp, sp, *, backend="zigzag_ring", dp="ddp", b=1, validate=False, clip=None):
+    return dict(name=name, model=model, tp=tp, sp=sp, backend=backend, dp=dp, b=b, validate=validate, clip=clip)
 
 
-CASES = [
-    _c("tp4/protein", "protein", 4, 1, b=2),
+CASES = [  # clip: gradient clipping active (global norm ~1 >> 0.05): the norm must be the whole model's
+    _c("tp4/protein+clip", "protein", 4, 1, b=2, clip=0.05),
     _c("tp2xdp2/ddp/decoder", "decoder", 2, 1),
     _c("tp2xcp2/zigzag_ring/decoder", "decoder", 2, 2, b=2),
     _c("tp2xcp2/ulysses/protein", "protein", 2, 2, backend="ulysses", b=2),
-    _c("tp2xdp2/fsdp/decoder+validate", "decoder", 2, 1, dp="fsdp", validate=True),
+    _c("tp2xdp2/fsdp/decoder+validate+clip", "decoder", 2, 1, dp="fsdp", validate=True, clip=0.05),
     _c("cp2xdp2/fsdp/protein+validate", "protein", 1, 2, dp="fsdp", validate=True),
 ]
 
@@ -92,6 +92,9 @@ def _reference(cfg: dict, data, val_data):
         loss = _replica_mean_loss(model, data, replicas)
         opt.zero_grad()
         loss.backward()
+        if cfg["clip"] is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
+            assert norm > 2 * cfg["clip"], norm  # clipping is active: the case tests something
         opt.step()
         sched.step()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -152,7 +155,7 @@ def _fit(cfg: dict, model, data, val_data, probe):
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, precision="64-true", max_steps=STEPS,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=[probe],
+        num_sanity_val_steps=0, callbacks=[probe], gradient_clip_val=cfg["clip"],
     )
     trainer.fit(model, DataLoader(data, batch_size=cfg["b"], shuffle=False))
     val = None
@@ -184,7 +187,7 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
     import torch.distributed as dist
 
@@ -212,13 +215,15 @@ def _worker(rank: int, world_size: int) -> dict:
         out["comm"][cfg["name"]] = probe.seen["comm"]
         for g in tp_groups:
             dist.destroy_process_group(g)
+    out["resume"] = _resume_worker(rank, world_size, tmpdir)
     return out
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
+    # one spawn for the module: training cases, then the resume cases
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return run_on_ranks(_worker, WORLD, timeout_s=600, pg_timeout_s=60)
+    return run_on_ranks(_worker, WORLD, args=(str(tmp_path_factory.mktemp("dcp")),), timeout_s=800, pg_timeout_s=60)
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
@@ -239,8 +244,8 @@ def test_mesh_groups_tp_innermost(results):
     g = [r["groups"] for r in results]
     assert g[1]["tp2xcp2/zigzag_ring/decoder"] == {"tp": [0, 1], "sp": [1, 3], "dp": [1], "dp_sp": [1, 3]}
     assert g[2]["tp2xdp2/ddp/decoder"] == {"tp": [2, 3], "sp": [2], "dp": [0, 2], "dp_sp": [0, 2]}
-    assert g[3]["tp4/protein"] == {"tp": [0, 1, 2, 3], "sp": [3], "dp": [3], "dp_sp": [3]}
-    assert all(r["comm"]["tp4/protein"] > 0 for r in results)  # the tp collectives ran (and were counted)
+    assert g[3]["tp4/protein+clip"] == {"tp": [0, 1, 2, 3], "sp": [3], "dp": [3], "dp_sp": [3]}
+    assert all(r["comm"]["tp4/protein+clip"] > 0 for r in results)  # the tp collectives ran (and were counted)
 
 
 # --------------------------------------------------------------------------- sharded checkpoints
@@ -275,7 +280,6 @@ def _fit_epochs(cfg, model, data, epochs, *, ckpt_in=None, ckpt_out=None):
 
 
 def _resume_worker(rank: int, world_size: int, tmpdir: str) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
     import torch.distributed as dist
 
     from lightning_sp.models.base import make_optimizer
@@ -317,9 +321,8 @@ def _resume_worker(rank: int, world_size: int, tmpdir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return run_on_ranks(_resume_worker, WORLD, args=(str(tmp_path_factory.mktemp("dcp")),), timeout_s=600, pg_timeout_s=60)
+def resumed(results):
+    return [r["resume"] for r in results]
 
 
 @pytest.mark.parametrize("name", [r[0] for r in RESUME])
