@@ -145,3 +145,17 @@ def test_cli_accepts_short_model_names_in_help():
     assert expand_short_names(["fit", "--model.help", "ProteinEncoder"]) == [
         "fit", "--model.help", "lightning_sp.models.ProteinEncoder"]
     assert expand_short_names(["fit", "--data.help", "my.pkg.Data"]) == ["fit", "--data.help", "my.pkg.Data"]
+
+
+def test_strategy_says_what_auto_resolved_to(caplog):
+    from lightning_sp import SequenceParallelContext
+
+    strategy = SequenceParallelStrategy(2, backend="auto")
+    strategy._context = SequenceParallelContext(backend="auto")
+    strategy._announce_auto_backend()  # nothing resolved yet: silent
+    strategy._context.resolved_backend = "ulysses"
+    with caplog.at_level("INFO"):
+        strategy._announce_auto_backend()
+        strategy._announce_auto_backend()  # once only
+    said = [r.getMessage() for r in caplog.records if "backend='auto' runs" in r.getMessage()]
+    assert said == ["SequenceParallelStrategy: backend='auto' runs ulysses"]
