@@ -142,8 +142,10 @@ class SequenceParallelAttention(nn.Module):
         validate_inputs: check that all ranks pass matching shapes, dtypes, lengths and documents (one
             tiny all-gather the first time each call signature is seen, shared by the modules of a
             context); a mismatch, or bad input on any one rank, raises on every rank instead of
-            hanging or computing garbage. A shape that later changes on some ranks only is not
-            re-checked and surfaces as a collective timeout.
+            hanging or computing garbage. A signature that later changes on some ranks only is not
+            seen by the ranks whose signature is cached, and surfaces as a process-group timeout;
+            ``"always"`` checks every call (debugging); ``False`` never (bad input then raises on the
+            rank that has it only, and its peers wait for the timeout).
     """
 
     def __init__(
@@ -157,7 +159,7 @@ class SequenceParallelAttention(nn.Module):
         kernel: str = "auto",
         dropout_p: float = 0.0,
         window_size: tuple[int, int] | None = None,
-        validate_inputs: bool = True,
+        validate_inputs: bool | str = True,
     ):
         super().__init__()
         if dropout_p:
@@ -173,6 +175,8 @@ class SequenceParallelAttention(nn.Module):
             raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if validate_inputs not in (True, False, "always"):
+            raise ValueError(f"validate_inputs must be True, False or 'always', got {validate_inputs!r}")
         if ulysses_degree is not None and ulysses_degree < 1:
             raise ValueError(f"ulysses_degree must be >= 1, got {ulysses_degree}")
         self.causal = causal
@@ -313,7 +317,7 @@ class SequenceParallelAttention(nn.Module):
         layout = self.layout
         if self.validate_inputs:
             signature = _signature(q, k, error, self.causal, backend, layout, bounds, seq_len, scale)
-            if error is not None or ctx.needs_validation(signature):
+            if error is not None or self.validate_inputs == "always" or ctx.needs_validation(signature):
                 _check_across_ranks(signature, error, group, q)
                 ctx.mark_validated(signature)
         elif error is not None:

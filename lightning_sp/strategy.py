@@ -88,7 +88,9 @@ class SequenceParallelStrategy(DDPStrategy):
         data_parallel: ``"ddp"`` (replicated parameters, all-reduce over the world) or ``"fsdp"``
             (FSDP2 ``fully_shard`` over the flattened ``dp x sp`` ranks, ZeRO-3 style).
         sequence_keys: batch keys (for a Mapping batch) or positions (for a tuple/list batch) whose
-            tensors are sharded along dim 1.
+            tensors are sharded along dim 1. With ``sp > 1`` a batch holding none of them raises (it
+            would otherwise train every rank on the whole sequence). Tuple batches get no
+            ``position_ids`` (no key can be added; a one-time warning says so).
         label_keys: those of ``sequence_keys`` padded with ``ignore_index`` instead of ``pad_value``.
         position_ids_key: if this key is in ``sequence_keys`` but missing from a Mapping batch, the
             strategy adds this rank's global positions ``[B, S_local]`` (padding clamped to ``N - 1``).
