@@ -101,12 +101,13 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # grad [B, S, C_out/t]
         x, weight = ctx.saved_tensors
+        dt = grad.dtype  # under autocast the matmul ran in a lower precision than x / weight
         full = sp_all_gather(x, ctx.group, dim=1, seq_len=ctx.seq_len, stats=ctx.stats)  # re-gather [B, S, C_in]
-        grad_x = sp_reduce_scatter(grad @ weight, ctx.group, dim=1, stats=ctx.stats)  # [B, S_pad/t, C_in]
+        grad_x = sp_reduce_scatter(grad @ weight.to(dt), ctx.group, dim=1, stats=ctx.stats)  # [B, S_pad/t, C_in]
         g2 = grad.reshape(-1, grad.size(-1))  # [B*S, C_out/t]
-        grad_w = g2.t() @ full.reshape(-1, full.size(-1))  # [C_out/t, C_in]
-        grad_b = g2.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None
+        grad_w = g2.t() @ full.reshape(-1, full.size(-1)).to(dt)  # [C_out/t, C_in]
+        grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), grad_b, None, None, None
 
 
 def column_parallel_linear(

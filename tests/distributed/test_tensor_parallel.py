@@ -112,6 +112,24 @@ def _comm_case(rank, out):
         }
 
 
+def _autocast_case(rank, out):
+    """tp=4 with SP under CPU bf16 autocast (float32 weights): close to the float64 model, finite."""
+    from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel
+
+    ref = _model(8, 4, True)
+    model = copy.deepcopy(ref).float()
+    bind_tensor_parallel(model, TensorParallelContext(group=dist.group.WORLD))
+    gen = torch.Generator().manual_seed(4)
+    ids, labels = torch.randint(VOCAB, (B, S), generator=gen), torch.randint(VOCAB, (B, S), generator=gen)
+    ref_loss = ref.cross_entropy(ref(ids), labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.cross_entropy(model(ids), labels)
+    loss.backward()
+    out["autocast"] = {"diff": abs(loss.item() - ref_loss.item()),
+                       "finite": all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()),
+                       "dtypes": sorted({str(p.grad.dtype) for p in model.parameters()})}
+
+
 def _worker(rank: int, world_size: int) -> dict:
     out: dict = {}
     pairs = [[0, 1], [2, 3]]
@@ -119,6 +137,7 @@ def _worker(rank: int, world_size: int) -> dict:
     _run_case(rank, "tp2/sp/gqa/bidirectional", pairs, heads=4, kv=2, sequence_parallel=True, causal=False, out=out)
     _run_case(rank, "tp2/no-sp/gqa/causal", pairs, heads=4, kv=2, sequence_parallel=False, causal=True, out=out)
     _comm_case(rank, out)
+    _autocast_case(rank, out)
     # bad input: heads that tp does not divide fail at bind time, saying what would work
     from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel
 
@@ -167,6 +186,13 @@ def test_comm_bytes_equal_analytic_volume(results, s):
         assert c["bwd"] == 1.5 * c["analytic"], c
     assert results[0]["comm/13"]["fwd"] == results[0]["comm/16"]["fwd"]  # padding rows are sent too
     assert results[0]["comm/16"]["fwd"] != 4 * 16 * B * 32 * 8  # negative control: not the t -> inf volume
+
+
+def test_bf16_autocast_runs_close(results):
+    for res in results:
+        a = res["autocast"]
+        assert a["finite"] and a["dtypes"] == ["torch.float32"], a
+        assert a["diff"] < 5e-2, a
 
 
 def test_heads_not_divisible_fail_with_fix(results):
