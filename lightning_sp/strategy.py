@@ -552,7 +552,10 @@ class SequenceParallelStrategy(DDPStrategy):
         # DDP / FSDP2 over dp x sp (the world when tp = 1): see Note [Gradient reduction over dp x sp]
         if self._data_parallel == "ddp":
             if self.parallel_dims.tp > 1:  # tp ranks hold different shards: never average across them
-                self._ddp_kwargs.setdefault("process_group", self._mesh.group(MeshAxis.DP_SP))
+                if self._ddp_kwargs.get("process_group") is not None:  # LightningCLI passes None explicitly
+                    raise ValueError("SequenceParallelStrategy builds DDP's process group (dp x sp) itself; "
+                                     "do not pass process_group=")
+                self._ddp_kwargs["process_group"] = self._mesh.group(MeshAxis.DP_SP)
             return super()._setup_model(model)
         from torch.distributed.fsdp import fully_shard
 
