@@ -267,3 +267,42 @@ def load(path: str | os.PathLike, tensors: dict[str, ChunkedTensor], *, process_
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
+
+
+# ------------------------------------------------------------------------------------------ Lightning
+def save_lightning_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike, **extra_meta: Any) -> None:
+    """Write a Lightning checkpoint dict whose ``state_dict`` came from ``model_state`` and whose
+    ``optimizer_states`` from ``{"tensors", "param_groups"}`` of ``optimizer_state`` (every rank)."""
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    tensors = {f"model/{k}": v for k, v in checkpoint["state_dict"].items()}
+    groups = []
+    for i, state in enumerate(checkpoint.get("optimizer_states", [])):
+        tensors.update({f"optimizer{i}/{k}": v for k, v in state["tensors"].items()})
+        groups.append(state["param_groups"])
+    meta["optimizer_param_groups"] = groups
+    meta["lightning_sp"] = extra_meta
+    save(path, tensors, meta)
+
+
+def load_lightning_checkpoint(path: str | os.PathLike, module: nn.Module,
+                              optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """Load the model (and, if the checkpoint has as many, the optimizers) in place from ``path``, in
+    whatever layout ``module`` and ``optimizers`` are now; return the rest of the Lightning checkpoint
+    with empty ``state_dict`` / ``optimizer_states`` placeholders (already loaded)."""
+    meta = load_meta(path)
+    tensors = {f"model/{k}": v for k, v in model_state(module).items()}
+    saved_groups = meta.pop("optimizer_param_groups", [])
+    restore_optim = bool(optimizers) and len(saved_groups) == len(optimizers)
+    if restore_optim:
+        for i, opt in enumerate(optimizers):
+            init_optimizer_state(opt)
+            state, _ = optimizer_state(module, opt)
+            tensors.update({f"optimizer{i}/{k}": v for k, v in state.items()})
+    load(path, tensors)  # every rank reads the chunks it holds, in place
+    if restore_optim:
+        for opt, groups in zip(optimizers, saved_groups):
+            for group, saved in zip(opt.param_groups, groups):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+        meta["optimizer_states"] = [{} for _ in optimizers]
+    meta["state_dict"] = {}
+    return meta

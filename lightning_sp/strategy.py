@@ -11,6 +11,11 @@ precision plugins, checkpoint IO and cluster environments are Lightning's own. O
   layout (``batch_to_device``), padding lengths that do not divide (labels with ``ignore_index``),
   setting ``context.global_seq_len`` so padded keys are never attended, and supplying global
   ``position_ids`` when the key is requested but absent (right under the zigzag layout too);
+- with ``tensor_parallel_size=t``, adds the innermost ``tp`` axis (Megatron TP+SP, ``lightning_sp.
+  tensor_parallel``): one ``DeviceMesh`` ``dp x ring x ulysses x tp`` (``lightning_sp.mesh``), the
+  model's tensor-parallel layers keep their weight slices, DDP / FSDP2 run over ``dp x sp`` only, and
+  replicated parameters' gradients are summed over ``tp`` before each optimizer step; checkpoints
+  are sharded ``torch.distributed.checkpoint`` directories (``lightning_sp.checkpoint``);
 - reduces gradients over the whole world: see Note [Gradient reduction over dp x sp]
     Replica ``d`` (an sp group of ``P`` ranks) has loss ``L_d = sum_s l_{d,s} / n_d``, the token mean of
     its sequence, where ``l_{d,s}`` sums the token losses of shard ``s``. ``sequence_parallel_cross_entropy``
@@ -607,42 +612,20 @@ class SequenceParallelStrategy(DDPStrategy):
         return super().optimizer_step(optimizer, closure_then_tp_sum, model, **kwargs)
 
     def reduce_tensor_parallel_gradients(self) -> None:
-        """Sum the gradients of replicated parameters over the ``tp`` axis, once per optimizer step.
+        """Sum replicated parameters' partial gradients over ``tp`` (``tensor_parallel.grads``); runs once
+        per optimizer step. (Manual optimization: call it before ``optimizer.step()``.)"""
+        from lightning_sp.tensor_parallel.grads import reduce_replicated_gradients
 
-        Under Megatron SP a replicated parameter (a norm, a row-parallel bias) sees only ``S/t`` rows
-        on each tp rank, so its gradient is partial; split parameters already hold their full
-        gradient. (Manual optimization: call this before ``optimizer.step()``.)"""
-        from torch.distributed.tensor import DTensor
-
-        group = self._tp_context.group
-        grads = [p.grad for n, p in self.lightning_module.named_parameters()
-                 if n not in self._tp_sharded and p.grad is not None]
-        for g in grads:  # one collective per tensor, same order on every rank
-            local = g.to_local() if isinstance(g, DTensor) else g
-            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        reduce_replicated_gradients(self.lightning_module, self._tp_sharded, self._tp_context.group)
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, clip_val: float) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the *global* model: squared norms of split parameters
-        summed over ``tp``, of FSDP shards over ``dp x sp``, replicated ones counted once."""
-        from torch.distributed.tensor import DTensor
+        """Clip by the norm of the whole (tp-split, FSDP-sharded) model, as one process would."""
+        from lightning_sp.tensor_parallel.grads import clip_grad_norm_
 
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        grads = [(names.get(id(p)), p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        local = [(n, g.to_local() if isinstance(g, DTensor) else g) for n, g in grads]
-        sq = torch.zeros(2, dtype=torch.float64, device=local[0][1].device)  # [split, replicated]
-        for n, g in local:
-            sq[0 if n in self._tp_sharded else 1] += g.double().pow(2).sum()
-        if self._is_fsdp_root():  # every parameter is sharded over dp x sp
-            dist.all_reduce(sq, group=self._mesh.group(MeshAxis.DP_SP))
-        split = sq[0:1].clone()
-        dist.all_reduce(split, group=self._tp_context.group)
-        total = (split[0] + sq[1]).sqrt()
-        coef = (clip_val / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for _, g in local:
-            g.mul_(coef.to(g.dtype))
-        return total
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        shard_group = self._mesh.group(MeshAxis.DP_SP) if self._is_fsdp_root() else None
+        return clip_grad_norm_(self.lightning_module, params, clip_val, sharded=self._tp_sharded,
+                               tp_group=self._tp_context.group, shard_group=shard_group)
 
     def _is_fsdp_root(self) -> bool:
         from torch.distributed.fsdp import FSDPModule
@@ -688,48 +671,24 @@ class SequenceParallelStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not self._distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        from lightning_sp import checkpoint as sharded
+        from lightning_sp.checkpoint import save_lightning_checkpoint
 
         if storage_options is not None:
             raise TypeError("storage_options is not supported with distributed_checkpoint=True")
-        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        tensors = {f"model/{k}": v for k, v in checkpoint["state_dict"].items()}
-        groups = []
-        for i, state in enumerate(checkpoint.get("optimizer_states", [])):
-            tensors.update({f"optimizer{i}/{k}": v for k, v in state["tensors"].items()})
-            groups.append(state["param_groups"])
-        meta["optimizer_param_groups"] = groups
         dims = self.parallel_dims
-        meta["lightning_sp"] = {"dp": dims.dp, "sp": dims.sp, "tp": dims.tp, "data_parallel": self._data_parallel}
-        sharded.save(filepath, tensors, meta)
+        save_lightning_checkpoint(checkpoint, filepath, dp=dims.dp, sp=dims.sp, tp=dims.tp,
+                                  data_parallel=self._data_parallel)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from lightning_sp import checkpoint as sharded
+        from lightning_sp.checkpoint import is_sharded_checkpoint, load_lightning_checkpoint
 
         self._restored_sharded = False
-        if not sharded.is_sharded_checkpoint(checkpoint_path):
+        if not is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        meta = sharded.load_meta(checkpoint_path)
-        module = self.lightning_module
-        tensors = {f"model/{k}": v for k, v in sharded.model_state(module).items()}
-        saved_groups = meta.pop("optimizer_param_groups", [])
-        restore_optim = bool(self.optimizers) and len(saved_groups) == len(self.optimizers)
-        if restore_optim:
-            for i, opt in enumerate(self.optimizers):
-                sharded.init_optimizer_state(opt)
-                state, _ = sharded.optimizer_state(module, opt)
-                tensors.update({f"optimizer{i}/{k}": v for k, v in state.items()})
-        sharded.load(checkpoint_path, tensors)  # every rank reads the chunks it holds, in place
-        if restore_optim:
-            for opt, groups in zip(self.optimizers, saved_groups):
-                for group, saved in zip(opt.param_groups, groups):
-                    group.update({k: v for k, v in saved.items() if k != "params"})
+        checkpoint = load_lightning_checkpoint(checkpoint_path, self.lightning_module, list(self.optimizers))
         self._restored_sharded = True
-        meta["state_dict"] = {}  # already loaded into the model
-        if restore_optim:
-            meta["optimizer_states"] = [{} for _ in self.optimizers]
-        return meta
+        return checkpoint
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

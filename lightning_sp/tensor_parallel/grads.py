@@ -1,0 +1,53 @@
+"""Gradient bookkeeping that tensor parallelism needs after backward and before the optimizer step.
+
+Parameters split by a tensor-parallel layer hold their full gradient on each rank; all others are
+replicated, and under sequence parallelism each tp rank saw only ``S/t`` rows, so their gradients are
+partial sums (Note [Megatron tensor + sequence parallelism]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def reduce_replicated_gradients(module: nn.Module, sharded: Iterable[str], group) -> None:
+    """Sum the gradients of ``module``'s replicated parameters (names not in ``sharded``) over the
+    tensor-parallel ``group``, in place; call once per optimizer step (not per micro-batch)."""
+    sharded = set(sharded)
+    for name, p in module.named_parameters():  # same order on every rank: one all-reduce each
+        if name not in sharded and p.grad is not None:
+            dist.all_reduce(_local(p.grad), op=dist.ReduceOp.SUM, group=group)
+
+
+def clip_grad_norm_(module: nn.Module, parameters: Iterable[nn.Parameter], max_norm: float, *,
+                    sharded: Iterable[str], tp_group, shard_group=None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for the *global* model: squared norms of tp-split parameters
+    are summed over ``tp_group``, replicated ones counted once; with FSDP (``shard_group``: the ranks
+    each parameter is sharded over) the local shards are summed over it first. Returns the norm."""
+    sharded = set(sharded)
+    names = {id(p): n for n, p in module.named_parameters()}
+    grads = [(names.get(id(p)) in sharded, _local(p.grad)) for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    sq = torch.zeros(2, dtype=torch.float64, device=grads[0][1].device)  # [split, replicated]
+    for split, g in grads:
+        sq[0 if split else 1] += g.double().pow(2).sum()
+    if shard_group is not None:
+        dist.all_reduce(sq, group=shard_group)
+    split_sq = sq[0:1].clone()
+    dist.all_reduce(split_sq, group=tp_group)
+    total = (split_sq[0] + sq[1]).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+    for _, g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
