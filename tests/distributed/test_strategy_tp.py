@@ -5,7 +5,8 @@ one-process PyTorch loop (same AdamW + warmup) to 1e-10, by changing the strateg
 ``trainer.validate()`` after ``fit()`` (the re-broadcast crash of issue 9) and the mesh groups.
 
 tp x cp x dp needs 8 ranks, more than this 2-core machine runs: its rank layout is covered by the
-pure topology tests (tests/unit/test_topology_tp.py).
+pure topology tests (tests/unit/test_topology_tp.py) and the mesh built on a fake 8-rank group
+(tests/unit/test_mesh_eight_ranks.py).
 """
 
 from __future__ import annotations
