@@ -146,6 +146,12 @@ def _worker(rank: int, world_size: int) -> dict:
         out["error"] = None
     except ValueError as err:
         out["error"] = str(err)
+    # heads divide across TP first, then Ulysses: 8 heads / tp 4 = 2 per rank, which ulysses 4 cannot split
+    try:
+        bind_tensor_parallel(_model(8, 4, True), TensorParallelContext(group=dist.group.WORLD, ulysses_degree=4))
+        out["ulysses_error"] = None
+    except ValueError as err:
+        out["ulysses_error"] = str(err)
     return out
 
 
@@ -199,3 +205,6 @@ def test_heads_not_divisible_fail_with_fix(results):
     msg = results[0]["error"]
     assert msg is not None and "tensor_parallel_size=4 must divide both n_heads=4 and n_kv_heads=2" in msg
     assert "[1, 2] would work" in msg
+    msg = results[0]["ulysses_error"]
+    assert msg is not None and "n_heads/tensor_parallel_size = 8/4 = 2 query heads, which ulysses_degree=4" in msg
+    assert "ulysses_degree in [1, 2] or tensor_parallel_size in [1, 2] would work" in msg
