@@ -19,7 +19,11 @@ Sections (``--sections``, comma-separated; default all):
   (a) bytes saved for backward by one attention call (``torch.autograd.graph.saved_tensors_hooks``,
   unique storages by ``untyped_storage().data_ptr()``), (b) peak RSS increase during one fwd+bwd
   (``VmHWM`` reset through ``/proc/self/clear_refs``, glibc told to mmap every allocation >= 128 KiB
-  so freed memory leaves the process).
+  so freed memory leaves the process), and (c) the same peak plus the bytes of this rank's inputs
+  ``q, k, v, dout`` (the whole per-rank footprint of the call). The backward is seeded through a
+  function that does not keep the attention output alive (``_SeedGrad``), as in a model, where the
+  next layer's backward has released it before attention's backward runs; an output that the
+  backend itself saves for backward still counts.
 - ``gpu``: only with CUDA; skipped (and reported as skipped) otherwise. TODO, see ``_gpu_section``.
 
 Results go to ``<out>/attention_<date>_<host kind>.json`` and ``.csv`` (device, torch version,
@@ -83,6 +87,20 @@ def _reset_hwm() -> bool:
         return True
     except OSError:
         return False
+
+
+class _SeedGrad(torch.autograd.Function):
+    """A scalar whose backward hands ``dout`` to ``x``: starts the backward of ``x`` without the
+    harness holding ``x`` (``out.backward(dout)`` would keep the output alive throughout)."""
+
+    @staticmethod
+    def forward(ctx, x, dout):
+        ctx.dout = dout
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad):
+        return ctx.dout, None
 
 
 class _SavedBytes:
@@ -280,16 +298,20 @@ def _memory_section(rank, world, cfg, group):
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             out = attn(q, k, v)
         hwm_fwd = _proc_status_kib("VmHWM")
-        out.backward(dout)
+        seed = _SeedGrad.apply(out, dout)
+        del out  # the backend's saved tensors keep what it needs (see _SeedGrad)
+        seed.backward()
         hwm_fwd_bwd = _proc_status_kib("VmHWM")
         input_bytes = sum(t.numel() * t.element_size() for t in (q, k, v))
+        inputs_and_dout = input_bytes + dout.numel() * dout.element_size()
         rows.append({
             "world": world, "rank": rank, "backend": backend, "seq_len": n, "heads": h, "head_dim": d, "dtype": "float32",
             "causal": True, "saved_for_backward_bytes": saved.total, "local_qkv_bytes": input_bytes,
             "peak_rss_increase_fwd_bytes": (hwm_fwd - rss0) * 1024 if hwm_ok else None,
             "peak_rss_increase_fwd_bwd_bytes": (hwm_fwd_bwd - rss0) * 1024 if hwm_ok else None,
+            "peak_fwd_bwd_with_inputs_bytes": (hwm_fwd_bwd - rss0) * 1024 + inputs_and_dout if hwm_ok else None,
         })
-        del out, q, k, v, dout, saved
+        del seed, q, k, v, dout, saved
         gc.collect()
         if world > 1:
             torch.distributed.barrier(group)
@@ -415,6 +437,20 @@ def _summaries(results, worlds):
                     m = max(vals)
                     cells.append(f" {_fmt_bytes(m):>15} {m / base_v:6.3f} {1 / p:5.3f}")
                 lines.append(f"{backend:<13}" + "".join(cells))
+            key = "peak_fwd_bwd_with_inputs_bytes"
+            if b.get(key):
+                lines.append(f"P=1 local: peak fwd+bwd incl. inputs q, k, v, dout {_fmt_bytes(b[key])}")
+                lines.append(f"{'backend':<13}" + "".join(f" {f'+inputs P={p}':>15} {'ratio':>6} {'1/P':>5}" for p in ps))
+                for backend in BACKENDS:
+                    cells = []
+                    for p in ps:
+                        vals = [r[key] for r in mem if r["backend"] == backend and r["world"] == p and r.get(key)]
+                        if not vals:
+                            cells.append(" " * 29)
+                            continue
+                        m = max(vals)
+                        cells.append(f" {_fmt_bytes(m):>15} {m / b[key]:6.3f} {1 / p:5.3f}")
+                    lines.append(f"{backend:<13}" + "".join(cells))
     if "gpu" in results:
         lines.append(f"\n== GPU ==\n{results['gpu']}")
     return "\n".join(lines)
@@ -477,7 +513,8 @@ def main(argv=None) -> int:
             "command": " ".join([os.path.relpath(sys.executable, os.getcwd()) if sys.executable.startswith(os.getcwd()) else sys.executable, *sys.argv]),
             "cwd": os.getcwd(), "config": cfg,
             "memory_method": "saved_for_backward: saved_tensors_hooks, unique untyped storages; peak: /proc/self/status "
-                             "VmHWM after clear_refs=5, minus VmRSS before the call (MALLOC_MMAP_THRESHOLD_=131072)"}
+                             "VmHWM after clear_refs=5, minus VmRSS before the call (MALLOC_MMAP_THRESHOLD_=131072); backward seeded "
+                             "through _SeedGrad (the harness does not hold the output); +inputs: plus the bytes of local q, k, v, dout"}
     print(f"device: {info['cpu_model']} x{info['cpu_cores']} cores, torch {info['torch']}, deepspeed {info['deepspeed']}")
     print(f"command: {meta['command']}")
     results: dict = {}
