@@ -24,6 +24,11 @@ Sections (``--sections``, comma-separated; default all):
   function that does not keep the attention output alive (``_SeedGrad``), as in a model, where the
   next layer's backward has released it before attention's backward runs; an output that the
   backend itself saves for backward still counts.
+- ``memtrace`` (not in the default run): where each backend's peak comes from. One fwd+bwd per
+  backend under ``torch.profiler`` with ``profile_memory=True``; from the allocator events (address,
+  bytes, running total) it reports the peak of tensor bytes allocated during the call and the
+  tensors alive at that moment, grouped by the aten op that allocated them and its autograd node.
+  Sees only the PyTorch allocator (not gloo's own buffers, which the RSS peak includes).
 - ``gpu``: only with CUDA; skipped (and reported as skipped) otherwise. TODO, see ``_gpu_section``.
 
 Results go to ``<out>/attention_<date>_<host kind>.json`` and ``.csv`` (device, torch version,
@@ -55,7 +60,7 @@ os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
 import torch  # noqa: E402
 
 BACKENDS = ["ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal"]
-SECTIONS = ["deepspeed", "volume", "memory", "gpu"]
+SECTIONS = ["deepspeed", "volume", "memory", "memtrace", "gpu"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,6 +323,87 @@ def _memory_section(rank, world, cfg, group):
     return rows
 
 
+def _live_at_peak(trace_path: str, top: int = 12):
+    """Parse a chrome trace: peak of the running sum of allocator bytes, and the allocations alive at
+    that moment as ``[(aten op, autograd node, MiB, count)]`` (largest first)."""
+    import bisect
+    import collections
+
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
+                 key=lambda e: e["ts"])
+    live, running, peak, peak_live = {}, 0, 0, {}
+    for e in mem:
+        nbytes, addr = e["args"]["Bytes"], e["args"]["Addr"]
+        running += nbytes
+        if nbytes > 0:
+            live[addr] = (nbytes, e["ts"])
+        else:
+            live.pop(addr, None)  # frees of memory allocated before the profile are ignored
+        if running > peak:
+            peak, peak_live = running, dict(live)
+    starts = [o["ts"] for o in ops]
+
+    def owner(ts):  # innermost aten op and innermost autograd node enclosing ts
+        aten, node = "?", "forward"
+        for o in reversed(ops[: bisect.bisect_right(starts, ts)]):
+            if o["ts"] <= ts <= o["ts"] + o["dur"]:
+                if aten == "?" and o["name"].startswith("aten::"):
+                    aten = o["name"]
+                if o["name"].startswith("autograd::engine::evaluate_function"):
+                    node = o["name"].split(": ", 1)[-1]
+                    break
+        return aten, node
+
+    groups = collections.Counter()
+    counts = collections.Counter()
+    for nbytes, ts in peak_live.values():
+        key = owner(ts)
+        groups[key] += nbytes
+        counts[key] += 1
+    rows = [(a, n, b / 2**20, counts[(a, n)]) for (a, n), b in groups.most_common(top)]
+    return peak, rows
+
+
+def _memtrace_section(rank, world, cfg, group):
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_sp import SequenceParallelAttention, shard_sequence
+
+    rows = []
+    n, h, d = cfg["mem_seq_len"], cfg["heads"], cfg["head_dim"]
+    full = _inputs(1, 1, n, h, h, d)
+    backends = ["local"] if world == 1 else [b for b in BACKENDS if b != "colossal"]
+    for backend in backends:
+        attn = SequenceParallelAttention(causal=True, backend=backend, group=group if world > 1 else None,
+                                         kernel="sdpa", validate_inputs=False)
+        q, k, v, dout = (shard_sequence(t, group if world > 1 else None, layout=attn.layout).clone() for t in full)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        attn(q, k, v).backward(dout)  # warm-up (usp sub-groups)
+        for t in (q, k, v):
+            t.grad = None
+        if world > 1:
+            torch.distributed.barrier(group)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = attn(q, k, v)
+            seed = _SeedGrad.apply(out, dout)
+            del out
+            seed.backward()
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            peak, live = _live_at_peak(f.name)
+        rows.append({"world": world, "rank": rank, "backend": backend, "seq_len": n, "heads": h,
+                     "local_shard_bytes": q.numel() * q.element_size(), "peak_alloc_bytes": peak, "live_at_peak": live})
+        del q, k, v, dout, seed
+        if world > 1:
+            torch.distributed.barrier(group)
+    return rows
+
+
 def _worker(rank, world, cfg):
     import torch.distributed as dist
 
@@ -330,6 +416,8 @@ def _worker(rank, world, cfg):
         result["volume"] = _volume_section(rank, world, cfg, group)
     if "memory" in cfg["sections"]:
         result["memory"] = _memory_section(rank, world, cfg, group)
+    if "memtrace" in cfg["sections"]:
+        result["memtrace"] = _memtrace_section(rank, world, cfg, group)
     return result
 
 
@@ -451,13 +539,22 @@ def _summaries(results, worlds):
                         m = max(vals)
                         cells.append(f" {_fmt_bytes(m):>15} {m / b[key]:6.3f} {1 / p:5.3f}")
                     lines.append(f"{backend:<13}" + "".join(cells))
+    if "memtrace" in results:
+        lines.append("\n== Tensors alive at the allocator peak of one fwd+bwd (rank 0; u = one local shard) ==")
+        for r in results["memtrace"]:
+            if r["rank"] != 0:
+                continue
+            u = r["local_shard_bytes"]
+            lines.append(f"P={r['world']} {r['backend']}: peak {r['peak_alloc_bytes'] / 2**20:.1f} MiB = {r['peak_alloc_bytes'] / u:.2f} u")
+            for aten, node, mib, count in r["live_at_peak"]:
+                lines.append(f"    {mib:8.2f} MiB ({mib * 2**20 / u:4.2f} u) x{count:<3} {aten:<40} in {node}")
     if "gpu" in results:
         lines.append(f"\n== GPU ==\n{results['gpu']}")
     return "\n".join(lines)
 
 
 def _csv_rows(results):
-    for section in ("deepspeed", "volume", "memory"):
+    for section in ("deepspeed", "volume", "memory", "memtrace"):
         for r in results.get(section, []):
             base = {"section": section, "world": r.get("world"), "rank": r.get("rank", 0), "backend": r.get("backend", "ulysses"),
                     "seq_len": r.get("seq_len"), "heads": r.get("heads")}
@@ -518,15 +615,15 @@ def main(argv=None) -> int:
     print(f"device: {info['cpu_model']} x{info['cpu_cores']} cores, torch {info['torch']}, deepspeed {info['deepspeed']}")
     print(f"command: {meta['command']}")
     results: dict = {}
-    worlds = sorted(set(cfg["worlds"]) | ({1} if "memory" in cfg["sections"] else set()))
+    worlds = sorted(set(cfg["worlds"]) | ({1} if {"memory", "memtrace"} & set(cfg["sections"]) else set()))
     for world in worlds:
-        if world == 1 and "memory" not in cfg["sections"]:
+        if world == 1 and not {"memory", "memtrace"} & set(cfg["sections"]):
             continue
         t0 = time.perf_counter()
         per_rank = run_on_ranks(_worker, world, (cfg,), timeout_s=args.timeout, pg_timeout_s=args.timeout)
         print(f"[P={world}] done in {time.perf_counter() - t0:.1f}s", flush=True)
         results.setdefault("deepspeed", []).extend(per_rank[0].get("deepspeed", []))
-        for section in ("volume", "memory"):
+        for section in ("volume", "memory", "memtrace"):
             for r in per_rank:
                 results.setdefault(section, []).extend(r.get(section, []))
     results = {k: v for k, v in results.items() if k in cfg["sections"]}

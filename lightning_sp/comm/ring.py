@@ -125,7 +125,7 @@ def ring_pass_accumulating(
     during compute: ``grad_fn(step, source_rank, blocks, partial)`` adds this rank's contribution
     for ``blocks`` into ``partial`` in place (``None`` at step 0: it allocates and returns it) and
     returns it. See Note [Gradient partial sums around the ring]."""
-    if comm is None:
+    if comm is None or comm.world == 1:  # no ring: nothing to send (a one-rank ring would send to itself)
         return grad_fn(0, 0, tensors, None)
     blocks = tensors
     grads_in_flight: _Pending | None = None
