@@ -325,7 +325,10 @@ def _memory_section(rank, world, cfg, group):
 
 def _live_at_peak(trace_path: str, top: int = 12):
     """Parse a chrome trace: peak of the running sum of allocator bytes, and the allocations alive at
-    that moment as ``[(aten op, autograd node, MiB, count)]`` (largest first)."""
+    that moment as ``[(aten op, autograd node, MiB, count)]`` (largest first; grouped by op, node and
+    allocation size). The op is the innermost one enclosing the allocation other than a bare
+    ``empty``/``empty_strided`` (those name the op that asked for the memory: ``zeros``, ``clone``...);
+    "?" = allocated outside any aten op (e.g. by a C++ collective)."""
     import bisect
     import collections
 
@@ -346,11 +349,13 @@ def _live_at_peak(trace_path: str, top: int = 12):
             peak, peak_live = running, dict(live)
     starts = [o["ts"] for o in ops]
 
-    def owner(ts):  # innermost aten op and innermost autograd node enclosing ts
+    alloc_only = {"aten::empty", "aten::empty_strided", "aten::resize_"}
+
+    def owner(ts):  # innermost aten op (other than a bare allocation) and autograd node enclosing ts
         aten, node = "?", "forward"
         for o in reversed(ops[: bisect.bisect_right(starts, ts)]):
             if o["ts"] <= ts <= o["ts"] + o["dur"]:
-                if aten == "?" and o["name"].startswith("aten::"):
+                if aten == "?" and o["name"].startswith("aten::") and o["name"] not in alloc_only:
                     aten = o["name"]
                 if o["name"].startswith("autograd::engine::evaluate_function"):
                     node = o["name"].split(": ", 1)[-1]
@@ -360,10 +365,10 @@ def _live_at_peak(trace_path: str, top: int = 12):
     groups = collections.Counter()
     counts = collections.Counter()
     for nbytes, ts in peak_live.values():
-        key = owner(ts)
+        key = (*owner(ts), nbytes)
         groups[key] += nbytes
         counts[key] += 1
-    rows = [(a, n, b / 2**20, counts[(a, n)]) for (a, n), b in groups.most_common(top)]
+    rows = [(a, n, b / 2**20, counts[(a, n, each)]) for (a, n, each), b in groups.most_common(top)]
     return peak, rows
 
 
