@@ -45,6 +45,9 @@ class _Pending:
     def wait(self) -> tuple[torch.Tensor, ...]:
         for w in self._works:
             w.wait()
+        # transfer done: drop the send buffers (and the works, which reference them too) so they are
+        # freed as soon as the caller lets go of them, not when this object dies
+        self._works, self._sent = (), None
         return self._buffers
 
 
@@ -88,7 +91,8 @@ def ring_pass(
         pending = comm.start(blocks) if step < comm.world - 1 else None
         step_fn(step, (comm.rank - step) % comm.world, blocks)
         if pending is not None:
-            blocks = pending.wait()
+            blocks = pending.wait()  # the blocks just used are freed here (unless they are the inputs)
+            pending = None
 
 
 def ring_pass_with_grads(
@@ -139,7 +143,8 @@ def ring_pass_accumulating(
         grads_in_flight = comm.start(partial, op="ring_send_grad")
         partial = None
         if pending is not None:
-            blocks = pending.wait()
+            blocks = pending.wait()  # drop the used blocks before the next step allocates receive buffers
+            pending = None
     return grads_in_flight.wait()
 
 
