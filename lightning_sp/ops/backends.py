@@ -67,12 +67,12 @@ class AttentionCall:
         )
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=64)
 def _positions(layout: SequenceLayout, world: int, padded_len: int, rank: int, device: torch.device) -> torch.Tensor:
     return token_indices(layout, world, padded_len, rank).to(device)
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=8)  # two [N] int64 tensors per entry, possibly on the GPU: keep few
 def _gathered_order(layout: SequenceLayout, world: int, padded_len: int, device: torch.device):
     """``(order, inverse)``, each ``[padded_len]`` int64 on ``device``: ``gathered[order]`` is the
     sequence in global order (``gathered`` = all ranks' tokens in rank order), ``x[inverse]`` undoes
