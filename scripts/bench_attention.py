@@ -41,7 +41,6 @@ import argparse
 import csv
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
