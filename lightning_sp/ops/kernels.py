@@ -187,7 +187,7 @@ def _flash_sdpa_backward(dout, q, k, v, out, lse, *, scale, kind, mask):
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), _lse_for_backward(lse),
         None, None, q.size(1), k.size(1), 0.0, kind is MaskKind.CAUSAL,
-        torch.zeros(2, dtype=torch.uint64, device=dev), torch.zeros((), dtype=torch.uint64, device=dev),
+        torch.empty(2, dtype=torch.uint64, device=dev), torch.empty((), dtype=torch.uint64, device=dev),
         scale=scale,
     )  # [B, H, S, D] each; dk, dv with H_kv heads
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
@@ -429,6 +429,13 @@ class CudnnKernel(_CudaChainKernel):
 
     name = "cudnn"
     ops = ("cudnn", "efficient")
+
+    def _op_available(self, op: str) -> bool:
+        # PyTorch builds its cuDNN attention only against cuDNN 9+; a given ``capability`` describes a
+        # stand-in device (unit tests), on which cuDNN is assumed
+        if op != "cudnn" or self.capability is not None:
+            return True
+        return torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000
 
 
 # ----------------------------------------------------------------------------------------------
