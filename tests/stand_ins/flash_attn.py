@@ -74,6 +74,10 @@ def make_flash_attn(version: str):
         check_common(a, "_flash_attn_forward")
         _check(a["return_softmax"] is False, "return_softmax")
         q, k, v = a["q"], a["k"], a["v"]  # [B, S, H, D]
+        if q.device.type == "meta":  # shapes only
+            out, lse = torch.empty_like(q), torch.empty(q.size(0), q.size(2), q.size(1), device="meta")
+            rng, s_dmask = torch.empty(2, dtype=torch.int64, device="meta"), torch.empty(0, dtype=q.dtype, device="meta")
+            return (out, q, k, v, out, lse, s_dmask, rng) if minor == "2.6" else (out, lse, s_dmask, rng)
         out, lse = _ref_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, a["causal"], a["softmax_scale"])
         out = out.transpose(1, 2).to(q.dtype).contiguous()
         lse = lse.masked_fill(torch.isneginf(lse), math.inf).float()  # flash-attn: +inf for no key
@@ -88,9 +92,12 @@ def make_flash_attn(version: str):
         check_common(a, "_flash_attn_backward")
         q, k, v, lse = a["q"], a["k"], a["v"], a["softmax_lse"]
         _check(lse.dtype == torch.float32 and tuple(lse.shape) == (q.size(0), q.size(2), q.size(1)), "lse [B, H, Sq] fp32")
-        _check(not torch.isneginf(lse).any(), "-inf lse overflows exp(s - lse)")
         for n, like in (("dq", q), ("dk", k), ("dv", v)):
             _check(a[n].shape == like.shape and a[n].dtype == like.dtype, f"{n} buffer")
+        if q.device.type == "meta":
+            softmax_d = torch.empty(q.size(0), q.size(2), q.size(1), device="meta")
+            return (a["dq"], a["dk"], a["dv"], softmax_d) if minor == "2.6" else softmax_d
+        _check(not torch.isneginf(lse).any(), "-inf lse overflows exp(s - lse)")
         grads = _ref_backward(*(a[n].transpose(1, 2) for n in ("dout", "q", "k", "v", "out")), lse, None, a["causal"], a["softmax_scale"])
         for n, g in zip(("dq", "dk", "dv"), grads):
             a[n].copy_(g.transpose(1, 2))

@@ -79,12 +79,14 @@ def _meta_block(b, s, h, h_kv, d, dtype):
     return full(h), full(h_kv), full(h_kv)
 
 
-@pytest.mark.parametrize("cls", [K.SDPAKernel, K.CudnnKernel, K.EfficientKernel])
-def test_cuda_argument_lists_on_meta_tensors(cls):
+@pytest.mark.parametrize("name", ["sdpa", "cudnn", "efficient", "flash_attn"])
+def test_cuda_argument_lists_on_meta_tensors(name):
     """Every kernel x dtype x mask x head dim x GQA the GPU test runs: the op the rules pick gets an
     argument list the real CUDA op accepts (checked by the stand-in), and the results come back as
     ``out [B, Sq, H, D]`` (q dtype), ``lse [B, H, Sq]`` fp32, dK/dV with H_kv heads."""
-    kernel = _cuda(cls)
+    fa = make_flash_attn("2.8.3")
+    kernel = {"sdpa": _cuda(K.SDPAKernel), "cudnn": _cuda(K.CudnnKernel), "efficient": _cuda(K.EfficientKernel),
+              "flash_attn": _cuda(K.FlashAttnKernel, module=fa)}[name]
     b, s, h = 2, 40, 8
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     for dtype in dtypes:
@@ -100,8 +102,12 @@ def test_cuda_argument_lists_on_meta_tensors(cls):
                             torch.empty_like(out, dtype=dtype), q, k, v, out.to(dtype), lse.float(),
                             scale=0.1, kind=kind, mask=mask,
                         )
-                    case = (cls.name, dtype, kind, d, h_kv)
+                    case = (name, dtype, kind, d, h_kv)
                     assert op != "torch", case  # every case of this grid has a fused op
+                    if op == "flash_attn":
+                        assert mode.names() == [] and [c[0] for c in fa.calls[-2:]] == ["forward", "backward"], case
+                        assert fa.calls[-1][1]["k"].size(2) == h_kv, case  # native GQA: no repeat
+                        continue
                     assert mode.names() == [FWD[op], FWD[op] + "_backward"], case
                     assert out.shape == q.shape and out.dtype == dtype, case
                     assert lse.shape == (b, h, s) and lse.dtype == torch.float32, case
