@@ -503,7 +503,7 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
     group = sp.process_group
     world, _ = group_size_and_rank(group)
     if sp.resolved_backend() == "local":
-        group, world = None, 1
+        world = 1
     layout = sp.layout
     if ("input_ids" in batch) == ("inputs_embeds" in batch):
         raise ValueError(f"the batch needs exactly one of input_ids / inputs_embeds; got keys {sorted(batch)}")
@@ -548,19 +548,25 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
         position_ids = torch.arange(n, device=main.device).unsqueeze(0).expand(bsz, -1)
 
     n_pad = padded_length(n, world, layout)
+
+    def split(x: torch.Tensor, pad_value=0) -> torch.Tensor:  # [B, N, ...] -> [B, N_pad / P, ...]
+        if world == 1:  # local attention: no sharding even when a process group exists (plain DDP)
+            return x
+        return shard_sequence(x, group, dim=1, layout=layout, pad_value=pad_value)
+
     shard: dict = {}
     for key, value in batch.items():
         if key in _CONSUMED_KEYS or key in ("labels", "position_ids"):
             continue
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (bsz, n):
             pad_value = (getattr(_base_config(model), "pad_token_id", None) or 0) if key == "input_ids" else 0
-            shard[key] = shard_sequence(value, group, dim=1, layout=layout, pad_value=pad_value)
+            shard[key] = split(value, pad_value)
         else:
             shard[key] = value
     # padded positions repeat the last real one, so absolute-position lookups stay in range
     if n_pad > n:
         position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(bsz, n_pad - n)], dim=1)
-    shard["position_ids"] = shard_sequence(position_ids, group, dim=1, layout=layout)
+    shard["position_ids"] = split(position_ids)
     labels = batch.get("labels")
     if labels is not None:
         if causal:  # HF's causal-LM loss predicts token i+1 at position i: shift over the GLOBAL sequence
@@ -568,7 +574,7 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
         if seq_len < n:  # padding predicts nothing (and nothing predicts padding)
             keep = torch.arange(n, device=labels.device)[None, :] < (seq_len - 1 if causal else seq_len)
             labels = labels.masked_fill(~keep, ignore_index)
-        shard["labels"] = shard_sequence(labels, group, dim=1, layout=layout, pad_value=ignore_index)
+        shard["labels"] = split(labels, ignore_index)
     if "use_cache" in inspect.signature(model.forward).parameters:
         shard["use_cache"] = False
     shard[SHARD_INFO_KEY] = ShardInfo(

@@ -179,9 +179,35 @@ def _train_with_trainer(world: int) -> dict:
     return {"diff": diff, "moved": moved}
 
 
+def _unbound_and_misuse(world: int) -> dict:
+    """No group, no strategy: local attention on the whole sequence even though a process group exists
+    (plain DDP). A model sharded over P > 1 ranks but called without its ShardInfo must refuse."""
+    import torch.distributed as dist
+
+    from lightning_sp.integrations.transformers import apply_sequence_parallel, shard_inputs
+    from tests.hf_tiny import clone, reference, tiny_batch, tiny_model
+
+    base = tiny_model("esm")
+    batch = tiny_batch("esm", N_REAL_PADDED, pad_to=N)
+    ref_logits, _ = reference(clone(base), "esm", batch)
+    model = apply_sequence_parallel(clone(base))
+    shard = shard_inputs(batch, model)
+    shard.pop("labels")
+    res = {"unbound": _max_diff(model(**shard).logits.detach()[:, :N_REAL_PADDED], ref_logits.detach()[:, :N_REAL_PADDED]),
+           "unbound_len": shard["input_ids"].size(1)}
+    model = apply_sequence_parallel(clone(base), group=dist.group.WORLD, backend="ring")
+    shard = shard_inputs(batch, model)
+    try:
+        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+        res["no_info_error"] = ""
+    except ValueError as err:
+        res["no_info_error"] = str(err)
+    return res
+
+
 def _worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
-    res = {"grid": _exactness_grid(world)}
+    res = {"grid": _exactness_grid(world), "misc": _unbound_and_misuse(world)}
     if world == 2:
         res["roberta"] = _roberta_cumsum_positions(world)
         res["trainer"] = _train_with_trainer(world)
@@ -239,3 +265,16 @@ def test_lightning_module_trains_like_one_process(results):
         t = res["trainer"]
         assert t["moved"] > 1e-2, f"training barely moved the parameters ({t['moved']:.3e}): comparison is vacuous"
         assert t["diff"] < TOL, f"rank {rank}: max |param - one-process| = {t['diff']:.3e}"
+
+
+def test_unbound_model_is_local_under_a_process_group(results):
+    world, per_rank = results
+    for res in per_rank:
+        assert res["misc"]["unbound_len"] == N  # not sharded
+        assert res["misc"]["unbound"] < TOL
+
+
+def test_sharded_call_without_shard_info_refused(results):
+    world, per_rank = results
+    for res in per_rank:
+        assert "shard_inputs(global_batch, model)" in res["misc"]["no_info_error"]
