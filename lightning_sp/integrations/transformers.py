@@ -58,6 +58,7 @@ __all__ = [
     "apply_sequence_parallel",
     "attention_layers",
     "is_causal_lm",
+    "model_fixes",
     "sequence_parallel_attention",
     "shard_inputs",
 ]
@@ -100,7 +101,7 @@ class ShardInfo:
     """ESM: float32 ``[B]`` fraction of ``<mask>`` tokens per row over the global sequence."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _State:
     """Shared by the model and all its attention layers and fixed modules (not a module-level global)."""
 

@@ -195,6 +195,16 @@ def _unbound_and_misuse(world: int) -> dict:
     shard.pop("labels")
     res = {"unbound": _max_diff(model(**shard).logits.detach()[:, :N_REAL_PADDED], ref_logits.detach()[:, :N_REAL_PADDED]),
            "unbound_len": shard["input_ids"].size(1)}
+    # HF gradient checkpointing: the recompute in backward reads the same ShardInfo
+    llama = tiny_model("llama")
+    llama_batch = tiny_batch("llama", N_REAL_PADDED, pad_to=N)
+    ref = clone(llama)
+    _, ref_loss = reference(ref, "llama", llama_batch)
+    ref_loss.backward()
+    ckpt = apply_sequence_parallel(clone(llama), group=dist.group.WORLD, backend="zigzag_ring")
+    ckpt.gradient_checkpointing_enable()
+    _, loss, grads = _sp_forward(ckpt, llama_batch, dist.group.WORLD)
+    res["checkpointed"] = max(abs(float(loss - ref_loss)), _grad_diff(grads, ref))
     model = apply_sequence_parallel(clone(base), group=dist.group.WORLD, backend="ring")
     shard = shard_inputs(batch, model)
     try:
@@ -214,10 +224,24 @@ def _worker(rank: int, world: int) -> dict:
     return res
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"P{p}")
-def results(request):
+def _spawn(world: int):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return request.param, run_on_ranks(_worker, request.param, timeout_s=420, pg_timeout_s=60)
+    return world, run_on_ranks(_worker, world, timeout_s=420, pg_timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def results_p2():
+    return _spawn(2)
+
+
+@pytest.fixture(scope="module")
+def results_p4():
+    return _spawn(4)
+
+
+@pytest.fixture(params=[2, 4], ids=lambda p: f"P{p}")
+def results(request):
+    return request.getfixturevalue(f"results_p{request.param}")
 
 
 CASES = [(m, p, b) for m in MODELS for p in (False, True) for b in BACKENDS]
@@ -247,20 +271,16 @@ def test_negative_controls_miss(results):
                     assert diff > MISS, f"P={world} rank {rank} {name} padded={padded}: control {trap} only differs by {diff:.3e}"
 
 
-def test_roberta_cumsum_positions_exact(results):
-    world, per_rank = results
-    if world != 2:
-        pytest.skip("run in the P=2 spawn only")
+def test_roberta_cumsum_positions_exact(results_p2):
+    _, per_rank = results_p2
     for res in per_rank:
         r = res["roberta"]
         assert r["logits"] < TOL and r["loss"] < TOL and r["grads"] < TOL, r
         assert r["control"] > MISS, r
 
 
-def test_lightning_module_trains_like_one_process(results):
-    world, per_rank = results
-    if world != 2:
-        pytest.skip("run in the P=2 spawn only")
+def test_lightning_module_trains_like_one_process(results_p2):
+    _, per_rank = results_p2
     for rank, res in enumerate(per_rank):
         t = res["trainer"]
         assert t["moved"] > 1e-2, f"training barely moved the parameters ({t['moved']:.3e}): comparison is vacuous"
@@ -272,6 +292,12 @@ def test_unbound_model_is_local_under_a_process_group(results):
     for res in per_rank:
         assert res["misc"]["unbound_len"] == N  # not sharded
         assert res["misc"]["unbound"] < TOL
+
+
+def test_hf_gradient_checkpointing_exact(results):
+    world, per_rank = results
+    for res in per_rank:
+        assert res["misc"]["checkpointed"] < TOL
 
 
 def test_sharded_call_without_shard_info_refused(results):
