@@ -74,6 +74,12 @@ def tiny_batch(name: str, n: int, *, pad_to: int | None = None, seed: int = 1) -
     return batch
 
 
+def tiny_rows(name: str, lengths: tuple[int, ...], pad_to: int, seed: int = 1) -> dict:
+    """Global batch of ``len(lengths)`` right-padded rows of different lengths (always with a mask)."""
+    rows = [tiny_batch(name, n, pad_to=pad_to, seed=seed + i) for i, n in enumerate(lengths)]
+    return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+
+
 def reference(model, name: str, batch: dict):
     """Unsharded HF forward (its own sdpa) -> ``(logits [B, N, V], loss)``, loss as HF defines it, in float64."""
     kwargs = {k: v for k, v in batch.items() if k != "labels"}

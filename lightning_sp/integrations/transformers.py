@@ -24,7 +24,8 @@ Note [Hugging Face under sequence parallelism]
       (bidirectional models attend to padding)     the attention passes it on every call
     ``scaling`` per call (ESM passes 1.0)        passed as ``softmax_scale`` per call
     padding ``attention_mask`` dropped for a     a mask function is registered too; ``shard_inputs``
-      custom attention without a mask function     turns right padding into ``seq_len``; others raise
+      custom attention without a mask function     turns right padding into ``seq_len`` (rows of
+                                                   different lengths: packed documents); others raise
     causal-LM loss shifts labels inside a shard  labels shifted over the global sequence first
     ``position_ids`` default to local positions  global ``position_ids`` always passed
     positions by cumulative sums (RoBERTa/ESM-1b) computed over the global sequence (``_FIXES``)
@@ -98,7 +99,8 @@ class ShardInfo:
     cu_seqlens: torch.Tensor | None = None
     """int32 ``[n_docs + 1]`` global document boundaries (packed documents, ``B == 1``), or ``None``."""
     token_dropout_ratio: torch.Tensor | None = None
-    """ESM: float32 ``[B]`` fraction of ``<mask>`` tokens per row over the global sequence."""
+    """ESM: float32 ``[B, S_local]``: for each of this shard's tokens, the fraction of ``<mask>`` tokens
+    in its row of the global batch (HF's ratio, computed over the whole row)."""
 
 
 @dataclass(kw_only=True)
@@ -150,30 +152,6 @@ def _longest_document(info_seq_len: int, cu_seqlens: torch.Tensor | None) -> int
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
 
-def _right_padding_length(mask: torch.Tensor) -> int | None:
-    """``mask [B, N]`` (1 = token, 0 = padding) -> the common unpadded length ``L`` if every row is
-    ``L`` tokens then padding; ``None`` when the mask has no padding. Raises for anything else."""
-    mask = mask.bool()
-    if bool(mask.all()):
-        return None
-    n = mask.size(1)
-    lengths = mask.sum(-1)
-    is_right = torch.equal(mask, torch.arange(n, device=mask.device)[None, :] < lengths[:, None])
-    if not is_right:
-        raise NotImplementedError(
-            "only right padding can be expressed exactly (the attention knows a global length and packed documents, "
-            "not arbitrary masks): pad on the right (tokenizer.padding_side = 'right'), or pack the sequences into "
-            "one row with 'position_ids' restarting at 0 per sequence (causal LMs) or a global 'cu_seqlens'"
-        )
-    if bool((lengths != lengths[0]).any()):
-        raise NotImplementedError(
-            f"rows of the batch have different unpadded lengths ({lengths.tolist()}): one global length cannot "
-            "describe them. Use batch size 1, rows of equal length, or pack the rows into one row (B == 1) with "
-            "'position_ids' restarting at 0 per sequence (causal LMs) or a global 'cu_seqlens'"
-        )
-    return int(lengths[0])
-
-
 def sequence_parallel_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -223,7 +201,13 @@ def sequence_parallel_attention(
             )
         seq_len = s_local
         if attention_mask is not None:  # unsharded call with a padding mask: right padding only
-            seq_len = _right_padding_length(attention_mask) or s_local
+            lengths = _right_padding_lengths(attention_mask)
+            if lengths is not None and bool((lengths != lengths[0]).any()):
+                raise NotImplementedError(
+                    f"rows of the batch have different unpadded lengths ({lengths.tolist()}): pass the batch through "
+                    "shard_inputs(batch, model), which packs them into one row of documents"
+                )
+            seq_len = s_local if lengths is None else int(lengths[0])
         cu_seqlens = None
     else:
         if attention_mask is not None:
@@ -343,8 +327,10 @@ def _esm_token_dropout_forward(self, input_ids=None, attention_mask=None, positi
         inputs_embeds = self.word_embeddings(input_ids)
     embeddings = inputs_embeds.masked_fill((input_ids == self.mask_token_id).unsqueeze(-1), 0.0)
     mask_ratio_train = 0.15 * 0.8  # HF's (and ESM's) constant
-    ratio = info.token_dropout_ratio.to(embeddings.device)  # float32 [B]
-    embeddings = (embeddings * (1 - mask_ratio_train) / (1 - ratio)[:, None, None]).to(embeddings.dtype)
+    ratio = info.token_dropout_ratio.to(embeddings.device)  # float32 [B, S_local]: the row's ratio at every token
+    if ratio.shape != input_ids.shape:
+        raise ValueError(f"ShardInfo.token_dropout_ratio {tuple(ratio.shape)} does not match input_ids {tuple(input_ids.shape)}")
+    embeddings = (embeddings * (1 - mask_ratio_train) / (1 - ratio)[..., None]).to(embeddings.dtype)
     # input_ids=None: HF's forward skips its own (local) token dropout and takes the embeddings as given
     return original(self, None, attention_mask, position_ids, embeddings)
 
@@ -478,7 +464,36 @@ def apply_sequence_parallel(
     return model
 
 
-_CONSUMED_KEYS = ("attention_mask", "cu_seqlens", SHARD_INFO_KEY)
+_CONSUMED_KEYS = ("attention_mask", "cu_seqlens", "labels", "position_ids", SHARD_INFO_KEY)
+
+
+def _right_padding_lengths(mask: torch.Tensor) -> torch.Tensor | None:
+    """``mask [B, N]`` -> unpadded length per row ``[B]``, or ``None`` without padding; raises unless
+    every row is tokens followed by padding."""
+    mask = mask.bool()
+    if bool(mask.all()):
+        return None
+    lengths = mask.sum(-1)
+    if not torch.equal(mask, torch.arange(mask.size(1), device=mask.device)[None, :] < lengths[:, None]):
+        raise NotImplementedError(
+            "only right padding can be expressed exactly (the attention knows a global length and packed documents, "
+            "not arbitrary masks): pad on the right (tokenizer.padding_side = 'right'), or pack the sequences into "
+            "one row with 'position_ids' restarting at 0 per sequence (causal LMs) or a global 'cu_seqlens'"
+        )
+    return lengths
+
+
+def _pack_rows(rows: dict[str, torch.Tensor], lengths: list[int]) -> dict[str, torch.Tensor]:
+    """Note [Packing padded rows]: rows of different unpadded lengths ``L_i`` cannot share one global
+    length, so their real tokens are packed into one row ``[1, sum L_i, ...]`` and become documents
+    (``cu_seqlens = [0, L_0, L_0 + L_1, ...]``); padding is dropped. Per-row facts (positions,
+    globally shifted labels, ESM's mask ratio) are computed on the rows first, so every real token
+    sees exactly what the padded batch gives it::
+
+        row 0:  a a a . .        packed:  a a a b b b b      cu_seqlens [0, 3, 7]
+        row 1:  b b b b .
+    """
+    return {k: torch.cat([t[i, :n] for i, n in enumerate(lengths)], dim=0).unsqueeze(0) for k, t in rows.items()}
 
 
 def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool | None = None, ignore_index: int = -100) -> dict:
@@ -487,13 +502,14 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
     ``batch`` (the same on every rank of the group): ``input_ids [B, N]`` (or ``inputs_embeds [B, N, E]``),
     optional ``labels [B, N]`` in HF's convention (the tokens themselves, ``ignore_index`` to ignore; NOT
     shifted), optional right-padding ``attention_mask [B, N]``, optional packed ``position_ids [B, N]``
-    (restarting at 0 per document) or a global ``cu_seqlens [n_docs + 1]`` (``B == 1``). Other tensors
-    ``[B, N, ...]`` are sharded along dim 1, anything else passes through.
+    (restarting at 0 per document; causal LMs) or a global ``cu_seqlens [n_docs + 1]`` (``B == 1``).
+    Other tensors ``[B, N, ...]`` are sharded along dim 1, anything else passes through.
 
-    Returns ``input_ids [B, S_local]``, global ``position_ids [B, S_local]``, ``labels [B, S_local]`` (for
-    causal LMs shifted over the global sequence as HF's loss does, padding and the last token
-    ``ignore_index``), and ``ShardInfo`` under ``"sequence_parallel"``. The attention mask is not passed
-    on: right padding becomes ``ShardInfo.seq_len``; anything else raises.
+    Returns ``input_ids [B', S_local]``, global ``position_ids``, ``labels`` (for causal LMs shifted over
+    the global sequence as HF's loss does; padding and each row's last token ``ignore_index``) and a
+    ``ShardInfo`` under ``"sequence_parallel"``. The attention mask is not passed on: right padding
+    becomes the global length, or, for rows of different lengths, packed documents with ``B' = 1``
+    (Note [Packing padded rows]); any other mask raises.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"shard_inputs takes a dict batch (input_ids, labels, attention_mask, ...), got {type(batch).__name__}")
@@ -516,69 +532,73 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
         if key in batch and batch[key] is not None and tuple(batch[key].shape[:2]) != (bsz, n):
             raise ValueError(f"{key} has shape {tuple(batch[key].shape)} but input_ids is [B, N] = [{bsz}, {n}]")
     causal = is_causal_lm(model) if causal_lm is None else causal_lm
-
     mask = batch.get("attention_mask")
-    real_len = _right_padding_length(mask) if mask is not None else None
-    seq_len = n if real_len is None else real_len
-    if real_len is None:
+    lengths = _right_padding_lengths(mask) if mask is not None else None
+    if lengths is None:
         mask = None  # all ones: nothing to describe (HF's own src_lengths then equal the row length)
-
-    # packed documents: an explicit global cu_seqlens, or (causal LMs, as HF's causal mask does) packed position_ids
     cu_seqlens = batch.get("cu_seqlens")
-    position_ids = batch.get("position_ids")
-    if cu_seqlens is None and causal and position_ids is not None and mask is None:
-        starts = torch.nonzero(position_ids[0, 1:seq_len] - position_ids[0, : seq_len - 1] != 1).flatten() + 1
-        if starts.numel():
-            cu_seqlens = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([seq_len])])
-    if cu_seqlens is not None:
-        if bsz != 1:
-            raise ValueError(f"packed documents need batch size 1 (pack the rows into one); got B={bsz}")
-        cu_seqlens = torch.as_tensor(cu_seqlens).to(dtype=torch.int32).flatten().cpu()
-        if int(cu_seqlens[-1]) != seq_len:
-            raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the batch has {seq_len} unpadded tokens")
+    if cu_seqlens is not None and bsz != 1:
+        raise ValueError(f"packed documents (cu_seqlens) need batch size 1 (pack the rows into one); got B={bsz}")
 
+    # per-row facts over the GLOBAL rows: fixes (positions, ESM mask ratio), positions, shifted labels
     extra: dict = {}
     for fix in _FIXES:
         if fix.applies(model):
             extra.update(fix.prepare(model, dict(batch), mask))
+    position_ids = batch.get("position_ids")
+    fixed_positions = extra.pop("position_ids", None)
     if position_ids is None:
-        position_ids = extra.pop("position_ids", None)
-    else:
-        extra.pop("position_ids", None)
+        position_ids = fixed_positions
     if position_ids is None:
         position_ids = torch.arange(n, device=main.device).unsqueeze(0).expand(bsz, -1)
-
-    n_pad = padded_length(n, world, layout)
-
-    def split(x: torch.Tensor, pad_value=0) -> torch.Tensor:  # [B, N, ...] -> [B, N_pad / P, ...]
-        if world == 1:  # local attention: no sharding even when a process group exists (plain DDP)
-            return x
-        return shard_sequence(x, group, dim=1, layout=layout, pad_value=pad_value)
-
-    shard: dict = {}
-    for key, value in batch.items():
-        if key in _CONSUMED_KEYS or key in ("labels", "position_ids"):
-            continue
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (bsz, n):
-            pad_value = (getattr(_base_config(model), "pad_token_id", None) or 0) if key == "input_ids" else 0
-            shard[key] = split(value, pad_value)
-        else:
-            shard[key] = value
-    # padded positions repeat the last real one, so absolute-position lookups stay in range
-    if n_pad > n:
-        position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(bsz, n_pad - n)], dim=1)
-    shard["position_ids"] = split(position_ids)
+    rows: dict[str, torch.Tensor] = {"position_ids": position_ids}
+    if causal and position_ids is batch.get("position_ids") and mask is None and cu_seqlens is None and bsz == 1:
+        # packed position_ids: documents start where positions do not count up (HF's causal-mask rule)
+        starts = torch.nonzero(position_ids[0, 1:] - position_ids[0, :-1] != 1).flatten() + 1
+        if starts.numel():
+            cu_seqlens = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([n])])
     labels = batch.get("labels")
     if labels is not None:
-        if causal:  # HF's causal-LM loss predicts token i+1 at position i: shift over the GLOBAL sequence
+        if causal:  # HF's causal-LM loss predicts token i+1 at position i: shift over the GLOBAL row
             labels = torch.cat([labels[:, 1:], labels.new_full((bsz, 1), ignore_index)], dim=1)
-        if seq_len < n:  # padding predicts nothing (and nothing predicts padding)
-            keep = torch.arange(n, device=labels.device)[None, :] < (seq_len - 1 if causal else seq_len)
+        if lengths is not None:  # padding predicts nothing (and nothing predicts padding)
+            keep = torch.arange(n, device=labels.device)[None, :] < (lengths[:, None] - (1 if causal else 0))
             labels = labels.masked_fill(~keep, ignore_index)
-        shard["labels"] = split(labels, ignore_index)
+        rows["labels"] = labels
+    ratio = extra.get("token_dropout_ratio")  # float32 [B]
+    if ratio is not None:
+        rows["token_dropout_ratio"] = ratio[:, None].expand(bsz, n)  # per token, so it can be sharded/packed
+    for key, value in batch.items():
+        if key not in _CONSUMED_KEYS and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (bsz, n):
+            rows[key] = value
+    passthrough = {k: v for k, v in batch.items() if k not in _CONSUMED_KEYS and k not in rows}
+
+    if lengths is not None and bool((lengths != lengths[0]).any()):
+        rows = _pack_rows(rows, lengths.tolist())  # Note [Packing padded rows]
+        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        bsz, n = 1, int(lengths.sum())
+        seq_len = n
+    else:
+        seq_len = n if lengths is None else int(lengths[0])
+    if cu_seqlens is not None:
+        cu_seqlens = torch.as_tensor(cu_seqlens).to(dtype=torch.int32).flatten().cpu()
+        if int(cu_seqlens[-1]) != seq_len:
+            raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the batch has {seq_len} unpadded tokens")
+
+    n_pad = padded_length(n, world, layout)
+    pad_token = getattr(_base_config(model), "pad_token_id", None) or 0
+    if n_pad > n:  # padded positions repeat the last real one, so absolute-position lookups stay in range
+        pos = rows["position_ids"]
+        rows["position_ids"] = torch.cat([pos, pos[:, -1:].expand(bsz, n_pad - n)], dim=1)
+    shard: dict = dict(passthrough)
+    for key, value in rows.items():
+        if world > 1:  # local attention (no group) does not shard, even under a process group (plain DDP)
+            pad_value = ignore_index if key == "labels" else pad_token if key == "input_ids" else 0
+            value = shard_sequence(value, group, dim=1, layout=layout, pad_value=pad_value)
+        shard[key] = value
     if "use_cache" in inspect.signature(model.forward).parameters:
         shard["use_cache"] = False
     shard[SHARD_INFO_KEY] = ShardInfo(
-        seq_len=seq_len, padded_len=n_pad, cu_seqlens=cu_seqlens, token_dropout_ratio=extra.get("token_dropout_ratio"),
+        seq_len=seq_len, padded_len=n_pad, cu_seqlens=cu_seqlens, token_dropout_ratio=shard.pop("token_dropout_ratio", None),
     )
     return shard

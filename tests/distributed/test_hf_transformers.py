@@ -2,7 +2,8 @@
 
 One spawn per world size (2 and 4) runs the grid: Llama (GQA 4/2), Qwen2 (MQA, qkv bias) and ESM
 (rotary, token dropout on, bidirectional) x every backend x with/without a right-padding mask, at a
-global length (13) no degree divides. Logits (real positions), loss and every parameter gradient
+global length (13) no degree divides; and B = 2 rows of different lengths (packed by shard_inputs
+into 23 tokens) on two backends. Logits (real positions), loss and every parameter gradient
 must equal the reference to 1e-9. Negative controls reproduce each trap the integration fixes (label
 shift inside the shard, local positions, attention to padding, ESM token dropout over the shard) and
 must miss by far more. The P = 2 spawn also trains ``HFSequenceParallelModule`` through a real
@@ -27,6 +28,8 @@ MISS = 1e-6  # a negative control must differ by more than this
 N, N_REAL_PADDED = 13, 10
 BACKENDS = ("ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal")
 MODELS = ("llama", "qwen2", "esm")
+ROW_LENGTHS = (N_REAL_PADDED, N)  # B = 2 rows of different lengths -> packed, 23 tokens
+PACKED_BACKENDS = ("ulysses", "zigzag_ring")
 TRAIN_STEPS, TRAIN_LR = 2, 0.5
 
 
@@ -34,7 +37,7 @@ def _max_diff(a, b) -> float:
     return float((a - b).abs().max())
 
 
-def _sp_forward(model, batch, group, *, shard=None, labels_override=None):
+def _sp_forward(model, batch, group, *, shard=None, labels_override=None, seq_len=None):
     """SP loss/logits on this rank: ``(logits_global [1, N, V], loss, grads_mean)``."""
     import torch.distributed as dist
 
@@ -56,7 +59,7 @@ def _sp_forward(model, batch, group, *, shard=None, labels_override=None):
         dist.all_reduce(g, group=group)
         grads[name] = g / world  # mean over ranks = the global gradient (Note [Gradient reduction over dp x sp])
     layout = _sp_modules(model)[0].layout
-    full = gather_sequence(logits.detach(), group, layout=layout, seq_len=batch["input_ids"].size(1))
+    full = gather_sequence(logits.detach(), group, layout=layout, seq_len=seq_len or batch["input_ids"].size(1))
     return full, loss.detach(), grads
 
 
@@ -68,7 +71,7 @@ def _exactness_grid(world: int) -> dict:
     import torch.distributed as dist
 
     from lightning_sp.integrations.transformers import ShardInfo, apply_sequence_parallel, shard_inputs
-    from tests.hf_tiny import clone, reference, tiny_batch, tiny_model
+    from tests.hf_tiny import clone, reference, tiny_batch, tiny_model, tiny_rows
 
     group = dist.group.WORLD
     out: dict = {}
@@ -88,7 +91,6 @@ def _exactness_grid(world: int) -> dict:
                     "logits": _max_diff(logits[:, :real], ref_logits[:, :real]),
                     "loss": abs(float(loss - ref_loss)),
                     "grads": _grad_diff(grads, ref),
-                    "moved": float(ref_loss),
                 }
             # negative controls, one backend: each reproduces one trap the integration fixes
             model = apply_sequence_parallel(clone(base), group=group, backend="zigzag_ring")
@@ -117,6 +119,18 @@ def _exactness_grid(world: int) -> dict:
                     logits_c, _, _ = _sp_forward(model, batch, group, shard=no_len)
                     controls["attends_to_padding"] = _max_diff(logits_c[:, :real], ref_logits[:, :real])
             out[(name, padded, "controls")] = controls
+        # rows of different lengths (B = 2): packed into one row of documents by shard_inputs
+        batch = tiny_rows(name, ROW_LENGTHS, pad_to=N)
+        ref = clone(base)
+        ref_logits, ref_loss = reference(ref, name, batch)
+        ref_loss.backward()
+        real = torch.cat([ref_logits[i, :n] for i, n in enumerate(ROW_LENGTHS)]).detach()[None]
+        for backend in PACKED_BACKENDS:
+            model = apply_sequence_parallel(clone(base), group=group, backend=backend)
+            logits, loss, grads = _sp_forward(model, batch, group, seq_len=sum(ROW_LENGTHS))
+            out[(name, "rows", backend)] = {
+                "logits": _max_diff(logits, real), "loss": abs(float(loss - ref_loss)), "grads": _grad_diff(grads, ref),
+            }
     return out
 
 
@@ -244,7 +258,8 @@ def results(request):
     return request.getfixturevalue(f"results_p{request.param}")
 
 
-CASES = [(m, p, b) for m in MODELS for p in (False, True) for b in BACKENDS]
+CASES = [(m, p, b) for m in MODELS for p in (False, True) for b in BACKENDS] + [
+    (m, "rows", b) for m in MODELS for b in PACKED_BACKENDS]
 
 
 def test_every_model_backend_and_mask_exact(results):

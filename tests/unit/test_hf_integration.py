@@ -16,7 +16,7 @@ from lightning_sp.integrations.transformers import (  # noqa: E402
     apply_sequence_parallel,
     shard_inputs,
 )
-from tests.hf_tiny import PAD_ID, clone, reference, tiny_batch, tiny_model  # noqa: E402
+from tests.hf_tiny import PAD_ID, clone, reference, tiny_batch, tiny_model, tiny_rows  # noqa: E402
 
 TOL = 1e-12
 
@@ -146,12 +146,24 @@ def test_non_right_padding_refused(mask, match):
         model(**batch)
 
 
-def test_rows_of_different_lengths_refused():
-    model = apply_sequence_parallel(tiny_model("esm"))
-    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]])
-    batch = {"input_ids": torch.full((2, 6), 5), "attention_mask": mask}
-    with pytest.raises(NotImplementedError, match=r"different unpadded lengths \(\[4, 5\]\).*pack"):
-        shard_inputs(batch, model)
+@pytest.mark.parametrize("name", ["llama", "esm", "roberta"])
+def test_rows_of_different_lengths_are_packed(name):
+    """Note [Packing padded rows]: B = 2 rows of 7 and 12 tokens -> one row of two documents, exact."""
+    base = tiny_model(name)
+    batch = tiny_rows(name, (7, 12), pad_to=12)
+    ref_logits, ref_loss = reference(clone(base), name, batch)
+    model = apply_sequence_parallel(clone(base))
+    shard = shard_inputs(batch, model)
+    assert shard["input_ids"].shape == (1, 19) and shard[SHARD_INFO_KEY].cu_seqlens.tolist() == [0, 7, 19]
+    labels = shard.pop("labels")
+    logits = model(**shard).logits
+    real = torch.cat([ref_logits[0, :7], ref_logits[1, :12]])[None]
+    assert (logits - real).abs().max() < TOL
+    loss = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=-100)
+    assert abs(float(loss.detach() - ref_loss.detach())) < TOL
+    # control: the padded batch given straight to the model cannot be expressed, and says how
+    with pytest.raises(NotImplementedError, match=r"different unpadded lengths \(\[7, 12\]\).*shard_inputs"):
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
 
 
 def test_bad_arguments():
@@ -166,7 +178,7 @@ def test_bad_arguments():
         shard_inputs({"input_ids": torch.ones(4, dtype=torch.long)}, model)
     with pytest.raises(ValueError, match="labels has shape"):
         shard_inputs({"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 5, dtype=torch.long)}, model)
-    with pytest.raises(ValueError, match="packed documents need batch size 1"):
+    with pytest.raises(ValueError, match="cu_seqlens. need batch size 1"):
         shard_inputs({"input_ids": torch.ones(2, 4, dtype=torch.long), "cu_seqlens": torch.tensor([0, 2, 4])}, model)
 
 
