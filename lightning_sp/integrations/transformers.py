@@ -228,6 +228,10 @@ def sequence_parallel_attention(
             "tokens and is not supported by the exact backends; use sequences (documents) of at most that length, "
             "or set config.sliding_window = None (and use_sliding_window = False) to attend over the whole sequence"
         )
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):  # as autocast runs HF's sdpa: q, k, v in the autocast dtype
+        dtype = torch.get_autocast_dtype(device_type)  # (rotary often leaves q, k in float32 and v in bf16)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     causal = bool(is_causal) if is_causal is not None else bool(getattr(module, "is_causal", True))
     sp.causal = causal  # HF decides causality per call (e.g. is_causal=False turns a decoder bidirectional)
     out = sp(

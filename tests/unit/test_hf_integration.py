@@ -194,3 +194,21 @@ def test_attention_mask_with_shard_refused():
 
 def test_pad_token_used_for_layout_padding():
     assert PAD_ID == tiny_model("esm").config.pad_token_id
+
+
+@pytest.mark.parametrize("name", ["llama", "esm"])
+def test_bf16_autocast_like_hf_sdpa(name):
+    """Under autocast, rotary leaves q, k in float32 and v in bf16: cast as HF's sdpa is cast."""
+    base = tiny_model(name).float()
+    batch = tiny_batch(name, 12)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    other = clone(base)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = clone(base)(**inputs).logits.float()
+        out = _sp_logits(apply_sequence_parallel(clone(base)), batch).float()
+        control = _sp_logits(apply_sequence_parallel(other), batch).float()
+    assert (out - ref).abs().max() < 2e-2
+    assert (control - ref).abs().max() > 5e-2
