@@ -10,7 +10,11 @@ binds it (``bind``), so one model runs with and without sequence parallelism.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import weakref
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -18,16 +22,43 @@ from torch import nn
 
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.context import SequenceParallelContext
-from lightning_sp.layout import SequenceLayout, group_size_and_rank
+from lightning_sp.layout import SequenceLayout, global_seq_len_of, padded_length
 from lightning_sp.ops import backends
 from lightning_sp.ops.kernels import KERNELS, make_kernel
+
+log = logging.getLogger(__name__)
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
-def default_ulysses_degree(group_size: int) -> int:
-    """For ``usp`` when none is given: the largest divisor of P that leaves a ring of >= 2 ranks."""
-    return max(d for d in range(1, group_size // 2 + 1) if group_size % d == 0) if group_size > 1 else 1
+def default_ulysses_degree(group_size: int, *, ranks_per_node: int | None = None, num_heads: int | None = None) -> int:
+    """For ``usp`` when none is given: the largest divisor ``u`` of ``P`` that leaves a ring of >= 2
+    ranks, keeps the all-to-all inside a node (``u <= ranks_per_node`` when that is known) and, when
+    ``num_heads`` is known, splits the heads (``num_heads % u == 0``)."""
+    if group_size <= 1:
+        return 1
+    fits = [
+        d for d in range(1, group_size // 2 + 1)
+        if group_size % d == 0
+        and (ranks_per_node is None or d <= ranks_per_node)
+        and (num_heads is None or num_heads % d == 0)
+    ]
+    return max(fits)
+
+
+def resolve_auto_backend(num_heads: int, group_size: int, *, ranks_per_node: int | None = None) -> tuple[str, str]:
+    """What ``backend="auto"`` runs, and why (the layout is zigzag either way).
+
+    Ulysses moves ``4*N*h/P`` per rank (4 all-to-alls) against the ring's ``2*N*h_kv*(P-1)/P``
+    point-to-point sends, and needs no per-step merges, so it is preferred when it can run well: the
+    heads split over ``P`` and the group fits in a node (an all-to-all across nodes is bound by the
+    slowest link). Otherwise the zigzag ring: no head limit, balanced causal work, traffic overlapped
+    with compute."""
+    if num_heads % group_size:
+        return "zigzag_ring", f"num_heads={num_heads} is not divisible by the group size {group_size}"
+    if ranks_per_node is not None and group_size > ranks_per_node:
+        return "zigzag_ring", f"the group ({group_size} ranks) spans nodes of {ranks_per_node} ranks"
+    return "ulysses", f"num_heads={num_heads} splits over {group_size} ranks inside a node"
 
 
 def layout_for_backend(backend: str, *, group_size: int | None = None, ulysses_degree: int | None = None) -> SequenceLayout:
@@ -45,27 +76,50 @@ def layout_for_backend(backend: str, *, group_size: int | None = None, ulysses_d
     return SequenceLayout("contiguous")
 
 
+# Sub-groups derived from a group, built once per (group, degree) and shared by every module that
+# attends over that group. Keyed weakly on the ProcessGroup object, so nothing outlives its group;
+# a cache of derived groups, not configuration (DESIGN.md: no groups or options in globals).
+_USP_SUBGROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _group_timeout(group) -> timedelta | None:
+    """The timeout ``group`` was created with (sub-groups inherit it), if the backend exposes it."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - backend without options, or no such device backend
+            continue
+    return None
+
+
 def make_usp_groups(group, ulysses_degree: int):
-    """Ulysses and ring sub-groups of ``group`` (Ulysses-inner). Every rank of the *world* must call
-    this in the same order, so it only works for a group spanning the world; the strategy builds
-    them for every other case."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    """Ulysses and ring sub-groups of ``group`` (Ulysses-inner), with ``group``'s timeout; built once per
+    ``(group, ulysses_degree)``. Every rank of the *world* must call this in the same order, so it only
+    works for a group spanning the world; the strategy builds them for every other case."""
+    group = group if group is not None else dist.group.WORLD
+    cached = _USP_SUBGROUPS.setdefault(group, {})
+    if ulysses_degree in cached:
+        return cached[ulysses_degree]
+    ranks = dist.get_process_group_ranks(group)
     if len(ranks) != dist.get_world_size():
         raise ValueError(
             "usp on a group smaller than the world needs its Ulysses/ring sub-groups built on every rank: "
             "use SequenceParallelStrategy, or pass a SequenceParallelContext with ulysses_group and ring_group"
         )
     p, u = len(ranks), ulysses_degree
+    timeout = _group_timeout(group)
+    kwargs = {"timeout": timeout} if timeout is not None else {}
     mine_u = mine_r = None
     for i in range(p // u):  # Ulysses groups: consecutive group ranks
-        g = dist.new_group([ranks[i * u + j] for j in range(u)])
+        g = dist.new_group([ranks[i * u + j] for j in range(u)], **kwargs)
         if dist.get_rank() in ranks[i * u : (i + 1) * u]:
             mine_u = g
     for j in range(u):  # ring groups: stride u
         members = [ranks[i * u + j] for i in range(p // u)]
-        g = dist.new_group(members)
+        g = dist.new_group(members, **kwargs)
         if dist.get_rank() in members:
             mine_r = g
+    cached[ulysses_degree] = (mine_u, mine_r)
     return mine_u, mine_r
 
 
@@ -74,15 +128,24 @@ class SequenceParallelAttention(nn.Module):
 
     Args:
         causal: mask future keys (decoders); ``False`` for bidirectional encoders.
-        softmax_scale: defaults to ``1/sqrt(D)``.
+        softmax_scale: defaults to ``1/sqrt(D)``; ``forward(..., softmax_scale=)`` overrides it per call.
         backend: one of ``"ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal",
             "local", "auto"``; ``None``: the bound strategy's choice, or local attention if unbound.
-        group: the sequence-parallel process group (overrides a bound context's).
+            ``"local"`` always attends over the tokens it is given (no collectives), also inside a
+            strategy-bound model (e.g. a vision tower beside a sequence-parallel text decoder).
+        group: the sequence-parallel process group (overrides a bound context's). Without a group and
+            without a strategy the module is plain local attention, even when a process group exists
+            (ordinary DDP/FSDP); a parallel ``backend`` then needs ``group=``.
         ulysses_degree: inner Ulysses degree for ``usp``.
         kernel: local kernel, ``"auto"``, ``"torch"``, ``"sdpa"`` or ``"flash_attn"``.
         dropout_p, window_size: not supported; anything but the defaults raises.
-        validate_inputs: check at every call that all ranks pass matching shapes and dtypes (one
-            tiny all-gather); a mismatch raises instead of hanging or computing garbage.
+        validate_inputs: check that all ranks pass matching shapes, dtypes, lengths and documents (one
+            tiny all-gather the first time each call signature is seen, shared by the modules of a
+            context); a mismatch, or bad input on any one rank, raises on every rank instead of
+            hanging or computing garbage. A signature that later changes on some ranks only is not
+            seen by the ranks whose signature is cached, and surfaces as a process-group timeout;
+            ``"always"`` checks every call (debugging); ``False`` never (bad input then raises on the
+            rank that has it only, and its peers wait for the timeout).
     """
 
     def __init__(
@@ -96,7 +159,7 @@ class SequenceParallelAttention(nn.Module):
         kernel: str = "auto",
         dropout_p: float = 0.0,
         window_size: tuple[int, int] | None = None,
-        validate_inputs: bool = True,
+        validate_inputs: bool | str = True,
     ):
         super().__init__()
         if dropout_p:
@@ -112,6 +175,8 @@ class SequenceParallelAttention(nn.Module):
             raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if validate_inputs not in (True, False, "always"):
+            raise ValueError(f"validate_inputs must be True, False or 'always', got {validate_inputs!r}")
         if ulysses_degree is not None and ulysses_degree < 1:
             raise ValueError(f"ulysses_degree must be >= 1, got {ulysses_degree}")
         self.causal = causal
@@ -137,8 +202,10 @@ class SequenceParallelAttention(nn.Module):
         if self._context is not None:
             return self._context
         if self._own_context is None:
+            local_world = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun / Lightning launchers set it
             self._own_context = SequenceParallelContext(
-                group=self.group, backend=self.backend or "local", ulysses_degree=self.ulysses_degree
+                group=self.group, backend=self.backend or "local", ulysses_degree=self.ulysses_degree,
+                ranks_per_node=int(local_world) if local_world and local_world.isdigit() else None,
             )
         return self._own_context
 
@@ -158,8 +225,24 @@ class SequenceParallelAttention(nn.Module):
             return self._context.backend
         return "local"
 
+    def _group_size(self) -> int:
+        """Ranks this module attends over: 1 without a group, or for ``backend="local"``."""
+        group = self.process_group
+        if self.resolved_backend() == "local":
+            return 1
+        if group is None:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                raise ValueError(
+                    f"SequenceParallelAttention(backend={self.backend!r}) has no process group: pass "
+                    "group= (the sequence-parallel group, e.g. torch.distributed.group.WORLD) or train "
+                    "under SequenceParallelStrategy; build it with backend=None for plain local attention"
+                )
+            return 1
+        return dist.get_world_size(group)
+
     def _ulysses_degree(self, world: int) -> int:
-        u = self.ulysses_degree or self.context.ulysses_degree or default_ulysses_degree(world)
+        ctx = self.context
+        u = self.ulysses_degree or ctx.ulysses_degree or default_ulysses_degree(world, ranks_per_node=ctx.ranks_per_node)
         if world % u:
             raise ValueError(f"ulysses_degree={u} must divide the sequence-parallel group size {world}")
         return u
@@ -167,8 +250,8 @@ class SequenceParallelAttention(nn.Module):
     @property
     def layout(self) -> SequenceLayout:
         backend = self.resolved_backend()
-        world, _ = group_size_and_rank(self.process_group)
-        if backend in ("local",) or world == 1:
+        world = self._group_size()
+        if backend == "local" or world == 1:
             return SequenceLayout("contiguous")
         return layout_for_backend(backend, group_size=world, ulysses_degree=self._ulysses_degree(world) if backend == "usp" else None)
 
@@ -181,10 +264,15 @@ class SequenceParallelAttention(nn.Module):
         """``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``[B, S_local, H, D]``.
 
         ``cu_seqlens``: int cumulative lengths ``[0, l1, ..., N]`` of the *global* packed sequence
-        (``B == 1``), the same on every rank. ``seq_len``: unpadded global length (defaults to the
-        bound context's ``global_seq_len``); positions at or beyond it are padding, never attended.
-        ``softmax_scale``: overrides the constructor's for this call (Hugging Face passes ``scaling``
-        per call).
+        (``B == 1``), the same on every rank; it must end at the global length ``N``. ``seq_len``: the
+        unpadded global length ``N``; positions at or beyond it are padding, never attended. Over more
+        than one rank it defaults to the length ``shard_sequence`` recorded on ``q``/``k``/``v``, else the
+        bound context's ``global_seq_len`` (see Note [The global length travels with the shard]); if
+        none is known the call raises. ``softmax_scale``: overrides the constructor's for this call
+        (Hugging Face passes ``scaling`` per call).
+
+        Runs with autocast disabled: the output has the dtype of ``q`` and forward and backward use
+        the same precision (cast ``q``/``k``/``v`` yourself to attend in low precision).
         """
         if unsupported:
             names = ", ".join(sorted(unsupported))
@@ -192,40 +280,103 @@ class SequenceParallelAttention(nn.Module):
                 f"unsupported argument(s) {names}: arbitrary masks and biases are not supported; "
                 "use causal=True and/or cu_seqlens for packed documents"
             )
-        _check_local_inputs(q, k, v, cu_seqlens)
-        group = self.process_group
-        world, _ = group_size_and_rank(group)
-        backend = self.resolved_backend()
+        world = self._group_size()
         if world == 1:
-            backend = "local"
-        if seq_len is None:
-            seq_len = self.context.global_seq_len
-        padded_len = q.size(1) * world
-        doc_bounds = _doc_bounds(cu_seqlens, seq_len, padded_len)
-        if self.validate_inputs and world > 1:
-            _check_across_ranks(q, k, self.causal, backend, cu_seqlens, seq_len, group)
-        if backend == "auto":  # lowest traffic when the heads split; else the balanced ring
-            backend = "ulysses" if q.size(2) % world == 0 else "zigzag_ring"
-        layout = self.layout
+            return self._local_forward(q, k, v, cu_seqlens, seq_len, softmax_scale)
+        return self._parallel_forward(q, k, v, cu_seqlens, seq_len, softmax_scale, world)
+
+    def _local_forward(self, q, k, v, cu_seqlens, seq_len, softmax_scale) -> torch.Tensor:
+        """No group (or ``backend="local"``): attention over these tokens only, no collectives. Only an
+        explicit ``seq_len`` marks padding here (a strategy's global length is not about these tokens)."""
+        error = _local_input_error(q, k, v, cu_seqlens)
+        if error is not None:
+            raise ValueError(error[1])
+        n = q.size(1)
+        if seq_len is not None and not 0 < seq_len <= n:
+            raise ValueError(f"seq_len={seq_len} must be in [1, {n}] for local attention over {n} tokens")
+        scale = _resolve_scale(softmax_scale, self.softmax_scale, q.size(-1))
+        kernel_name = self.kernel if self.kernel != "auto" else self.context.kernel
+        if torch.compiler.is_compiling() and kernel_name in ("auto", "sdpa"):
+            return _compiled_local_attention(q, k, v, cu_seqlens, seq_len, scale, self.causal)
+        bounds = self.context.cu_bounds(cu_seqlens) if cu_seqlens is not None else None
         call = backends.AttentionCall(
-            kernel=self._make_kernel(q), scale=_resolve_scale(softmax_scale, self.softmax_scale, q.size(-1)),
-            causal=self.causal, layout=layout, padded_len=padded_len, doc_bounds=doc_bounds,
-            stats=self.context.comm,
+            kernel=self._make_kernel(q), scale=scale, causal=self.causal, layout=SequenceLayout("contiguous"),
+            padded_len=n, doc_bounds=_doc_bounds(bounds, n if seq_len is None else seq_len, n), stats=None,
         )
-        if backend == "local":
+        with torch.autocast(q.device.type, enabled=False):
             return backends.local_attention(q, k, v, call)
-        if backend == "ulysses":
-            return backends.ulysses_attention(q, k, v, call, group=group)
-        if backend in ("ring", "zigzag_ring"):
-            return backends.ring_attention(q, k, v, call, group=group)
-        if backend == "allgather_kv":
-            return backends.allgather_kv_attention(q, k, v, call, group=group)
-        if backend == "colossal":
-            return backends.colossal(q, k, v, call, group=group)
-        if backend == "usp":
-            ug, rg = self._usp_groups(group, world)
-            return backends.usp_attention(q, k, v, call, ulysses_group=ug, ring_group=rg)
+
+    @torch.compiler.disable  # one graph break per call: collectives, host-side plans and checks
+    def _parallel_forward(self, q, k, v, cu_seqlens, seq_len, softmax_scale, world) -> torch.Tensor:
+        group, ctx = self.process_group, self.context
+        backend = self.resolved_backend()
+        error = _local_input_error(q, k, v, cu_seqlens)
+        bounds = ctx.cu_bounds(cu_seqlens) if cu_seqlens is not None and error is None else None
+        seq_len = self._global_seq_len(seq_len, q, k, v)
+        scale = _resolve_scale(softmax_scale, self.softmax_scale, q.size(-1) if q.dim() else 1)
+        layout = self.layout
+        if self.validate_inputs:
+            signature = _signature(q, k, error, self.causal, backend, layout, bounds, seq_len, scale)
+            if error is not None or self.validate_inputs == "always" or ctx.needs_validation(signature):
+                _check_across_ranks(signature, error, group, q)
+                ctx.mark_validated(signature)
+        elif error is not None:
+            raise ValueError(error[1])
+        if backend == "auto":
+            backend = self._resolve_auto(q.size(2), world)
+        if backend in ("ulysses", "usp"):  # heads the all-to-all cannot split: say so before anything else
+            backends.kv_head_replication(q.size(2), k.size(2), world if backend == "ulysses" else layout.ulysses_degree)
+        padded_len = q.size(1) * world
+        if seq_len is None:
+            raise ValueError(
+                f"SequenceParallelAttention over {world} ranks cannot tell the global sequence length: the "
+                f"shards hold {q.size(1)} x {world} = {padded_len} positions, which may end in padding. Pass "
+                f"seq_len=N (the unpadded global length), call it on tensors made by shard_sequence (which "
+                f"records N), or train under SequenceParallelStrategy (which sets context.global_seq_len)"
+            )
+        if padded_length(seq_len, world, layout) != padded_len:
+            raise ValueError(
+                f"seq_len={seq_len} does not match the shards: layout {layout} over {world} ranks pads it to "
+                f"{padded_length(seq_len, world, layout)} positions, but the shards hold {q.size(1)} x {world} = "
+                f"{padded_len}. Pass the global length of the sequence these shards came from"
+            )
+        doc_bounds = _doc_bounds(bounds, seq_len, padded_len)
+        call = backends.AttentionCall(
+            kernel=self._make_kernel(q), scale=scale, causal=self.causal, layout=layout,
+            padded_len=padded_len, doc_bounds=doc_bounds, stats=ctx.comm,
+        )
+        with torch.autocast(q.device.type, enabled=False):
+            if backend == "ulysses":
+                return backends.ulysses_attention(q, k, v, call, group=group)
+            if backend in ("ring", "zigzag_ring"):
+                return backends.ring_attention(q, k, v, call, group=group)
+            if backend == "allgather_kv":
+                return backends.allgather_kv_attention(q, k, v, call, group=group)
+            if backend == "colossal":
+                return backends.colossal(q, k, v, call, group=group)
+            if backend == "usp":
+                ug, rg = self._usp_groups(group, world)
+                return backends.usp_attention(q, k, v, call, ulysses_group=ug, ring_group=rg)
         raise AssertionError(f"unhandled backend {backend}")  # BACKENDS is checked in __init__/bind
+
+    def _global_seq_len(self, seq_len, q, k, v) -> int | None:
+        """Explicit ``seq_len``, else the length recorded on the shards, else the context's."""
+        if seq_len is not None:
+            return int(seq_len)
+        recorded = {n for n in (global_seq_len_of(q), global_seq_len_of(k), global_seq_len_of(v)) if n is not None}
+        if len(recorded) > 1:
+            raise ValueError(f"q, k and v were sharded from sequences of different lengths {sorted(recorded)}")
+        if recorded:
+            return recorded.pop()
+        return self.context.global_seq_len
+
+    def _resolve_auto(self, num_heads: int, world: int) -> str:
+        ctx = self.context
+        backend, why = resolve_auto_backend(num_heads, world, ranks_per_node=ctx.ranks_per_node)
+        if ctx.resolved_backend != backend:
+            log.info("lightning_sp: backend='auto' runs %s (%s)", backend, why)
+            ctx.resolved_backend = backend
+        return backend
 
     def _make_kernel(self, q):
         name = self.kernel if self.kernel != "auto" else self.context.kernel
@@ -243,8 +394,7 @@ class SequenceParallelAttention(nn.Module):
                     f"bound ulysses_group has {dist.get_world_size(ctx.ulysses_group)} ranks but ulysses_degree={u}"
                 )
             return ctx.ulysses_group, ctx.ring_group
-        ctx.ulysses_group, ctx.ring_group = make_usp_groups(group, u)
-        return ctx.ulysses_group, ctx.ring_group
+        return make_usp_groups(group, u)
 
     def extra_repr(self) -> str:
         return f"causal={self.causal}, backend={self.backend}, kernel={self.kernel}"
@@ -258,64 +408,98 @@ def _resolve_scale(call_scale: float | None, module_scale: float | None, head_di
     return 1.0 / math.sqrt(head_dim)
 
 
-def _check_local_inputs(q, k, v, cu_seqlens) -> None:
+def _compiled_local_attention(q, k, v, cu_seqlens, seq_len, scale, causal) -> torch.Tensor:
+    """Local attention as one ``scaled_dot_product_attention`` call, which ``torch.compile`` traces
+    without a graph break. Documents and padding become a dense ``[S, S]`` boolean mask here."""
+    n = q.size(1)
+    mask = None
+    if cu_seqlens is not None or (seq_len is not None and seq_len < n):
+        pos = torch.arange(n, device=q.device)
+        ends = cu_seqlens.to(q.device, torch.long)[1:] if cu_seqlens is not None else pos.new_tensor([seq_len])
+        doc = torch.bucketize(pos, ends, right=True)  # padding is a document of its own
+        mask = doc[:, None] == doc[None, :]
+        if causal:
+            mask = mask & (pos[None, :] <= pos[:, None])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        is_causal=causal and mask is None, scale=scale, enable_gqa=q.size(2) != k.size(2),
+    )
+    return out.transpose(1, 2)
+
+
+# Local input errors have a code, so the ranks that passed their own checks can name what failed.
+_LOCAL_ERRORS = ("", "q, k, v are not 4-D [B, S_local, H, D]", "q, k, v dtypes differ", "unsupported dtype",
+                 "k and v shapes differ", "q and k differ in batch, sequence or head dim",
+                 "num_heads not a multiple of num_kv_heads", "bad cu_seqlens")
+
+
+def _local_input_error(q, k, v, cu_seqlens) -> tuple[int, str] | None:
+    """``(code, message)`` for inputs that cannot be attended, ``None`` when they are fine."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"q, k, v must be [B, S_local, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
+        return 1, f"q, k, v must be [B, S_local, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+        return 2, f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.dtype not in _DTYPE_CODES:
-        raise ValueError(f"attention needs a floating dtype (fp16/bf16/fp32/fp64); got {q.dtype}")
+        return 3, f"attention needs a floating dtype (fp16/bf16/fp32/fp64); got {q.dtype}"
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+        return 4, f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}"
     if (q.size(0), q.size(1), q.size(3)) != (k.size(0), k.size(1), k.size(3)):
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, sequence or head dim")
+        return 5, f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, sequence or head dim"
     if q.size(2) % k.size(2):
-        raise ValueError(f"num_heads={q.size(2)} must be a multiple of num_kv_heads={k.size(2)} (GQA/MQA)")
+        return 6, f"num_heads={q.size(2)} must be a multiple of num_kv_heads={k.size(2)} (GQA/MQA)"
     if cu_seqlens is not None:
         if q.size(0) != 1:
-            raise ValueError(f"packed documents (cu_seqlens) need batch size 1; got {q.size(0)}: pack the batch into one row")
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"cu_seqlens must be a 1-D int32 tensor of cumulative lengths; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+            return 7, f"packed documents (cu_seqlens) need batch size 1; got {q.size(0)}: pack the batch into one row"
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2:
+            return 7, (f"cu_seqlens must be a 1-D int32 tensor of cumulative lengths [0, ..., N]; got "
+                       f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    return None
 
 
-def _doc_bounds(cu_seqlens, seq_len: int | None, padded_len: int) -> list[int] | None:
+def _doc_bounds(bounds: tuple[int, ...] | None, seq_len: int, padded_len: int) -> list[int] | None:
     """Global document boundaries, with padding (if any) as a last document of its own."""
-    if cu_seqlens is None:
-        if seq_len is None or seq_len == padded_len:
-            return None
-        bounds = [0, seq_len]
-    else:
-        bounds = [int(x) for x in cu_seqlens.tolist()]
-        if bounds[0] != 0 or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
-            raise ValueError(f"cu_seqlens must start at 0 and never decrease; got {bounds[:8]}...")
-        if seq_len is not None and bounds[-1] != seq_len:
-            raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the global sequence has {seq_len} tokens")
-    if bounds[-1] > padded_len:
+    if bounds is None:
+        return None if seq_len == padded_len else [0, seq_len, padded_len]
+    if bounds[0] != 0 or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(f"cu_seqlens must start at 0 and never decrease; got {list(bounds[:8])}...")
+    if bounds[-1] != seq_len:
         raise ValueError(
-            f"cu_seqlens/seq_len cover {bounds[-1]} tokens but the sharded sequence holds only {padded_len} "
-            "(S_local x group size): cu_seqlens must describe the global sequence"
+            f"cu_seqlens ends at {bounds[-1]} but the global sequence has {seq_len} tokens: cu_seqlens must "
+            f"cover the whole (unpadded) global sequence, [0, ..., {seq_len}]"
         )
-    if bounds[-1] < padded_len:
-        bounds.append(padded_len)
-    return bounds
+    return list(bounds) + ([padded_len] if seq_len < padded_len else [])
 
 
-def _check_across_ranks(q, k, causal, backend, cu_seqlens, seq_len, group) -> None:
-    """One small all-gather so mismatched inputs fail with a message instead of a hang."""
-    cu = cu_seqlens.to(torch.float64) if cu_seqlens is not None else None
-    sig = torch.tensor(
-        [q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), _DTYPE_CODES[q.dtype], int(causal),
-         backends.BACKENDS.index(backend), -1 if cu is None else cu.numel(), -1 if cu is None else float((cu * torch.arange(1, cu.numel() + 1, dtype=torch.float64)).sum()),
-         -1 if seq_len is None else seq_len],
-        dtype=torch.float64,
+def _signature(q, k, error, causal, backend, layout, bounds, seq_len, scale) -> tuple:
+    """What every rank of the group must agree on, as numbers (one all-gather compares them)."""
+    shape = lambda t: (list(t.shape) + [-1] * 4)[:4] if t.dim() <= 4 else [-2] * 4  # noqa: E731
+    # documents: count and a position-weighted checksum, exact in float64 (< 2**52)
+    doc_hash = -1 if bounds is None else sum((i + 1) * b for i, b in enumerate(bounds)) % (1 << 52)
+    return (
+        error[0] if error is not None else 0, *shape(q), *shape(k), _DTYPE_CODES.get(q.dtype, 0), int(causal),
+        backends.BACKENDS.index(backend), layout.ulysses_degree, -1 if bounds is None else len(bounds), doc_hash,
+        -1 if seq_len is None else seq_len, scale,
     )
-    device = q.device if q.is_cuda else torch.device("cpu")
-    sig = sig.to(device)
+
+
+_SIGNATURE_NAMES = ("error", "B", "S_local", "H", "D", "kB", "kS", "H_kv", "kD", "dtype", "causal", "backend",
+                    "ulysses_degree", "len(cu_seqlens)", "hash(cu_seqlens)", "seq_len", "softmax_scale")
+
+
+def _check_across_ranks(signature: tuple, error, group, q) -> None:
+    """One small all-gather, then every rank raises if any rank's inputs are bad or differ."""
+    sig = torch.tensor(signature, dtype=torch.float64)
+    if dist.get_backend(group) == "nccl":
+        sig = sig.to(q.device if q.is_cuda else torch.device("cuda", torch.cuda.current_device()))
     gathered = [torch.empty_like(sig) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, sig, group=group)
-    if any(not torch.equal(g, gathered[0]) for g in gathered):
-        names = "B, S_local, H, H_kv, D, dtype, causal, backend, len(cu_seqlens), hash(cu_seqlens), seq_len"
-        rows = "\n".join(f"  rank {r}: {[int(x) if float(x).is_integer() else float(x) for x in g.tolist()]}" for r, g in enumerate(gathered))
-        raise ValueError(f"ranks of the sequence-parallel group called attention with different inputs ({names}):\n{rows}")
+    rows = [[int(x) if float(x).is_integer() else float(x) for x in g.tolist()] for g in gathered]
+    if error is not None:
+        raise ValueError(error[1])
+    failed = {r: _LOCAL_ERRORS[row[0]] for r, row in enumerate(rows) if row[0]}
+    if failed:
+        raise ValueError(f"other ranks of the sequence-parallel group rejected their attention inputs "
+                         f"(each raises the details): {failed}")
+    if any(row != rows[0] for row in rows):
+        table = "\n".join(f"  rank {r}: {dict(zip(_SIGNATURE_NAMES[1:], row[1:]))}" for r, row in enumerate(rows))
+        raise ValueError(f"ranks of the sequence-parallel group called attention with different inputs:\n{table}")

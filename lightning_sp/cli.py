@@ -70,15 +70,36 @@ class SequenceParallelCLI(LightningCLI):
         })
 
 
+# Short names accepted wherever a class path is expected on the command line (``--model.help ProteinEncoder``).
+_SHORT_NAMES = {
+    "--model.help": ("lightning_sp.models", ("ProteinEncoder", "MultimodalDecoder")),
+    "--data.help": ("lightning_sp.data", ("ProteinDataModule", "DigitSequenceDataModule")),
+}
+
+
+def expand_short_names(args: list[str]) -> list[str]:
+    """``--model.help ProteinEncoder`` -> ``--model.help lightning_sp.models.ProteinEncoder`` (jsonargparse's
+    help action wants an import path; ``--model ProteinEncoder`` already accepts short names)."""
+    out = list(args)
+    for i, arg in enumerate(out[:-1]):
+        if arg in _SHORT_NAMES and "." not in out[i + 1]:
+            package, names = _SHORT_NAMES[arg]
+            if out[i + 1] in names:
+                out[i + 1] = f"{package}.{out[i + 1]}"
+    return out
+
+
 def main(args: list[str] | None = None, *, run: bool = True) -> SequenceParallelCLI:
     """Entry point of ``lightning-sp``; ``args`` defaults to ``sys.argv[1:]``."""
+    if args is None:  # LightningCLI reads sys.argv itself (and warns if it is also passed as `args`)
+        sys.argv[1:] = expand_short_names(sys.argv[1:])
     return SequenceParallelCLI(
         L.LightningModule,
         L.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         trainer_defaults={"callbacks": [LogLocation()]},
-        args=args if args is not None else sys.argv[1:],
+        args=expand_short_names(args) if args is not None else None,
         run=run,
         save_config_kwargs={"overwrite": True},
     )

@@ -7,8 +7,11 @@ module builds its own. Nothing here is a module-level global.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
 
 from lightning_sp.comm.stats import CommStats
 
@@ -33,5 +36,35 @@ class SequenceParallelContext:
     global_seq_len: int | None = None
     """Unpadded length of the current batch's global sequence, set by whoever shards the batch.
     Positions at or beyond it are padding: never attended to. ``None``: the shards hold no padding."""
+    ranks_per_node: int | None = None
+    """Ranks that share a node (fast interconnect). ``auto`` and ``usp``'s default degree keep every
+    all-to-all inside a node when they can. ``None``: unknown (no cap)."""
     comm: CommStats = field(default_factory=CommStats)
     """Bytes moved by every collective issued on behalf of the bound modules."""
+    resolved_backend: str | None = field(default=None, compare=False)
+    """What ``backend="auto"`` resolved to at the first attention call (``None`` before)."""
+
+    # Per-batch caches shared by every module bound to this context (not configuration).
+    _validated: set = field(default_factory=set, repr=False, compare=False)
+    _cu_cache: tuple | None = field(default=None, repr=False, compare=False)
+
+    def cu_bounds(self, cu_seqlens: "torch.Tensor") -> tuple[int, ...]:
+        """``cu_seqlens`` as host ints, read from the device once per tensor (not once per layer).
+
+        Keyed on the tensor object itself (a weak reference) and its version counter, so a new
+        batch's tensor, or one modified in place, is read again even if it reuses the old storage."""
+        cached = self._cu_cache
+        if cached is not None and cached[0]() is cu_seqlens and cached[1] == cu_seqlens._version:
+            return cached[2]
+        bounds = tuple(int(b) for b in cu_seqlens.tolist())
+        self._cu_cache = (weakref.ref(cu_seqlens), cu_seqlens._version, bounds)
+        return bounds
+
+    def needs_validation(self, signature: tuple) -> bool:
+        """Whether the cross-rank input check must run for this call signature (once per new one)."""
+        return signature not in self._validated
+
+    def mark_validated(self, signature: tuple) -> None:
+        if len(self._validated) > 4096:  # lengths that change every batch: bound the set
+            self._validated.clear()
+        self._validated.add(signature)

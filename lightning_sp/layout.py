@@ -19,6 +19,14 @@ Note [Zigzag layout]
 Lengths that no degree divides are padded at the end to ``padded_length(N, P, layout)``; the
 attention treats positions ``>= N`` as padding that no real token attends to, the loss ignores them,
 and ``gather_sequence(..., seq_len=N)`` trims them off again.
+
+Note [The global length travels with the shard]
+    A rank cannot tell from its shard whether the last positions of the global sequence are padding,
+    and attending to padded keys is silently wrong (DeepSpeed #7384). So the length always reaches the
+    attention, by one of (first wins): ``attn(..., seq_len=N)``; the tensors themselves, which
+    ``shard_sequence`` tags with ``N`` (``global_seq_len_of``); the bound context's ``global_seq_len``,
+    set by ``SequenceParallelStrategy`` for every batch. Over more than one rank, an attention call
+    that finds none of them raises an error naming ``seq_len`` instead of guessing.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_sp.comm.collectives import all_gather_along
+from lightning_sp.comm.collectives import all_gather_along, all_gather_replicated_loss
 from lightning_sp.comm.stats import CommStats
 
 __all__ = [
@@ -46,7 +54,16 @@ __all__ = [
     "shard_sequence",
     "gather_sequence",
     "group_size_and_rank",
+    "global_seq_len_of",
 ]
+
+_SEQ_LEN_ATTR = "_lightning_sp_global_seq_len"
+
+
+def global_seq_len_of(x: torch.Tensor) -> int | None:
+    """The unpadded global length ``shard_sequence`` recorded on ``x`` (``None``: not a shard it made).
+    See Note [The global length travels with the shard]."""
+    return getattr(x, _SEQ_LEN_ATTR, None)
 
 
 @dataclass(frozen=True)
@@ -171,7 +188,12 @@ def shard_sequence(
     x: torch.Tensor, group, *, dim: int = 1, layout: "SequenceLayout | str" = "contiguous", pad_value=0
 ) -> torch.Tensor:
     """This rank's shard of the global sequence ``x`` (same on every rank), padded with ``pad_value``
-    to an even split. ``[..., N, ...] -> [..., N_pad / P, ...]``."""
+    to an even split. ``[..., N, ...] -> [..., N_pad / P, ...]``.
+
+    The result records ``N`` (``global_seq_len_of``), so ``SequenceParallelAttention`` called on it
+    directly never attends to the padding (Note [The global length travels with the shard]). A tensor
+    computed *from* the shard (a projection) does not carry it: pass ``seq_len=N`` to the attention.
+    """
     world, rank = group_size_and_rank(group)
     layout = as_layout(layout)
     seq_len = x.size(dim)
@@ -180,10 +202,13 @@ def shard_sequence(
         dim_ = dim % x.dim()
         pad = [0, 0] * (x.dim() - 1 - dim_) + [0, n_pad - seq_len]
         x = F.pad(x, pad, value=pad_value)
-    if world == 1:
-        return x
-    idx = token_indices(layout, world, n_pad, rank).to(x.device)
-    return x.index_select(dim, idx)
+    if world > 1:
+        idx = token_indices(layout, world, n_pad, rank).to(x.device)
+        x = x.index_select(dim, idx)
+    elif x.size(dim) == seq_len and n_pad == seq_len:
+        x = x.view_as(x)  # a new tensor object: never tag the caller's own tensor
+    setattr(x, _SEQ_LEN_ATTR, seq_len)
+    return x
 
 
 def gather_sequence(
@@ -194,17 +219,34 @@ def gather_sequence(
     layout: "SequenceLayout | str" = "contiguous",
     seq_len: int | None = None,
     stats: CommStats | None = None,
+    reduce_grad: bool = True,
 ) -> torch.Tensor:
     """The whole sequence on every rank: the exact inverse of ``shard_sequence`` (pass ``seq_len`` to
-    drop the padding). Differentiable: the backward sums every rank's gradient for this shard."""
+    drop the padding; it defaults to the length ``shard_sequence`` recorded on ``x_local``, if any).
+
+    Gradient rule. With ``reduce_grad=True`` (default) the backward is a reduce-scatter: this shard's
+    gradient is the *sum* over ranks of the gradients each rank's loss sends to it. That is right when
+    each rank's loss is a different part of the total (e.g. every rank scores its own slice of the
+    gathered output). If instead every rank computes the *same* loss from the gathered sequence, the
+    sum counts that loss ``P`` times: the gradient is ``P`` times the single-process one. For that
+    pattern pass ``reduce_grad=False``: the backward keeps this rank's slice of its own gradient (no
+    communication), which is exactly the single-process gradient::
+
+        full = gather_sequence(out_local, group, layout=layout, seq_len=N, reduce_grad=False)
+        loss = criterion(full, target)          # identical on every rank
+        loss.backward()                         # shard gradients == single-process gradients
+    """
     world, _ = group_size_and_rank(group)
     layout = as_layout(layout)
+    if seq_len is None:
+        seq_len = global_seq_len_of(x_local)
     if world == 1:
         gathered = x_local
     else:
         local = x_local.size(dim)
         n_pad = local * world
-        gathered = all_gather_along(x_local, group, dim=dim, stats=stats)  # rank order
+        gather = all_gather_along if reduce_grad else all_gather_replicated_loss
+        gathered = gather(x_local, group, dim=dim, stats=stats)  # rank order
         perm = torch.cat([token_indices(layout, world, n_pad, r) for r in range(world)])
         gathered = gathered.index_select(dim, torch.argsort(perm).to(x_local.device))
     if seq_len is not None:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
@@ -85,7 +85,9 @@ class SequenceParallelStrategy(DDPStrategy):
         data_parallel: ``"ddp"`` (replicated parameters, all-reduce over the world) or ``"fsdp"``
             (FSDP2 ``fully_shard`` over the flattened ``dp x sp`` ranks, ZeRO-3 style).
         sequence_keys: batch keys (for a Mapping batch) or positions (for a tuple/list batch) whose
-            tensors are sharded along dim 1.
+            tensors are sharded along dim 1. With ``sp > 1`` a batch holding none of them raises (it
+            would otherwise train every rank on the whole sequence). Tuple batches get no
+            ``position_ids`` (no key can be added; a one-time warning says so).
         label_keys: those of ``sequence_keys`` padded with ``ignore_index`` instead of ``pad_value``.
         position_ids_key: if this key is in ``sequence_keys`` but missing from a Mapping batch, the
             strategy adds this rank's global positions ``[B, S_local]`` (padding clamped to ``N - 1``).
@@ -170,6 +172,9 @@ class SequenceParallelStrategy(DDPStrategy):
         self._dp_group: dist.ProcessGroup | None = None
         self._owned_groups: list[dist.ProcessGroup] = []
         self._layout: Any = None
+        self._warned_tuple_positions = False
+        self._padding_reported: set[tuple[int, int]] = set()
+        self._announced_auto = False
 
     # ---------------------------------------------------------------------------------- topology
     @property
@@ -183,10 +188,14 @@ class SequenceParallelStrategy(DDPStrategy):
     def _world_size_from_config(self) -> int:
         return self.num_nodes * max(self.num_processes, 1)
 
+    def _ranks_per_node(self) -> int | None:
+        """Devices per node: all-to-alls (Ulysses) are kept within this many consecutive ranks."""
+        return self.num_processes if self.num_processes else None
+
     def _make_dims(self, world_size: int) -> ParallelDims:
         sp = world_size if self._sp_size_arg is None else self._sp_size_arg
         if self._backend == "usp":
-            u = self._ulysses_degree_arg or default_ulysses_degree(sp)
+            u = self._ulysses_degree_arg or default_ulysses_degree(sp, ranks_per_node=self._ranks_per_node())
         elif self._backend == "ulysses":
             u = sp
         else:
@@ -308,10 +317,15 @@ class SequenceParallelStrategy(DDPStrategy):
             ulysses_group=mine.get(MeshAxis.ULYSSES),
             ring_group=mine.get(MeshAxis.RING),
             kernel=self._kernel,
+            ranks_per_node=self._ranks_per_node(),
         )
+        backend = self._backend
+        if backend == "auto":
+            backend = (f"auto (chosen at the first attention call: ulysses when the heads divide sp={dims.sp} "
+                       f"and sp <= {self._ranks_per_node()} ranks per node, else zigzag_ring)")
         rank_zero_info(
             f"SequenceParallelStrategy: world={world} dp={dims.dp} sp={dims.sp} (ring={dims.ring} x "
-            f"ulysses={dims.ulysses}) backend={self._backend} data_parallel={self._data_parallel}"
+            f"ulysses={dims.ulysses}) backend={backend} data_parallel={self._data_parallel}"
         )
 
     def _bind_model(self, module: nn.Module) -> None:
@@ -321,7 +335,8 @@ class SequenceParallelStrategy(DDPStrategy):
         for name, m in module.named_modules():
             if isinstance(m, SequenceParallelAttention):
                 m.bind(self.context)
-                layouts[name] = m.layout
+                if m.resolved_backend() != "local":  # local modules attend over whatever they are given
+                    layouts[name] = m.layout
                 if self.checkpoint_attention:
                     _recompute_in_backward(m)
         distinct = set(layouts.values())
@@ -347,10 +362,10 @@ class SequenceParallelStrategy(DDPStrategy):
     # ---------------------------------------------------------------------------------- batches
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        if self._context is None:
-            return batch
-        return self.shard_batch(batch)
+        # shard first: only this rank's N/P tokens travel to the device, never the whole sequence
+        if self._context is not None:
+            batch = self.shard_batch(batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def shard_batch(self, batch: Any) -> Any:
         """Shard every tensor under ``sequence_keys`` along dim 1 (``[B, N, ...] -> [B, N_pad/P, ...]``),
@@ -358,21 +373,31 @@ class SequenceParallelStrategy(DDPStrategy):
         from lightning_sp.layout import sequence_positions, shard_sequence
 
         group, layout = self.context.group, self.layout
+        sharding = self.parallel_dims.sp > 1
         if isinstance(batch, Mapping):
             items = [(k, batch[k]) for k in self.sequence_keys if k in batch and isinstance(batch[k], torch.Tensor)]
         elif isinstance(batch, (list, tuple)):
             items = [(k, batch[k]) for k in self.sequence_keys
                      if isinstance(k, int) and -len(batch) <= k < len(batch) and isinstance(batch[k], torch.Tensor)]
         else:
-            return batch
-        if not items:
-            return batch
+            items = []
         lengths = {k: t.size(1) for k, t in items if t.dim() >= 2}
+        if not lengths:
+            if sharding:  # every rank would silently train on the whole sequence
+                raise ValueError(self._unsharded_batch_message(batch))
+            return batch
         if len(set(lengths.values())) > 1:
             raise ValueError(f"sequence_keys tensors disagree on the sequence length (dim 1): {lengths}")
-        if not lengths:
-            return batch
         seq_len = next(iter(lengths.values()))
+        if sharding and isinstance(batch, (list, tuple)) and not self._warned_tuple_positions:
+            self._warned_tuple_positions = True
+            rank_zero_warn(
+                f"SequenceParallelStrategy shards the {type(batch).__name__} batch at positions "
+                f"{sorted(lengths)} but cannot add `position_ids` to it. Positions from `arange(S_local)` are "
+                f"wrong under sequence parallelism: use a dict batch (the strategy then adds global "
+                f"`{self.position_ids_key}`), or lightning_sp.sequence_positions(N, strategy.sp_group, "
+                f"layout=strategy.layout)."
+            )
         sharded = {}
         for k, t in items:
             if t.dim() < 2:
@@ -399,7 +424,35 @@ class SequenceParallelStrategy(DDPStrategy):
                 as_list[k] = t
             out = type(batch)(as_list) if not hasattr(batch, "_fields") else type(batch)(*as_list)
         self.context.global_seq_len = seq_len
+        self._report_padding(seq_len)
         return out
+
+    def _unsharded_batch_message(self, batch: Any) -> str:
+        found = (f"keys {sorted(map(str, batch.keys()))}" if isinstance(batch, Mapping)
+                 else f"{len(batch)} positions" if isinstance(batch, (list, tuple)) else f"a {type(batch).__name__}")
+        return (
+            f"SequenceParallelStrategy(sequence_parallel_size={self.parallel_dims.sp}) found no sequence tensor "
+            f"([B, N, ...]) in the batch ({found}) under sequence_keys={self.sequence_keys}: without sharding, "
+            f"every rank would train on the whole sequence. Return a dict batch with one of those keys, pass "
+            f"sequence_keys=<your keys> (for a tuple batch, positions such as (0, 1)), or use "
+            f"sequence_parallel_size=1."
+        )
+
+    def _report_padding(self, seq_len: int) -> None:
+        from lightning_sp.layout import padded_length
+
+        padded = padded_length(seq_len, self.parallel_dims.sp, self.layout)
+        if padded == seq_len or (seq_len, padded) in self._padding_reported:
+            return
+        first = not self._padding_reported
+        self._padding_reported.add((seq_len, padded))
+        message = (f"SequenceParallelStrategy: sequences of {seq_len} tokens are padded to {padded} (+{padded - seq_len}) "
+                   f"for an even {self.layout} split over sp={self.parallel_dims.sp} ranks; padded positions are never "
+                   f"attended and labels there are ignore_index={self.ignore_index}")
+        if first:
+            rank_zero_info(message + " (other lengths: logged at debug level)")
+        else:
+            log.debug(message)
 
     # ---------------------------------------------------------------------------------- model wrapping
     @override
@@ -425,8 +478,18 @@ class SequenceParallelStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._data_parallel == "fsdp" and self.model is self.lightning_module:
             with self.precision_plugin.train_step_context():
-                return self._redirect("training_step", *args, **kwargs)
-        return super().training_step(*args, **kwargs)
+                out = self._redirect("training_step", *args, **kwargs)
+        else:
+            out = super().training_step(*args, **kwargs)
+        self._announce_auto_backend()
+        return out
+
+    def _announce_auto_backend(self) -> None:
+        """Say once what ``backend="auto"`` resolved to (known after the first attention call)."""
+        if self._announced_auto or self._context is None or self._context.resolved_backend is None:
+            return
+        self._announced_auto = True
+        rank_zero_info(f"SequenceParallelStrategy: backend='auto' runs {self._context.resolved_backend}")
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

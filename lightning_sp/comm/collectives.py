@@ -144,3 +144,25 @@ class _AllReduceSum(torch.autograd.Function):
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """Differentiable sum over ranks; backward sums the gradients over ranks too."""
     return _AllReduceSum.apply(x, group)
+
+
+class _AllGatherOwnGrad(torch.autograd.Function):
+    """All-gather whose backward keeps this rank's slice of its own gradient (no communication): the
+    gradient of a loss that every rank computes identically from the gathered result."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, stats):
+        ctx.group, ctx.dim, ctx.local = group, dim, x.size(dim)
+        return all_gather_raw(x, group, dim, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = dist.get_rank(ctx.group)
+        return grad.narrow(ctx.dim, rank * ctx.local, ctx.local).contiguous(), None, None, None
+
+
+def all_gather_replicated_loss(x: torch.Tensor, group, *, dim: int, stats: CommStats | None = None) -> torch.Tensor:
+    """Differentiable all-gather along ``dim`` for a loss replicated on every rank: the backward takes
+    this rank's slice of its own gradient instead of summing all ranks' (which would count the loss
+    once per rank)."""
+    return _AllGatherOwnGrad.apply(x, group, dim % x.dim(), stats)

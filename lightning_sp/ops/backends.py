@@ -24,6 +24,7 @@ import torch
 from lightning_sp.comm.collectives import all_gather_raw, head_to_seq, reduce_scatter_raw, seq_to_head
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.layout import Run, SequenceLayout, runs_for_ranks, token_indices
+from lightning_sp.ops.precision import autocast_off
 from lightning_sp.ops.colossal import colossal_attention
 from lightning_sp.ops.kernels import LocalKernel
 from lightning_sp.ops.ring_attention import (
@@ -127,6 +128,7 @@ class _AllGatherKVFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_off
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         k_all, v_all = all_gather_raw(k, ctx.group, 1, ctx.stats), all_gather_raw(v, ctx.group, 1, ctx.stats)

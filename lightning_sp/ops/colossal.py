@@ -15,6 +15,7 @@ import torch
 
 from lightning_sp.comm.ring import RingComm, ring_pass, ring_pass_with_grads
 from lightning_sp.comm.stats import CommStats
+from lightning_sp.ops.precision import autocast_off
 from lightning_sp.ops.kernels import expand_kv, reduce_kv_grad
 from lightning_sp.ops.merge import accumulation_dtype
 from lightning_sp.ops.plan import visibility
@@ -54,6 +55,7 @@ class ColossalFunction(torch.autograd.Function):
         return out.transpose(1, 2).to(q.dtype)  # [B, S/P, H, D]
 
     @staticmethod
+    @autocast_off
     def backward(ctx, dout):
         q, k, v, probs = ctx.saved_tensors
         comm = RingComm(ctx.group, ctx.stats)

@@ -23,6 +23,7 @@ import torch
 from lightning_sp.comm.ring import RingComm, ring_pass, ring_pass_with_grads
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.layout import Run
+from lightning_sp.ops.precision import autocast_off
 from lightning_sp.ops.kernels import LocalKernel
 from lightning_sp.ops.merge import accumulation_dtype, merge_into
 from lightning_sp.ops.plan import MaskKind, plan_blocks
@@ -133,6 +134,7 @@ class BlockAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_off
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = block_attention_backward(ctx.spec, dout.contiguous(), q, k, v, out, lse)
