@@ -5,12 +5,22 @@ sequence parallel under ``SequenceParallelStrategy``, plain without it.
     trainer = L.Trainer(strategy=SequenceParallelStrategy(4, backend="zigzag_ring"), devices=8)
     trainer.fit(HFSequenceParallelModule(model), datamodule)     # batches: global input_ids, labels, ...
 
-Batches are GLOBAL HF batches (the same on every rank of a sequence-parallel group, as the strategy's
-sampler delivers them); ``on_after_batch_transfer`` turns each into this rank's shard with
-``shard_inputs``, so labels are shifted, positions and lengths are global, and padding is never attended.
-The strategy's own sequence sharding is switched off for this module (``sequence_keys = ()``) since
-``shard_inputs`` already shards; the loss is ``sequence_parallel_cross_entropy`` over the sp group, so
-gradients equal single-device training (Note [Gradient reduction over dp x sp] in ``strategy.py``).
+Batches are GLOBAL HF batches (``input_ids``, ``labels``, optional ``attention_mask``, packed
+``position_ids``/``cu_seqlens``), the same on every rank of a sequence-parallel group. See
+Note [HF batches under the strategy].
+
+Note [HF batches under the strategy]
+    ``SequenceParallelStrategy`` shards each batch's ``sequence_keys`` before any module hook runs, but
+    HF batches need global work first: labels shifted over the whole row, positions by cumulative sums,
+    ESM's mask ratio, padding turned into lengths or packed documents (``shard_inputs``). So
+    ``on_after_batch_transfer`` reassembles the global batch from the strategy's shards with one
+    all-gather of the token-id tensors (``[B, N]`` integers: bytes per token, against ``h`` floats per
+    token per layer for attention) and calls ``shard_inputs`` on it::
+
+        loader -> strategy.shard_batch -> [B, N/P] ids -> gather_sequence -> [B, N] -> shard_inputs -> [B', S/P]
+
+    The strategy's own ``position_ids`` (added when the batch has none) are switched off for this
+    module, so models that compute positions themselves (RoBERTa, ESM-1b) get theirs.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_sp.integrations.transformers import SHARD_INFO_KEY, _sp_modules, apply_sequence_parallel, shard_inputs
-from lightning_sp.layout import group_size_and_rank
+from lightning_sp.layout import gather_sequence, group_size_and_rank
 from lightning_sp.loss import sequence_parallel_cross_entropy
 
 TASKS = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM"}
@@ -96,15 +106,29 @@ class HFSequenceParallelModule(L.LightningModule):
         from lightning_sp.strategy import SequenceParallelStrategy
 
         strategy = self.trainer.strategy
-        if isinstance(strategy, SequenceParallelStrategy) and strategy.sequence_keys:
-            # shard_inputs shards the global batch itself (global label shift, lengths, positions)
-            rank_zero_info("HFSequenceParallelModule: batches are sharded by shard_inputs; the strategy's "
-                           f"sequence_keys {strategy.sequence_keys} are switched off for this run")
-            strategy.sequence_keys = ()
+        if isinstance(strategy, SequenceParallelStrategy) and strategy.position_ids_key is not None:
+            # shard_inputs makes global positions itself (cumulative sums for RoBERTa-style models)
+            rank_zero_info("HFSequenceParallelModule: position_ids come from shard_inputs, not the strategy")
+            strategy.position_ids_key = None
+
+    def _global_batch(self, batch: Any) -> Any:
+        """Undo the strategy's sharding (Note [HF batches under the strategy]); other batches unchanged."""
+        from lightning_sp.strategy import SequenceParallelStrategy
+
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        if not isinstance(strategy, SequenceParallelStrategy) or not isinstance(batch, dict):
+            return batch
+        context = strategy.context
+        out = dict(batch)
+        for key in strategy.sequence_keys:
+            t = batch.get(key)
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                out[key] = gather_sequence(t, context.group, layout=strategy.layout, seq_len=context.global_seq_len)
+        return out
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> dict:
-        shard = shard_inputs(batch, self.model, ignore_index=self.hparams.ignore_index)
+        shard = shard_inputs(self._global_batch(batch), self.model, ignore_index=self.hparams.ignore_index)
         context = getattr(self.trainer.strategy, "_context", None) if self._trainer is not None else None
         if context is not None:
             context.global_seq_len = shard[SHARD_INFO_KEY].seq_len  # for SequenceParallelMonitor's token count

@@ -24,8 +24,8 @@ Note [Hugging Face under sequence parallelism]
       (bidirectional models attend to padding)     the attention passes it on every call
     ``scaling`` per call (ESM passes 1.0)        passed as ``softmax_scale`` per call
     padding ``attention_mask`` dropped for a     a mask function is registered too; ``shard_inputs``
-      custom attention without a mask function     turns right padding into ``seq_len`` (rows of
-                                                   different lengths: packed documents); others raise
+      custom attention without a mask function     drops right padding (rows of different lengths:
+                                                   packed documents); others raise
     causal-LM loss shifts labels inside a shard  labels shifted over the global sequence first
     ``position_ids`` default to local positions  global ``position_ids`` always passed
     positions by cumulative sums (RoBERTa/ESM-1b) computed over the global sequence (``_FIXES``)
@@ -93,7 +93,8 @@ class ShardInfo:
     """Facts about the global batch a shard came from, which no rank can see in its own shard."""
 
     seq_len: int
-    """Unpadded global length: positions ``>= seq_len`` (right padding, layout padding) are never attended."""
+    """Global length ``N`` of the (unpadded) sequence: positions ``>= seq_len`` (the layout's padding to an
+    even split) are never attended."""
     padded_len: int
     """Global length after layout padding (``S_local * P``); checks that a shard and its info match."""
     cu_seqlens: torch.Tensor | None = None
@@ -510,10 +511,11 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
     Other tensors ``[B, N, ...]`` are sharded along dim 1, anything else passes through.
 
     Returns ``input_ids [B', S_local]``, global ``position_ids``, ``labels`` (for causal LMs shifted over
-    the global sequence as HF's loss does; padding and each row's last token ``ignore_index``) and a
-    ``ShardInfo`` under ``"sequence_parallel"``. The attention mask is not passed on: right padding
-    becomes the global length, or, for rows of different lengths, packed documents with ``B' = 1``
-    (Note [Packing padded rows]); any other mask raises.
+    the global sequence as HF's loss does; each row's last token ``ignore_index``) and a ``ShardInfo``
+    under ``"sequence_parallel"``. The attention mask is not passed on: right padding is dropped (rows of
+    one length ``L`` are cut to ``L`` columns; rows of different lengths are packed into one row of
+    documents, ``B' = 1``, Note [Packing padded rows]); any other mask raises. Logits therefore cover
+    the real tokens only, in row order.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"shard_inputs takes a dict batch (input_ids, labels, attention_mask, ...), got {type(batch).__name__}")
@@ -581,9 +583,12 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
         rows = _pack_rows(rows, lengths.tolist())  # Note [Packing padded rows]
         cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
         bsz, n = 1, int(lengths.sum())
-        seq_len = n
-    else:
-        seq_len = n if lengths is None else int(lengths[0])
+    elif lengths is not None:  # rows of one length L: the padding columns are dropped (exact, and cheaper)
+        n = int(lengths[0])
+        rows = {k: t[:, :n] for k, t in rows.items()}
+        if cu_seqlens is not None and int(torch.as_tensor(cu_seqlens)[-1]) > n:
+            raise ValueError(f"cu_seqlens ends at {int(torch.as_tensor(cu_seqlens)[-1])} but the mask leaves {n} tokens")
+    seq_len = n  # no padding is left; only the layout pads (to N_pad), and the attention knows N
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens).to(dtype=torch.int32).flatten().cpu()
         if int(cu_seqlens[-1]) != seq_len:
