@@ -229,9 +229,35 @@ def _unbound_and_misuse(world: int) -> dict:
     return res
 
 
+def _readme_recipe(world: int) -> dict:
+    """The README's standalone HF recipe, executed as written, vs the unsharded model (float64)."""
+    import torch.distributed as dist
+
+    from tests.distributed.test_readme import readme_block
+    from tests.hf_tiny import clone, reference, tiny_batch, tiny_model
+
+    code = readme_block("hf standalone")
+    out = {}
+    for name in ("llama", "esm"):
+        base = tiny_model(name)
+        batch = tiny_batch(name, N_REAL_PADDED, pad_to=N)
+        ref = clone(base)
+        _, ref_loss = reference(ref, name, batch)
+        ref_loss.backward()
+        scope = {"model": clone(base), "sp_group": dist.group.WORLD, "batch": batch}
+        exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+        grads = {}
+        for pname, p in scope["model"].named_parameters():
+            g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(g)
+            grads[pname] = g / world
+        out[name] = max(abs(float(scope["loss"].detach() - ref_loss.detach())), _grad_diff(grads, ref))
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
-    res = {"grid": _exactness_grid(world), "misc": _unbound_and_misuse(world)}
+    res = {"grid": _exactness_grid(world), "misc": _unbound_and_misuse(world), "readme": _readme_recipe(world)}
     if world == 2:
         res["roberta"] = _roberta_cumsum_positions(world)
         res["trainer"] = _train_with_trainer(world)
@@ -318,3 +344,10 @@ def test_sharded_call_without_shard_info_refused(results):
     world, per_rank = results
     for res in per_rank:
         assert "shard_inputs(global_batch, model)" in res["misc"]["no_info_error"]
+
+
+def test_readme_standalone_recipe_exact(results):
+    world, per_rank = results
+    for rank, res in enumerate(per_rank):
+        for name, diff in res["readme"].items():
+            assert diff < TOL, f"P={world} rank {rank} {name}: README recipe differs by {diff:.3e}"
