@@ -202,6 +202,7 @@ def _deepspeed_section(rank, world, cfg, group):
     for n in cfg["ds_seq_lens"]:
         q, k, v, dout = (shard_sequence(t, group) for t in _inputs(n, b, n, h, h, d))
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        ours.context.global_seq_len = n  # clones carry no length: say it (N divides, so no padding)
         # correctness first: same outputs and gradients
         o1 = _fwd_bwd(ours, q, k, v, dout).detach()
         g1 = [t.grad.clone() for t in (q, k, v)]
@@ -291,8 +292,9 @@ def _memory_section(rank, world, cfg, group):
         warm = [t.narrow(1, 0, max(1, t.size(1) // 4)).clone() for t in (q, k, v, dout)]
         for t in warm[:3]:
             t.requires_grad_()
-        attn(*warm[:3]).backward(warm[3])
+        attn(*warm[:3], seq_len=warm[0].size(1) * world).backward(warm[3])
         del warm
+        attn.context.global_seq_len = n  # the clones carry no length
         gc.collect()
         if world > 1:
             torch.distributed.barrier(group)
@@ -387,6 +389,7 @@ def _memtrace_section(rank, world, cfg, group):
                                          kernel="sdpa", validate_inputs=False)
         q, k, v, dout = (shard_sequence(t, group if world > 1 else None, layout=attn.layout).clone() for t in full)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
+        attn.context.global_seq_len = n  # the clones carry no length
         attn(q, k, v).backward(dout)  # warm-up (usp sub-groups)
         for t in (q, k, v):
             t.grad = None
