@@ -19,7 +19,16 @@ Sections (``--sections``, comma-separated; default all):
   (a) bytes saved for backward by one attention call (``torch.autograd.graph.saved_tensors_hooks``,
   unique storages by ``untyped_storage().data_ptr()``), (b) peak RSS increase during one fwd+bwd
   (``VmHWM`` reset through ``/proc/self/clear_refs``, glibc told to mmap every allocation >= 128 KiB
-  so freed memory leaves the process).
+  so freed memory leaves the process), and (c) the same peak plus the bytes of this rank's inputs
+  ``q, k, v, dout`` (the whole per-rank footprint of the call). The backward is seeded through a
+  function that does not keep the attention output alive (``_SeedGrad``), as in a model, where the
+  next layer's backward has released it before attention's backward runs; an output that the
+  backend itself saves for backward still counts.
+- ``memtrace`` (not in the default run): where each backend's peak comes from. One fwd+bwd per
+  backend under ``torch.profiler`` with ``profile_memory=True``; from the allocator events (address,
+  bytes, running total) it reports the peak of tensor bytes allocated during the call and the
+  tensors alive at that moment, grouped by the aten op that allocated them and its autograd node.
+  Sees only the PyTorch allocator (not gloo's own buffers, which the RSS peak includes).
 - ``gpu``: only with CUDA; skipped (and reported as skipped) otherwise. TODO, see ``_gpu_section``.
 
 Results go to ``<out>/attention_<date>_<host kind>.json`` and ``.csv`` (device, torch version,
@@ -32,7 +41,6 @@ import argparse
 import csv
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -51,7 +59,7 @@ os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
 import torch  # noqa: E402
 
 BACKENDS = ["ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal"]
-SECTIONS = ["deepspeed", "volume", "memory", "gpu"]
+SECTIONS = ["deepspeed", "volume", "memory", "memtrace", "gpu"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -83,6 +91,20 @@ def _reset_hwm() -> bool:
         return True
     except OSError:
         return False
+
+
+class _SeedGrad(torch.autograd.Function):
+    """A scalar whose backward hands ``dout`` to ``x``: starts the backward of ``x`` without the
+    harness holding ``x`` (``out.backward(dout)`` would keep the output alive throughout)."""
+
+    @staticmethod
+    def forward(ctx, x, dout):
+        ctx.dout = dout
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad):
+        return ctx.dout, None
 
 
 class _SavedBytes:
@@ -180,6 +202,7 @@ def _deepspeed_section(rank, world, cfg, group):
     for n in cfg["ds_seq_lens"]:
         q, k, v, dout = (shard_sequence(t, group) for t in _inputs(n, b, n, h, h, d))
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        ours.context.global_seq_len = n  # clones carry no length: say it (N divides, so no padding)
         # correctness first: same outputs and gradients
         o1 = _fwd_bwd(ours, q, k, v, dout).detach()
         g1 = [t.grad.clone() for t in (q, k, v)]
@@ -269,8 +292,9 @@ def _memory_section(rank, world, cfg, group):
         warm = [t.narrow(1, 0, max(1, t.size(1) // 4)).clone() for t in (q, k, v, dout)]
         for t in warm[:3]:
             t.requires_grad_()
-        attn(*warm[:3]).backward(warm[3])
+        attn(*warm[:3], seq_len=warm[0].size(1) * world).backward(warm[3])
         del warm
+        attn.context.global_seq_len = n  # the clones carry no length
         gc.collect()
         if world > 1:
             torch.distributed.barrier(group)
@@ -280,17 +304,108 @@ def _memory_section(rank, world, cfg, group):
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             out = attn(q, k, v)
         hwm_fwd = _proc_status_kib("VmHWM")
-        out.backward(dout)
+        seed = _SeedGrad.apply(out, dout)
+        del out  # the backend's saved tensors keep what it needs (see _SeedGrad)
+        seed.backward()
         hwm_fwd_bwd = _proc_status_kib("VmHWM")
         input_bytes = sum(t.numel() * t.element_size() for t in (q, k, v))
+        inputs_and_dout = input_bytes + dout.numel() * dout.element_size()
         rows.append({
             "world": world, "rank": rank, "backend": backend, "seq_len": n, "heads": h, "head_dim": d, "dtype": "float32",
             "causal": True, "saved_for_backward_bytes": saved.total, "local_qkv_bytes": input_bytes,
             "peak_rss_increase_fwd_bytes": (hwm_fwd - rss0) * 1024 if hwm_ok else None,
             "peak_rss_increase_fwd_bwd_bytes": (hwm_fwd_bwd - rss0) * 1024 if hwm_ok else None,
+            "peak_fwd_bwd_with_inputs_bytes": (hwm_fwd_bwd - rss0) * 1024 + inputs_and_dout if hwm_ok else None,
         })
-        del out, q, k, v, dout, saved
+        del seed, q, k, v, dout, saved
         gc.collect()
+        if world > 1:
+            torch.distributed.barrier(group)
+    return rows
+
+
+def _live_at_peak(trace_path: str, top: int = 12):
+    """Parse a chrome trace: peak of the running sum of allocator bytes, and the allocations alive at
+    that moment as ``[(aten op, autograd node, MiB, count)]`` (largest first; grouped by op, node and
+    allocation size). The op is the innermost one enclosing the allocation other than a bare
+    ``empty``/``empty_strided`` (those name the op that asked for the memory: ``zeros``, ``clone``...);
+    "?" = allocated outside any aten op (e.g. by a C++ collective)."""
+    import bisect
+    import collections
+
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
+                 key=lambda e: e["ts"])
+    live, running, peak, peak_live = {}, 0, 0, {}
+    for e in mem:
+        nbytes, addr = e["args"]["Bytes"], e["args"]["Addr"]
+        running += nbytes
+        if nbytes > 0:
+            live[addr] = (nbytes, e["ts"])
+        else:
+            live.pop(addr, None)  # frees of memory allocated before the profile are ignored
+        if running > peak:
+            peak, peak_live = running, dict(live)
+    starts = [o["ts"] for o in ops]
+
+    alloc_only = {"aten::empty", "aten::empty_strided", "aten::resize_"}
+
+    def owner(ts):  # innermost aten op (other than a bare allocation) and autograd node enclosing ts
+        aten, node = "?", "forward"
+        for o in reversed(ops[: bisect.bisect_right(starts, ts)]):
+            if o["ts"] <= ts <= o["ts"] + o["dur"]:
+                if aten == "?" and o["name"].startswith("aten::") and o["name"] not in alloc_only:
+                    aten = o["name"]
+                if o["name"].startswith("autograd::engine::evaluate_function"):
+                    node = o["name"].split(": ", 1)[-1]
+                    break
+        return aten, node
+
+    groups = collections.Counter()
+    counts = collections.Counter()
+    for nbytes, ts in peak_live.values():
+        key = (*owner(ts), nbytes)
+        groups[key] += nbytes
+        counts[key] += 1
+    rows = [(a, n, b / 2**20, counts[(a, n, each)]) for (a, n, each), b in groups.most_common(top)]
+    return peak, rows
+
+
+def _memtrace_section(rank, world, cfg, group):
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_sp import SequenceParallelAttention, shard_sequence
+
+    rows = []
+    n, h, d = cfg["mem_seq_len"], cfg["heads"], cfg["head_dim"]
+    full = _inputs(1, 1, n, h, h, d)
+    backends = ["local"] if world == 1 else [b for b in BACKENDS if b != "colossal"]
+    for backend in backends:
+        attn = SequenceParallelAttention(causal=True, backend=backend, group=group if world > 1 else None,
+                                         kernel="sdpa", validate_inputs=False)
+        q, k, v, dout = (shard_sequence(t, group if world > 1 else None, layout=attn.layout).clone() for t in full)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        attn.context.global_seq_len = n  # the clones carry no length
+        attn(q, k, v).backward(dout)  # warm-up (usp sub-groups)
+        for t in (q, k, v):
+            t.grad = None
+        if world > 1:
+            torch.distributed.barrier(group)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = attn(q, k, v)
+            seed = _SeedGrad.apply(out, dout)
+            del out
+            seed.backward()
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            peak, live = _live_at_peak(f.name)
+        rows.append({"world": world, "rank": rank, "backend": backend, "seq_len": n, "heads": h,
+                     "local_shard_bytes": q.numel() * q.element_size(), "peak_alloc_bytes": peak, "live_at_peak": live})
+        del q, k, v, dout, seed
         if world > 1:
             torch.distributed.barrier(group)
     return rows
@@ -308,6 +423,8 @@ def _worker(rank, world, cfg):
         result["volume"] = _volume_section(rank, world, cfg, group)
     if "memory" in cfg["sections"]:
         result["memory"] = _memory_section(rank, world, cfg, group)
+    if "memtrace" in cfg["sections"]:
+        result["memtrace"] = _memtrace_section(rank, world, cfg, group)
     return result
 
 
@@ -415,13 +532,36 @@ def _summaries(results, worlds):
                     m = max(vals)
                     cells.append(f" {_fmt_bytes(m):>15} {m / base_v:6.3f} {1 / p:5.3f}")
                 lines.append(f"{backend:<13}" + "".join(cells))
+            key = "peak_fwd_bwd_with_inputs_bytes"
+            if b.get(key):
+                lines.append(f"P=1 local: peak fwd+bwd incl. inputs q, k, v, dout {_fmt_bytes(b[key])}")
+                lines.append(f"{'backend':<13}" + "".join(f" {f'+inputs P={p}':>15} {'ratio':>6} {'1/P':>5}" for p in ps))
+                for backend in BACKENDS:
+                    cells = []
+                    for p in ps:
+                        vals = [r[key] for r in mem if r["backend"] == backend and r["world"] == p and r.get(key)]
+                        if not vals:
+                            cells.append(" " * 29)
+                            continue
+                        m = max(vals)
+                        cells.append(f" {_fmt_bytes(m):>15} {m / b[key]:6.3f} {1 / p:5.3f}")
+                    lines.append(f"{backend:<13}" + "".join(cells))
+    if "memtrace" in results:
+        lines.append("\n== Tensors alive at the allocator peak of one fwd+bwd (rank 0; u = one local shard) ==")
+        for r in results["memtrace"]:
+            if r["rank"] != 0:
+                continue
+            u = r["local_shard_bytes"]
+            lines.append(f"P={r['world']} {r['backend']}: peak {r['peak_alloc_bytes'] / 2**20:.1f} MiB = {r['peak_alloc_bytes'] / u:.2f} u")
+            for aten, node, mib, count in r["live_at_peak"]:
+                lines.append(f"    {mib:8.2f} MiB ({mib * 2**20 / u:4.2f} u) x{count:<3} {aten:<40} in {node}")
     if "gpu" in results:
         lines.append(f"\n== GPU ==\n{results['gpu']}")
     return "\n".join(lines)
 
 
 def _csv_rows(results):
-    for section in ("deepspeed", "volume", "memory"):
+    for section in ("deepspeed", "volume", "memory", "memtrace"):
         for r in results.get(section, []):
             base = {"section": section, "world": r.get("world"), "rank": r.get("rank", 0), "backend": r.get("backend", "ulysses"),
                     "seq_len": r.get("seq_len"), "heads": r.get("heads")}
@@ -477,19 +617,20 @@ def main(argv=None) -> int:
             "command": " ".join([os.path.relpath(sys.executable, os.getcwd()) if sys.executable.startswith(os.getcwd()) else sys.executable, *sys.argv]),
             "cwd": os.getcwd(), "config": cfg,
             "memory_method": "saved_for_backward: saved_tensors_hooks, unique untyped storages; peak: /proc/self/status "
-                             "VmHWM after clear_refs=5, minus VmRSS before the call (MALLOC_MMAP_THRESHOLD_=131072)"}
+                             "VmHWM after clear_refs=5, minus VmRSS before the call (MALLOC_MMAP_THRESHOLD_=131072); backward seeded "
+                             "through _SeedGrad (the harness does not hold the output); +inputs: plus the bytes of local q, k, v, dout"}
     print(f"device: {info['cpu_model']} x{info['cpu_cores']} cores, torch {info['torch']}, deepspeed {info['deepspeed']}")
     print(f"command: {meta['command']}")
     results: dict = {}
-    worlds = sorted(set(cfg["worlds"]) | ({1} if "memory" in cfg["sections"] else set()))
+    worlds = sorted(set(cfg["worlds"]) | ({1} if {"memory", "memtrace"} & set(cfg["sections"]) else set()))
     for world in worlds:
-        if world == 1 and "memory" not in cfg["sections"]:
+        if world == 1 and not {"memory", "memtrace"} & set(cfg["sections"]):
             continue
         t0 = time.perf_counter()
         per_rank = run_on_ranks(_worker, world, (cfg,), timeout_s=args.timeout, pg_timeout_s=args.timeout)
         print(f"[P={world}] done in {time.perf_counter() - t0:.1f}s", flush=True)
         results.setdefault("deepspeed", []).extend(per_rank[0].get("deepspeed", []))
-        for section in ("volume", "memory"):
+        for section in ("volume", "memory", "memtrace"):
             for r in per_rank:
                 results.setdefault(section, []).extend(r.get(section, []))
     results = {k: v for k, v in results.items() if k in cfg["sections"]}

@@ -7,7 +7,25 @@
 
 Two buffers are alive at a time (the block being computed on and the one in flight): the
 double-buffering that lets transfer overlap compute. ``ring_pass`` and ``ring_pass_with_grads``
-are the two loops every ring-style backend is built from.
+are the loops every ring-style backend is built from; ``ring_pass_accumulating`` and
+``ring_reduce_scatter`` are their memory-lean versions for gradient partial sums (Note [Gradient
+partial sums around the ring]).
+
+Note [Gradient partial sums around the ring]
+    In a ring backward each rank adds its contribution to the dK/dV of the block it holds and
+    passes the partial sum on, one step behind the block itself. Overlapping that transfer with
+    compute (``ring_pass_with_grads``) keeps three block-sized gradient buffers alive during compute:
+    the partial being sent, the partial being received, and the new contribution. The
+    accumulating form waits for the incoming partial first and adds this rank's contribution into
+    it in place, so exactly one gradient buffer is alive while the kernel runs::
+
+        step t:   wait(partial_t from rank-1)  ->  partial_t += my contribution  ->  send to rank+1
+        (K/V blocks still travel double-buffered, overlapped with the compute)
+
+    The price is that the gradient transfer (half the backward traffic) no longer overlaps compute.
+    With the in-place merge and the prompt release of used blocks, this took the ring's per-rank
+    peak at P = 4 (N = 8192, H = 8, D = 64, fp32) from 15.3 to 11.3 local shards (benchmarks/README.md,
+    section 4).
 """
 
 from __future__ import annotations
@@ -28,6 +46,9 @@ class _Pending:
     def wait(self) -> tuple[torch.Tensor, ...]:
         for w in self._works:
             w.wait()
+        # transfer done: drop the send buffers (and the works, which reference them too) so they are
+        # freed as soon as the caller lets go of them, not when this object dies
+        self._works, self._sent = (), None
         return self._buffers
 
 
@@ -71,7 +92,8 @@ def ring_pass(
         pending = comm.start(blocks) if step < comm.world - 1 else None
         step_fn(step, (comm.rank - step) % comm.world, blocks)
         if pending is not None:
-            blocks = pending.wait()
+            blocks = pending.wait()  # the blocks just used are freed here (unless they are the inputs)
+            pending = None
 
 
 def ring_pass_with_grads(
@@ -97,3 +119,56 @@ def ring_pass_with_grads(
         if pending is not None:
             blocks = pending.wait()
     return grads_in_flight.wait()
+
+
+def ring_pass_accumulating(
+    comm: RingComm | None,
+    tensors: tuple[torch.Tensor, ...],
+    grad_fn: Callable[[int, int, tuple[torch.Tensor, ...], "tuple[torch.Tensor, ...] | None"], tuple[torch.Tensor, ...]],
+) -> tuple[torch.Tensor, ...]:
+    """Like ``ring_pass_with_grads`` (same result, same traffic), with one gradient buffer alive
+    during compute: ``grad_fn(step, source_rank, blocks, partial)`` adds this rank's contribution
+    for ``blocks`` into ``partial`` in place (``None`` at step 0: it allocates and returns it) and
+    returns it. See Note [Gradient partial sums around the ring]."""
+    if comm is None or comm.world == 1:  # no ring: nothing to send (a one-rank ring would send to itself)
+        return grad_fn(0, 0, tensors, None)
+    blocks = tensors
+    grads_in_flight: _Pending | None = None
+    partial = None
+    for step in range(comm.world):
+        pending = comm.start(blocks) if step < comm.world - 1 else None  # K/V: overlapped
+        if grads_in_flight is not None:
+            partial = grads_in_flight.wait()  # also frees the partial we sent last step
+            grads_in_flight = None
+        partial = grad_fn(step, (comm.rank - step) % comm.world, blocks, partial)
+        grads_in_flight = comm.start(partial, op="ring_send_grad")
+        partial = None
+        if pending is not None:
+            blocks = pending.wait()  # drop the used blocks before the next step allocates receive buffers
+            pending = None
+    return grads_in_flight.wait()
+
+
+def ring_reduce_scatter(
+    comm: RingComm,
+    contribute: Callable[[int, "tuple[torch.Tensor, ...] | None"], tuple[torch.Tensor, ...]],
+    op: str = "reduce_scatter",
+) -> tuple[torch.Tensor, ...]:
+    """Reduce-scatter whose inputs are produced chunk by chunk: ``contribute(chunk, partial)`` adds
+    this rank's contribution to chunk ``chunk`` (the gradient of rank ``chunk``'s shard) into
+    ``partial`` in place (``None``: allocate) and returns it. Returns the sum over all ranks of
+    chunk ``rank``. Only one chunk-sized partial is alive during compute (never a whole ``[N]``
+    input), and the sum is taken in whatever dtype ``contribute`` returns (fp32 for bf16 inputs).
+
+    Ring schedule: at step ``t`` rank ``r`` completes its share of chunk ``(r - t - 1) mod P``,
+    received from rank ``r - 1``, and sends it to rank ``r + 1``; after ``P - 1`` sends chunk ``r``
+    is back at its owner, summed over every rank. Bytes counted under ``op``: ``(P-1)`` chunks,
+    the same as a reduce-scatter collective."""
+    world, rank = comm.world, comm.rank
+    partial = None
+    for step in range(world):
+        chunk = (rank - step - 1) % world
+        partial = contribute(chunk, partial)
+        if step < world - 1:
+            partial = comm.start(partial, op=op).wait()  # frees the sent partial on return
+    return partial

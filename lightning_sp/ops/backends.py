@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
-from lightning_sp.comm.collectives import all_gather_raw, head_to_seq, reduce_scatter_raw, seq_to_head
+from lightning_sp.comm.collectives import all_gather_raw, head_to_seq, seq_to_head
+from lightning_sp.comm.ring import RingComm, ring_reduce_scatter
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.layout import Run, SequenceLayout, runs_for_ranks, token_indices
 from lightning_sp.ops.precision import autocast_off
 from lightning_sp.ops.colossal import colossal_attention
 from lightning_sp.ops.kernels import LocalKernel
+from lightning_sp.ops.merge import accumulation_dtype
 from lightning_sp.ops.ring_attention import (
     BlockAttentionSpec,
+    accumulate_block_grads,
     block_attention,
-    block_attention_backward,
     block_attention_forward,
 )
 
@@ -49,8 +52,10 @@ class AttentionCall:
     doc_bounds: list[int] | None
     stats: CommStats | None
 
-    def positions(self, world: int, rank: int) -> torch.Tensor:
-        return token_indices(self.layout, world, self.padded_len, rank)
+    def positions(self, world: int, rank: int, device=None) -> torch.Tensor:
+        """Global positions of rank ``rank``'s tokens ``[padded_len / world]``; cached per layout,
+        length and device (do not modify the returned tensor)."""
+        return _positions(self.layout, world, self.padded_len, rank, torch.device(device or "cpu"))
 
     def runs(self, world: int, ranks) -> list[Run]:
         """Runs of the tokens of ``ranks`` (concatenated in that order); cached per layout."""
@@ -61,6 +66,21 @@ class AttentionCall:
             kernel=self.kernel, scale=self.scale, causal=self.causal, q_runs=q_runs,
             k_runs_by_rank=k_runs_by_rank, doc_bounds=self.doc_bounds, group=group, stats=self.stats,
         )
+
+
+@lru_cache(maxsize=64)
+def _positions(layout: SequenceLayout, world: int, padded_len: int, rank: int, device: torch.device) -> torch.Tensor:
+    return token_indices(layout, world, padded_len, rank).to(device)
+
+
+@lru_cache(maxsize=8)  # two [N] int64 tensors per entry, possibly on the GPU: keep few
+def _gathered_order(layout: SequenceLayout, world: int, padded_len: int, device: torch.device):
+    """``(order, inverse)``, each ``[padded_len]`` int64 on ``device``: ``gathered[order]`` is the
+    sequence in global order (``gathered`` = all ranks' tokens in rank order), ``x[inverse]`` undoes
+    it. Cached: built once per layout, length and device instead of at every call."""
+    positions = torch.cat([token_indices(layout, world, padded_len, r) for r in range(world)])
+    order = torch.argsort(positions)
+    return order.to(device), torch.argsort(order).to(device)
 
 
 def kv_head_replication(num_heads: int, num_kv_heads: int, degree: int) -> int:
@@ -86,9 +106,7 @@ def _attend_gathered(q, k, v, call: AttentionCall, world: int) -> torch.Tensor:
     runs = call.runs(world, range(world))
     if len(runs) == 1:
         return block_attention(q, k, v, call.spec(runs, [runs]))
-    positions = torch.cat([call.positions(world, r) for r in range(world)])
-    order = torch.argsort(positions).to(q.device)
-    inverse = torch.argsort(order)
+    order, inverse = _gathered_order(call.layout, world, call.padded_len, q.device)
     whole = [Run(0, 0, q.size(1))]
     out = block_attention(q.index_select(1, order), k.index_select(1, order), v.index_select(1, order),
                           call.spec(whole, [whole]))
@@ -115,33 +133,52 @@ def ring_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
 
 class _AllGatherKVFunction(torch.autograd.Function):
     """All-gather K/V, attend locally; save only the local K/V shards (O(N/P) activations) and
-    gather them again in backward, whose dK/dV are reduce-scattered back to their owners."""
+    gather them again in backward. dK/dV go back to their owners through a ring reduce-scatter
+    computed chunk by chunk (``ring_reduce_scatter``): the gradient of one rank's K/V shard is
+    computed, added to the partial sum received from the previous rank and passed on, so no
+    ``[B, S, H_kv, D]`` gradient is ever materialised, and the sum runs in the accumulation dtype
+    (fp32 for bf16/fp16 inputs), cast to the input dtype only at the end."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, group, stats):
+    def forward(ctx, q, k, v, spec, grad_spec, group, stats):
         # [B, S/P, H_kv, D] -> [B, S, H_kv, D] in rank order
         k_all, v_all = all_gather_raw(k, group, 1, stats), all_gather_raw(v, group, 1, stats)
         res = block_attention_forward(spec, q, k_all, v_all)
+        del k_all, v_all
         out = res.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, res.lse)
-        ctx.spec, ctx.group, ctx.stats = spec, group, stats
+        ctx.grad_spec, ctx.group, ctx.stats = grad_spec, group, stats
         return out
 
     @staticmethod
     @autocast_off
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        acc = accumulation_dtype(q.dtype)
         k_all, v_all = all_gather_raw(k, ctx.group, 1, ctx.stats), all_gather_raw(v, ctx.group, 1, ctx.stats)
-        dq, dk_all, dv_all = block_attention_backward(ctx.spec, dout.contiguous(), q, k_all, v_all, out, lse)
-        dk = reduce_scatter_raw(dk_all, ctx.group, 1, ctx.stats)  # [B, S, H_kv, D] -> [B, S/P, H_kv, D]
-        dv = reduce_scatter_raw(dv_all, ctx.group, 1, ctx.stats)
-        return dq, dk, dv, None, None, None
+        shard = k.size(1)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+
+        def contribute(chunk, partial):  # this rank's share of rank `chunk`'s dK/dV [B, S/P, H_kv, D]
+            rows = slice(chunk * shard, (chunk + 1) * shard)
+            k_blk, v_blk = k_all[:, rows], v_all[:, rows]
+            if partial is None:
+                partial = (torch.zeros(k_blk.shape, dtype=acc, device=q.device),
+                           torch.zeros(v_blk.shape, dtype=acc, device=q.device))
+            accumulate_block_grads(ctx.grad_spec, chunk, dout, q, k_blk, v_blk, out, lse, dq, partial)
+            return partial
+
+        dk, dv = ring_reduce_scatter(RingComm(ctx.group, ctx.stats), contribute)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def allgather_kv_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    spec = call.spec(call.runs(world, [rank]), [call.runs(world, range(world))])
-    return _AllGatherKVFunction.apply(q, k, v, spec, group, call.stats)
+    q_runs = call.runs(world, [rank])
+    spec = call.spec(q_runs, [call.runs(world, range(world))])  # forward: all gathered keys at once
+    grad_spec = call.spec(q_runs, [call.runs(world, [r]) for r in range(world)])  # backward: per owner
+    return _AllGatherKVFunction.apply(q, k, v, spec, grad_spec, group, call.stats)
 
 
 def usp_attention(q, k, v, call: AttentionCall, *, ulysses_group, ring_group) -> torch.Tensor:
@@ -162,7 +199,7 @@ def usp_attention(q, k, v, call: AttentionCall, *, ulysses_group, ring_group) ->
 
 def colossal(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     world = torch.distributed.get_world_size(group)
-    positions = [call.positions(world, r) for r in range(world)]
+    positions = [call.positions(world, r, q.device) for r in range(world)]
     return colossal_attention(
         q, k, v, group=group, positions_by_rank=positions, causal=call.causal,
         doc_bounds=call.doc_bounds, scale=call.scale, stats=call.stats,

@@ -3,22 +3,57 @@ and log-sum-exp, so a ring backend can differentiate each block against the merg
 
 Shapes (all kernels): ``q [B, Sq, H, D]``, ``k, v [B, Sk, H_kv, D]`` with ``H % H_kv == 0``
 (query head ``h`` uses KV head ``h // (H / H_kv)``), ``out [B, Sq, H, D]``, ``lse [B, H, Sq]`` in
-the accumulation dtype. Masks come from ``plan.MaskKind``: FULL, CAUSAL (square, aligned) or a
-DENSE ``[Sq, Sk]`` bool tensor (True = visible). A row with no visible key gets ``out = 0`` and
-``lse = -inf``.
+the accumulation dtype (fp32, fp64 for fp64). Masks come from ``plan.MaskKind``: FULL, CAUSAL
+(square, aligned) or a DENSE ``[Sq, Sk]`` bool tensor (True = visible). A row with no visible key
+gets ``out = 0`` and ``lse = -inf``; every backward accepts ``-inf`` rows (their gradient is 0).
 
-Kernels:
+Kernels (``KERNELS``):
+
 - ``torch``: blockwise pure PyTorch (tiles of ``128 x 512``; never materialises the whole score
-  matrix); any float dtype incl. fp64; the reference implementation.
+  matrix); any float dtype incl. fp64, any device; the reference implementation and the last
+  fallback of every other kernel.
 - ``sdpa``: PyTorch's fused ops. CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ its
-  backward op). CUDA: ``aten._scaled_dot_product_flash_attention`` for fp16/bf16 FULL/CAUSAL blocks
-  (other blocks fall back to ``torch``).
-- ``flash_attn``: the flash-attn package (CUDA, fp16/bf16), imported lazily.
+  backward), every dtype and mask. CUDA: the flash op where eligible, else the memory-efficient op,
+  else ``torch``.
+- ``efficient`` (CUDA): ``aten._scaled_dot_product_efficient_attention``, else ``torch``.
+- ``cudnn`` (CUDA): ``aten._scaled_dot_product_cudnn_attention`` (what PyTorch's context parallel
+  uses on Hopper), else the efficient op, else ``torch``.
+- ``flash_attn`` (CUDA): the flash-attn package 2.6 / 2.7 / 2.8 (pinned by ``__version__``;
+  imported lazily), else the efficient op, else ``torch``.
+- ``auto``: CPU: ``sdpa``. CUDA: ``flash_attn`` when a supported flash-attn is installed, else
+  ``sdpa``. A static order for now; GPU benchmarks will decide between flash and cuDNN.
+
+Note [CUDA kernel eligibility] (checked per block call, ``why_not``):
+
+=============  =================  ==========================  ========  ===========  ==========
+op             dtypes             head dim D                  arch      masks        H_kv != H
+=============  =================  ==========================  ========  ===========  ==========
+flash (SDPA)   fp16, bf16         D % 8 == 0, D <= 256 (*)    sm80+     FULL/CAUSAL  native
+flash-attn     fp16, bf16         D % 8 == 0, D <= 256        sm80+     FULL/CAUSAL  native
+cuDNN          fp16, bf16         D % 8 == 0, D <= 128        sm80-121  FULL/CAUSAL  native
+efficient      fp16, bf16, fp32   D % 8 (half) / 4 (fp32)     sm50+     all (DENSE   expanded
+                                                                        as a bias)
+torch          any float          any                         any       all          expanded
+=============  =================  ==========================  ========  ===========  ==========
+
+(*) PyTorch refuses flash backward for D > 192 on sm86/sm89/sm120; those blocks go to the next op.
+bf16 needs sm80+ for every fused op. fp64 always runs ``torch``. "native": K/V go in with their
+``H_kv`` heads (the op broadcasts them, and its dK/dV come back with ``H_kv`` heads); "expanded":
+``expand_kv`` repeats them per query head (the efficient op's GQA support differs between PyTorch
+builds, so it is not relied on).
+
+Note [Calling the SDPA ops directly]: the backward ops are called with exactly what the forward
+op would have returned for a dense (not varlen), dropout-free call, because forward residuals are
+not kept: ``cum_seq_q = cum_seq_k = None`` (an *undefined* tensor; a 0-element tensor is
+"defined" and selects the varlen path), ``max_q = Sq``, ``max_k = Sk``, placeholder philox
+seed/offset of the forward's dtype and shape (unread when ``dropout_p = 0``), the efficient op's
+lse padded to a multiple of 32 along the sequence and the cuDNN op's lse as ``[B, H, Sq, 1]``. A
+``-inf`` lse row is passed as ``+inf``, so that ``p = exp(s - lse) = 0`` inside the fused kernel
+(flash-attn itself stores ``+inf`` for a row that saw no key).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Protocol
 
@@ -27,7 +62,11 @@ import torch
 from lightning_sp.ops.merge import accumulation_dtype, merge_into
 from lightning_sp.ops.plan import MaskKind
 
-KERNELS = ("auto", "torch", "sdpa", "flash_attn")
+KERNELS = ("auto", "torch", "sdpa", "flash_attn", "efficient", "cudnn")
+
+_HALF = (torch.float16, torch.bfloat16)
+FLASH_ATTN_VERSIONS = ("2.6", "2.7", "2.8")
+"""flash-attn minor versions whose private ``_flash_attn_forward/_backward`` signatures we call."""
 
 
 def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -49,6 +88,154 @@ class LocalKernel(Protocol):
     def forward(self, q, k, v, *, scale: float, kind: MaskKind, mask) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(self, dout, q, k, v, out, lse, *, scale: float, kind: MaskKind, mask) -> tuple[torch.Tensor, ...]: ...
+
+
+# ----------------------------------------------------------------------------------------------
+# eligibility (Note [CUDA kernel eligibility])
+# ----------------------------------------------------------------------------------------------
+
+CUDA_OPS = ("flash", "flash_attn", "cudnn", "efficient")
+
+
+def why_not(op: str, *, dtype: torch.dtype, head_dim: int, kind: MaskKind, capability: tuple[int, int]) -> str | None:
+    """``None`` if the CUDA ``op`` can run this block, else the reason it cannot."""
+    if op not in CUDA_OPS:
+        raise ValueError(f"op must be one of {CUDA_OPS}, got {op!r}")
+    major, minor = capability
+    if op == "efficient":
+        if dtype not in (*_HALF, torch.float32):
+            return f"dtype {dtype} (needs fp16, bf16 or fp32)"
+        if major < 5:
+            return f"sm{major}{minor} (needs sm50+)"
+        if dtype is torch.bfloat16 and major < 8:
+            return f"bf16 on sm{major}{minor} (needs sm80+)"
+        align = 8 if dtype in _HALF else 4
+        if head_dim % align:
+            return f"head dim {head_dim} (needs a multiple of {align})"
+        return None
+    if dtype not in _HALF:
+        return f"dtype {dtype} (needs fp16 or bf16)"
+    if kind is MaskKind.DENSE:
+        return "DENSE mask (needs FULL or CAUSAL)"
+    if head_dim % 8:
+        return f"head dim {head_dim} (needs a multiple of 8)"
+    if major < 8:
+        return f"sm{major}{minor} (needs sm80+)"
+    if op == "cudnn":
+        if (major, minor) > (12, 1):
+            return f"sm{major}{minor} (cuDNN attention covers sm80-sm121)"
+        if head_dim > 128:
+            return f"head dim {head_dim} (needs <= 128)"
+        return None
+    if head_dim > 256:
+        return f"head dim {head_dim} (needs <= 256)"
+    if op == "flash" and head_dim > 192 and (major, minor) in ((8, 6), (8, 9), (12, 0)):
+        return f"head dim {head_dim} > 192 on sm{major}{minor} (PyTorch has no flash backward for it)"
+    return None
+
+
+def _bhsd(x: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+    """``[B, S, H, D]`` -> a ``[B, H, S, D]`` view of a contiguous ``[B, S, H, D]`` tensor (the SDPA
+    ops' layout). ``exact``: also the canonical batch stride ``S*H*D``, which cuDNN checks even
+    for ``B = 1`` (a sequence slice of a longer tensor is contiguous but has a larger one)."""
+    x = x.contiguous()
+    if exact and x.stride(0) != x[0].numel():
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x.transpose(1, 2)
+
+
+def _bias(mask: torch.Tensor, b: int, h: int, dtype) -> torch.Tensor:
+    """DENSE ``[Sq, Sk]`` bool -> additive ``[B, H, Sq, Sk]`` bias for the efficient op: 0 where
+    visible, ``-inf`` elsewhere; rows padded to a multiple of 16 elements (the op's alignment rule;
+    PyTorch's own ``pad_bias`` does the same) and broadcast over B and H."""
+    sq, sk = mask.shape
+    padded = torch.zeros(sq, -(-sk // 16) * 16, dtype=dtype, device=mask.device)
+    padded[:, :sk].masked_fill_(~mask, -math.inf)
+    return padded[:, :sk].expand(b, h, sq, sk)
+
+
+def _lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
+    """``[B, H, Sq]`` merged lse -> fp32 contiguous, ``-inf`` (no key) as ``+inf`` so p = 0."""
+    lse = lse.float()
+    return lse.masked_fill(torch.isneginf(lse), math.inf).contiguous()
+
+
+def _empty_rows_to_convention(out, lse, kind, mask):
+    """Rows that saw no key: ``out = 0``, ``lse = -inf`` (fused ops write ``+inf`` or garbage)."""
+    lse = lse.masked_fill(torch.isposinf(lse), -math.inf)
+    if kind is MaskKind.DENSE:
+        empty = ~mask.any(-1)  # [Sq]
+        lse = lse.masked_fill(empty, -math.inf)
+        out = out.masked_fill(empty[None, :, None, None], 0.0)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# the fused CUDA ops (argument lists: Note [Calling the SDPA ops directly])
+# ----------------------------------------------------------------------------------------------
+
+
+def _flash_sdpa_forward(q, k, v, *, scale, kind, mask):
+    res = torch.ops.aten._scaled_dot_product_flash_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, kind is MaskKind.CAUSAL, False, scale=scale
+    )  # (out [B, H, Sq, D], lse [B, H, Sq] fp32, cum_q, cum_k, max_q, max_k, rng_state, unused, debug)
+    return res[0].transpose(1, 2), res[1]
+
+
+def _flash_sdpa_backward(dout, q, k, v, out, lse, *, scale, kind, mask):
+    dev = q.device
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), _lse_for_backward(lse),
+        None, None, q.size(1), k.size(1), 0.0, kind is MaskKind.CAUSAL,
+        torch.empty(2, dtype=torch.uint64, device=dev), torch.empty((), dtype=torch.uint64, device=dev),
+        scale=scale,
+    )  # [B, H, S, D] each; dk, dv with H_kv heads
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _cudnn_forward(q, k, v, *, scale, kind, mask):
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _bhsd(q, exact=True), _bhsd(k, exact=True), _bhsd(v, exact=True), None, True, 0.0, kind is MaskKind.CAUSAL,
+        False, scale=scale,
+    )  # (out [B, H, Sq, D], lse [B, H, Sq, 1] fp32, cum_q, cum_k, max_q, max_k, seed, offset, debug)
+    return res[0].transpose(1, 2), res[1].reshape(res[1].shape[:3])
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, *, scale, kind, mask):
+    dev = q.device
+    seed = torch.zeros((), dtype=torch.int64, device=dev)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        *(_bhsd(t, exact=True) for t in (dout, q, k, v, out)), _lse_for_backward(lse).unsqueeze(-1),
+        seed, seed.clone(), None, None, None, q.size(1), k.size(1), 0.0, kind is MaskKind.CAUSAL, scale=scale,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _efficient_forward(q, k, v, *, scale, kind, mask):
+    b, sq, h, _ = q.shape
+    bias = _bias(mask, b, h, q.dtype) if kind is MaskKind.DENSE else None
+    res = torch.ops.aten._scaled_dot_product_efficient_attention(
+        _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h)), bias, True, 0.0, kind is MaskKind.CAUSAL, scale=scale
+    )  # (out [B, H, Sq, D], lse [B, H, ceil(Sq/32)*32] fp32, seed, offset)
+    return res[0].transpose(1, 2), res[1][:, :, :sq]
+
+
+def _efficient_backward(dout, q, k, v, out, lse, *, scale, kind, mask):
+    b, sq, h, _ = q.shape
+    h_kv = k.size(2)
+    bias = _bias(mask, b, h, q.dtype) if kind is MaskKind.DENSE else None
+    lse_padded = torch.full((b, h, -(-sq // 32) * 32), math.inf, dtype=torch.float32, device=q.device)
+    lse_padded[:, :, :sq] = _lse_for_backward(lse)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        _bhsd(dout), _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h)), bias, _bhsd(out), lse_padded,
+        seed, seed.clone(), 0.0, [True, True, True, False], kind is MaskKind.CAUSAL, scale=scale,
+    )
+    return dq.transpose(1, 2), reduce_kv_grad(dk.transpose(1, 2), h_kv), reduce_kv_grad(dv.transpose(1, 2), h_kv)
+
+
+_CUDA_FORWARD = {"flash": _flash_sdpa_forward, "cudnn": _cudnn_forward, "efficient": _efficient_forward}
+_CUDA_BACKWARD = {"flash": _flash_sdpa_backward, "cudnn": _cudnn_backward, "efficient": _efficient_backward}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,30 +315,83 @@ class TorchBlockwiseKernel:
 
 
 # ----------------------------------------------------------------------------------------------
-# sdpa: PyTorch's fused attention ops
+# CUDA kernels: a preference list of fused ops, then ``torch``
 # ----------------------------------------------------------------------------------------------
 
 
-class SDPAKernel:
-    name = "sdpa"
+class _CudaChainKernel:
+    """Runs each block with the first op of ``self.ops`` that is eligible for it (``why_not``), else
+    the ``torch`` kernel. ``device_type="cuda"`` and ``capability`` force the CUDA path for tensors
+    of another device (``meta`` in the unit tests, which check the exact op argument lists)."""
 
-    def __init__(self):
+    name = ""
+    ops: tuple[str, ...] = ()
+
+    def __init__(self, *, device_type: str | None = None, capability: tuple[int, int] | None = None):
+        self.device_type, self.capability = device_type, capability
         self._fallback = TorchBlockwiseKernel()
 
-    @staticmethod
-    def _cuda_ok(q, kind) -> bool:
-        return q.dtype in (torch.float16, torch.bfloat16) and kind is not MaskKind.DENSE
+    def _device_type(self, q) -> str:
+        return self.device_type or q.device.type
+
+    def _capability(self, q) -> tuple[int, int]:
+        return self.capability or torch.cuda.get_device_capability(q.device)
+
+    def choose(self, q, kind: MaskKind) -> str:
+        """The op this kernel runs a block ``q [B, Sq, H, D]`` of mask ``kind`` with (CUDA)."""
+        cap = self._capability(q)
+        for op in self.ops:
+            if self._op_available(op) and why_not(op, dtype=q.dtype, head_dim=q.size(-1), kind=kind, capability=cap) is None:
+                return op
+        return "torch"
+
+    def _op_available(self, op: str) -> bool:
+        return True
+
+    def _cuda_only(self, device) -> ValueError:
+        return ValueError(f"kernel={self.name!r} runs on CUDA tensors only (got {device.type}); use kernel='sdpa' or 'torch'")
+
+    def _cpu_forward(self, q, k, v, *, scale, kind, mask):
+        raise self._cuda_only(q.device)
+
+    def _cpu_backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
+        raise self._cuda_only(q.device)
+
+    def _run_forward(self, op, q, k, v, *, scale, kind, mask):
+        return _CUDA_FORWARD[op](q, k, v, scale=scale, kind=kind, mask=mask)
+
+    def _run_backward(self, op, dout, q, k, v, out, lse, *, scale, kind, mask):
+        return _CUDA_BACKWARD[op](dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
 
     def forward(self, q, k, v, *, scale, kind, mask):
+        if self._device_type(q) != "cuda":
+            return self._cpu_forward(q, k, v, scale=scale, kind=kind, mask=mask)
+        op = self.choose(q, kind)
+        if op == "torch":
+            return self._fallback.forward(q, k, v, scale=scale, kind=kind, mask=mask)
+        out, lse = self._run_forward(op, q, k, v, scale=scale, kind=kind, mask=mask)
+        return _empty_rows_to_convention(out, lse, kind, mask)
+
+    def backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
+        if self._device_type(q) != "cuda":
+            return self._cpu_backward(dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
+        op = self.choose(q, kind)
+        if op == "torch":
+            return self._fallback.backward(dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
+        dout, out = dout.to(q.dtype), out.to(q.dtype)
+        return self._run_backward(op, dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
+
+
+class SDPAKernel(_CudaChainKernel):
+    """PyTorch's fused ops: the CPU flash op on CPU (every dtype and mask); on CUDA the flash op,
+    then the memory-efficient op, then ``torch``."""
+
+    name = "sdpa"
+    ops = ("flash", "efficient")
+
+    def _cpu_forward(self, q, k, v, *, scale, kind, mask):
         h = q.size(2)
         qh, kh, vh = q.transpose(1, 2), expand_kv(k, h).transpose(1, 2), expand_kv(v, h).transpose(1, 2)
-        if q.is_cuda:
-            if not self._cuda_ok(q, kind):
-                return self._fallback.forward(q, k, v, scale=scale, kind=kind, mask=mask)
-            res = torch.ops.aten._scaled_dot_product_flash_attention(
-                qh, kh, vh, 0.0, kind is MaskKind.CAUSAL, False, scale=scale
-            )
-            return res[0].transpose(1, 2), res[1]
         additive = None
         if kind is MaskKind.DENSE:
             additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
@@ -162,29 +402,40 @@ class SDPAKernel:
             lse = lse.masked_fill(~mask.any(-1), -math.inf)
         return out.transpose(1, 2), lse
 
-    def backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
+    def _cpu_backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
         h, h_kv = q.size(2), k.size(2)
-        out = out.to(q.dtype)
-        lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # a row that saw no key: p = exp(-inf) = 0, not nan
+        lse = lse.to(accumulation_dtype(q.dtype))
+        lse = lse.masked_fill(torch.isneginf(lse), math.inf)  # a row that saw no key: p = exp(s - inf) = 0
         qh, kh, vh = q.transpose(1, 2), expand_kv(k, h).transpose(1, 2), expand_kv(v, h).transpose(1, 2)
-        doh, oh = dout.to(q.dtype).transpose(1, 2), out.transpose(1, 2)
-        if q.is_cuda:
-            if not self._cuda_ok(q, kind):
-                return self._fallback.backward(dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
-            empty = torch.empty(0, device=q.device)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                doh, qh, kh, vh, oh, lse.float().contiguous(), empty, empty, q.size(1), k.size(1), 0.0,
-                kind is MaskKind.CAUSAL, empty, empty, scale=scale,
-            )
-        else:
-            additive = None
-            if kind is MaskKind.DENSE:
-                additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                doh, qh, kh, vh, oh, lse.to(accumulation_dtype(q.dtype)), 0.0, kind is MaskKind.CAUSAL,
-                attn_mask=additive, scale=scale,
-            )
+        doh, oh = dout.to(q.dtype).transpose(1, 2), out.to(q.dtype).transpose(1, 2)
+        additive = None
+        if kind is MaskKind.DENSE:
+            additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            doh, qh, kh, vh, oh, lse, 0.0, kind is MaskKind.CAUSAL, attn_mask=additive, scale=scale,
+        )
         return dq.transpose(1, 2), reduce_kv_grad(dk.transpose(1, 2), h_kv), reduce_kv_grad(dv.transpose(1, 2), h_kv)
+
+
+class EfficientKernel(_CudaChainKernel):
+    """CUDA: ``aten._scaled_dot_product_efficient_attention`` (fp32 too; DENSE masks as a bias)."""
+
+    name = "efficient"
+    ops = ("efficient",)
+
+
+class CudnnKernel(_CudaChainKernel):
+    """CUDA: ``aten._scaled_dot_product_cudnn_attention``, then the efficient op, then ``torch``."""
+
+    name = "cudnn"
+    ops = ("cudnn", "efficient")
+
+    def _op_available(self, op: str) -> bool:
+        # PyTorch builds its cuDNN attention only against cuDNN 9+; a given ``capability`` describes a
+        # stand-in device (unit tests), on which cuDNN is assumed
+        if op != "cudnn" or self.capability is not None:
+            return True
+        return torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,63 +443,89 @@ class SDPAKernel:
 # ----------------------------------------------------------------------------------------------
 
 
-class FlashAttnKernel:
-    """flash-attn 2.x private forward/backward, called with keyword arguments matched to the
-    installed version's signature (it changed between 2.5 and 2.7). DENSE blocks and fp32 fall
-    back to the ``torch`` kernel. Not exercised in CI (no GPU): see tests/gpu."""
+def _flash_attn_minor(version: str) -> str:
+    """``"2.7.4.post1" -> "2.7"``; ``ValueError`` unless it is one of ``FLASH_ATTN_VERSIONS``."""
+    minor = ".".join(version.split(".")[:2])
+    if minor not in FLASH_ATTN_VERSIONS:
+        raise ValueError(
+            f"flash-attn {version} is not supported (its private _flash_attn_forward/_backward signatures "
+            f"are known for {', '.join(FLASH_ATTN_VERSIONS)}); install flash-attn>=2.6,<2.9 or use kernel='sdpa'"
+        )
+    return minor
+
+
+class FlashAttnKernel(_CudaChainKernel):
+    """flash-attn's private ``_flash_attn_forward/_backward``, called positionally with the argument
+    list of the installed version (pinned by ``flash_attn.__version__``: since 2.7 they are
+    ``torch.library`` custom ops, so ``inspect.signature`` only sees ``(*args, **kwargs)``).
+
+    ===========  =======================================================  ============================
+    version      forward(q, k, v, dropout_p, softmax_scale, causal, ...)  returns
+    ===========  =======================================================  ============================
+    2.6          window_size, softcap, alibi_slopes, return_softmax        out, q, k, v, out_padded,
+                                                                           lse, S_dmask, rng_state
+    2.7, 2.8     window_size_left, window_size_right, softcap,             out, lse, S_dmask, rng_state
+                 alibi_slopes, return_softmax
+    ===========  =======================================================  ============================
+
+    backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, softmax_scale, causal, <window>,
+    softcap, alibi_slopes, deterministic, rng_state) fills ``dq, dk, dv`` (``k``'s ``H_kv`` heads)
+    and returns ``(dq, dk, dv, softmax_d)`` in 2.6, ``softmax_d`` in 2.7/2.8."""
 
     name = "flash_attn"
+    ops = ("flash_attn", "efficient")
 
-    def __init__(self):
-        from flash_attn import flash_attn_interface as fai  # lazy: optional dependency
+    def __init__(self, *, device_type=None, capability=None, module=None):
+        super().__init__(device_type=device_type, capability=capability)
+        if module is None:
+            import flash_attn  # lazy: optional dependency
 
+            module = flash_attn
+        self.version = _flash_attn_minor(module.__version__)
+        fai = module.flash_attn_interface
         self._fwd, self._bwd = fai._flash_attn_forward, fai._flash_attn_backward
-        self._fwd_params = set(inspect.signature(self._fwd).parameters)
-        self._bwd_params = set(inspect.signature(self._bwd).parameters)
-        self._fallback = TorchBlockwiseKernel()
 
-    def _window(self, params) -> dict:
-        if "window_size_left" in params:
-            return {"window_size_left": -1, "window_size_right": -1}
-        return {"window_size": (-1, -1)} if "window_size" in params else {}
+    def _window(self) -> tuple:
+        return ((-1, -1),) if self.version == "2.6" else (-1, -1)
 
-    def _extra(self, params) -> dict:
-        extra = {"softcap": 0.0, "alibi_slopes": None, "deterministic": False, "return_softmax": False}
-        return {k: val for k, val in extra.items() if k in params}
-
-    def forward(self, q, k, v, *, scale, kind, mask):
-        if kind is MaskKind.DENSE or q.dtype not in (torch.float16, torch.bfloat16):
-            return self._fallback.forward(q, k, v, scale=scale, kind=kind, mask=mask)
+    def _run_forward(self, op, q, k, v, *, scale, kind, mask):
+        if op != "flash_attn":
+            return super()._run_forward(op, q, k, v, scale=scale, kind=kind, mask=mask)
         res = self._fwd(
-            q.contiguous(), k.contiguous(), v.contiguous(), dropout_p=0.0, softmax_scale=scale,
-            causal=kind is MaskKind.CAUSAL, **self._window(self._fwd_params), **self._extra(self._fwd_params),
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, scale, kind is MaskKind.CAUSAL,
+            *self._window(), 0.0, None, False,
         )
-        out, lse = (res[0], res[1]) if len(res) <= 4 else (res[0], res[5])  # 2.7+: (out, lse, ...); 2.5: (out, q, k, v, out_pad, lse, ...)
-        return out, lse
+        lse = res[5] if self.version == "2.6" else res[1]  # [B, H, Sq] fp32
+        return res[0], lse
 
-    def backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
-        if kind is MaskKind.DENSE or q.dtype not in (torch.float16, torch.bfloat16):
-            return self._fallback.backward(dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    def _run_backward(self, op, dout, q, k, v, out, lse, *, scale, kind, mask):
+        if op != "flash_attn":
+            return super()._run_backward(op, dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # filled in place
         self._bwd(
-            dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
-            lse.float().contiguous(), dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=kind is MaskKind.CAUSAL,
-            **self._window(self._bwd_params), **{kk: vv for kk, vv in self._extra(self._bwd_params).items() if kk != "return_softmax"},
-            **({"rng_state": None} if "rng_state" in self._bwd_params else {}),
+            dout.contiguous(), q, k, v, out.contiguous(), _lse_for_backward(lse), dq, dk, dv,
+            0.0, scale, kind is MaskKind.CAUSAL, *self._window(), 0.0, None, False, None,
         )
         return dq, dk, dv
 
 
 def flash_attn_available() -> bool:
+    """flash-attn is importable, a supported version (``FLASH_ATTN_VERSIONS``) and CUDA is present."""
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn
     except ImportError:
+        return False
+    try:
+        _flash_attn_minor(getattr(flash_attn, "__version__", "unknown"))
+    except ValueError:
         return False
     return torch.cuda.is_available()
 
 
 def make_kernel(name: str) -> LocalKernel:
-    """``"auto"``: flash-attn on CUDA when installed, else PyTorch SDPA (CPU or CUDA)."""
+    """``"auto"``: flash-attn on CUDA when a supported version is installed, else PyTorch SDPA (CPU
+    or CUDA; on CUDA that is the flash op, then the efficient op, per block)."""
     if name not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
     if name == "auto":
@@ -257,6 +534,18 @@ def make_kernel(name: str) -> LocalKernel:
         return TorchBlockwiseKernel()
     if name == "sdpa":
         return SDPAKernel()
+    if name == "efficient":
+        return EfficientKernel()
+    if name == "cudnn":
+        return CudnnKernel()
     if not flash_attn_available():
-        raise ValueError("kernel='flash_attn' needs the flash-attn package and a CUDA device; use kernel='sdpa'")
+        try:
+            import flash_attn
+        except ImportError:
+            raise ValueError(
+                "kernel='flash_attn' needs the flash-attn package (pip install 'flash-attn>=2.6,<2.9') "
+                "and a CUDA device; use kernel='sdpa'"
+            ) from None
+        _flash_attn_minor(getattr(flash_attn, "__version__", "unknown"))  # raises for an unsupported version
+        raise ValueError("kernel='flash_attn' needs a CUDA device; use kernel='sdpa'")
     return FlashAttnKernel()

@@ -14,6 +14,10 @@ never computed: this is how zigzag and causal rings skip fully masked work.
 
 Documents: ``doc_bounds`` is the sorted list ``[0, l1, l1+l2, ..., N, (N_pad)]`` of global document
 boundaries (padding, if any, is a last document of its own so no real token attends to it).
+
+Plans are cached: the same (runs, bounds, causal) recur at every layer and step, so ``plan_blocks``
+computes a plan once (keyed on the runs and bounds as tuples; lists are accepted) and afterwards only
+copies the cached list. ``plan_cache_info()`` reports hits and misses.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 
 import torch
 
@@ -77,9 +82,27 @@ def _split_at_docs(run: Run, doc_bounds: list[int] | None) -> list[Run]:
 
 
 def plan_blocks(
-    q_runs: list[Run], k_runs: list[Run], *, causal: bool, doc_bounds: list[int] | None = None
+    q_runs: "list[Run] | tuple[Run, ...]",
+    k_runs: "list[Run] | tuple[Run, ...]",
+    *,
+    causal: bool,
+    doc_bounds: "list[int] | tuple[int, ...] | None" = None,
 ) -> list[BlockCall]:
-    """Kernel calls so that each query attends exactly to its visible keys among ``k_runs``."""
+    """Kernel calls so that each query attends exactly to its visible keys among ``k_runs``.
+    Cached on ``(q_runs, k_runs, causal, doc_bounds)``; returns a fresh list each call."""
+    bounds = None if doc_bounds is None else tuple(int(b) for b in doc_bounds)
+    return list(_plan_blocks_cached(tuple(q_runs), tuple(k_runs), bool(causal), bounds))
+
+
+def plan_cache_info():
+    """``functools`` cache statistics of ``plan_blocks`` (hits, misses, maxsize, currsize)."""
+    return _plan_blocks_cached.cache_info()
+
+
+@lru_cache(maxsize=4096)
+def _plan_blocks_cached(
+    q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], causal: bool, doc_bounds: tuple[int, ...] | None
+) -> tuple[BlockCall, ...]:
     calls: list[BlockCall] = []
     for q_run in q_runs:
         for q in _split_at_docs(q_run, doc_bounds):  # each piece lies inside one document
@@ -113,7 +136,7 @@ def plan_blocks(
                             kind=kind, q_global=qq.global_start, k_global=k0,
                         )
                     )
-    return _coalesce(calls)
+    return tuple(_coalesce(calls))
 
 
 def _coalesce(calls: list[BlockCall]) -> list[BlockCall]:

@@ -8,8 +8,15 @@ they differ only in where the K/V blocks come from and in the global positions o
         for each call: (out_b, lse_b) = kernel(q[call], k_s[call], v_s[call]); merge
 
 The backward replays the same plan with the merged ``out``/``lse`` (flash-attention style) and
-sends dK/dV partial sums around the ring behind the K/V blocks (``ring_pass_with_grads``), so no
-rank ever holds more than two K/V blocks: activation memory stays O(N/P).
+sends dK/dV partial sums around the ring behind the K/V blocks (``ring_pass_accumulating``, Note
+[Gradient partial sums around the ring] in ``comm/ring.py``), so no rank ever holds more than two
+K/V blocks and one dK/dV partial sum: activation memory stays O(N/P).
+
+Memory per rank (``u`` = one local ``[B, S/P, H, D]`` shard): forward: ``out`` + ``lse`` (kept for
+backward), the K/V block in flight and the one computed on (``4u`` when both are received copies),
+one kernel result per call, merged in place. Backward: ``dq`` (fp32 accumulator, which *is* the
+returned gradient for fp32 inputs), the two K/V blocks, one dK/dV partial sum (``2u``) and the
+kernel's per-call ``dq, dk, dv`` results.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_sp.comm.ring import RingComm, ring_pass, ring_pass_with_grads
+from lightning_sp.comm.ring import RingComm, ring_pass, ring_pass_accumulating
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.layout import Run
 from lightning_sp.ops.precision import autocast_off
@@ -92,6 +99,22 @@ def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResul
     return AttentionResult(out, lse)
 
 
+def accumulate_block_grads(spec: BlockAttentionSpec, src: int, dout, q, k_blk, v_blk, out, lse, dq, dkv) -> None:
+    """Add, in place, the gradients of this rank's queries against source ``src``'s K/V block:
+    ``dq [B, Sq, H, D]`` and ``dkv = (dk, dv)``, each ``[B, Sk, H_kv, D]`` (accumulation dtype)."""
+    dk, dv = dkv
+    for c in plan_blocks(spec.q_runs, spec.k_runs_by_rank[src], causal=spec.causal, doc_bounds=spec.doc_bounds):
+        qs, ks = slice(c.q_start, c.q_start + c.q_len), slice(c.k_start, c.k_start + c.k_len)
+        dq_c, dk_c, dv_c = spec.kernel.backward(
+            dout[:, qs], q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs], lse[:, :, qs],
+            scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device),
+        )
+        dq[:, qs] += dq_c
+        dk[:, ks] += dk_c
+        dv[:, ks] += dv_c
+        del dq_c, dk_c, dv_c  # free the kernel's results before the next call allocates its own
+
+
 def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
     """Gradients of the merged attention for this rank's ``q`` and its own ``k, v`` block."""
     acc = accumulation_dtype(q.dtype)
@@ -103,22 +126,15 @@ def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
 
-    def grads(_step, src, blocks):
+    def grads(_step, src, blocks, partial):
         k_blk, v_blk = blocks
-        dk_blk = torch.zeros(k_blk.shape, dtype=acc, device=q.device)
-        dv_blk = torch.zeros(v_blk.shape, dtype=acc, device=q.device)
-        for c in plan_blocks(spec.q_runs, spec.k_runs_by_rank[src], causal=spec.causal, doc_bounds=spec.doc_bounds):
-            qs, ks = slice(c.q_start, c.q_start + c.q_len), slice(c.k_start, c.k_start + c.k_len)
-            dq_c, dk_c, dv_c = spec.kernel.backward(
-                dout[:, qs], q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs], lse[:, :, qs],
-                scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device),
-            )
-            dq[:, qs] += dq_c
-            dk_blk[:, ks] += dk_c
-            dv_blk[:, ks] += dv_c
-        return dk_blk, dv_blk
+        if partial is None:  # first visit of this block: start its dK/dV sum
+            partial = (torch.zeros(k_blk.shape, dtype=acc, device=q.device),
+                       torch.zeros(v_blk.shape, dtype=acc, device=q.device))
+        accumulate_block_grads(spec, src, dout, q, k_blk, v_blk, out, lse, dq, partial)
+        return partial
 
-    dk, dv = ring_pass_with_grads(spec.comm(), (k, v), grads)
+    dk, dv = ring_pass_accumulating(spec.comm(), (k, v), grads)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -1,37 +1,119 @@
-"""CUDA kernels (SDPA flash op, flash-attn) against dense float64 attention. Skipped without CUDA:
-these are not CI coverage; run `make test-gpu` on a GPU machine and record the device."""
+"""Every CUDA kernel path against dense float64 attention, forward and dQ/dK/dV. Skipped without
+CUDA: not CI coverage (CI checks the same code paths' argument lists and numerics through stand-ins
+in tests/unit/test_kernel_contracts.py); run `make test-gpu` on a GPU machine and record the device.
+
+Grid (one small case each, < 2 minutes on one GPU): kernel x dtype (bf16, fp16; fp32 for the paths
+that take it) x causal x head dim 64/80/128/256 x {one sequence, packed documents}, GQA 8:1, through
+``SequenceParallelAttention`` (per-document blocks merged, then each block's backward against the
+merged out/lse, as the ring backends do), plus DENSE-mask blocks with rows that see no key.
+"""
+
+import math
 
 import pytest
 import torch
 
 from lightning_sp import SequenceParallelAttention
-from lightning_sp.ops.kernels import flash_attn_available
-from tests.reference import dense_attention
+from lightning_sp.ops import kernels as K
+from lightning_sp.ops.plan import MaskKind
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (not CI coverage)"),
 ]
 
-KERNELS = ["sdpa", "torch"] + (["flash_attn"] if flash_attn_available() else [])
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+PATHS = [  # (kernel, dtype)
+    ("sdpa", torch.bfloat16), ("sdpa", torch.float16), ("sdpa", torch.float32),
+    ("efficient", torch.bfloat16), ("efficient", torch.float16), ("efficient", torch.float32),
+    ("cudnn", torch.bfloat16), ("cudnn", torch.float16),
+    ("flash_attn", torch.bfloat16), ("flash_attn", torch.float16),
+]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("docs", [False, True])
-def test_cuda_local_attention_matches_dense(kernel, causal, docs):
+def _skip_unavailable(kernel):
+    if kernel == "flash_attn" and not K.flash_attn_available():
+        pytest.skip("flash-attn 2.6-2.8 not installed")
+    if kernel == "cudnn" and not torch.backends.cudnn.is_available():
+        pytest.skip("cuDNN not available")
+
+
+def _dense(q, k, v, *, causal, cu_seqlens, scale):
+    """fp64 reference on the GPU: ``q [1, N, H, D]``, ``k, v [1, N, H_kv, D]``."""
+    q, k, v = q.double(), k.double(), v.double()
+    n, g = q.size(1), q.size(2) // k.size(2)
+    k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    pos = torch.arange(n, device=q.device)
+    visible = torch.ones(n, n, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= pos[None, :] <= pos[:, None]
+    if cu_seqlens is not None:
+        doc = torch.bucketize(pos, cu_seqlens.long(), right=True)
+        visible &= doc[:, None] == doc[None, :]
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~visible, -math.inf), -1), v)
+
+
+def _rel(a, b):
+    return ((a.double() - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("kernel, dtype", PATHS)
+def test_cuda_kernel_matches_dense(kernel, dtype):
+    _skip_unavailable(kernel)
+    tol = TOL[dtype]
+    cap = torch.cuda.get_device_capability()
+    chain = K.make_kernel(kernel)
+    n, h, h_kv = 384, 8, 1
+    for d in (64, 80, 128, 256):
+        for causal in (True, False):
+            for docs in (False, True):
+                case = (kernel, dtype, d, causal, docs, cap)
+                torch.manual_seed(d + causal + 2 * docs)
+                q = torch.randn(1, n, h, d, device="cuda", dtype=dtype, requires_grad=True)
+                k = torch.randn(1, n, h_kv, d, device="cuda", dtype=dtype, requires_grad=True)
+                v = torch.randn(1, n, h_kv, d, device="cuda", dtype=dtype, requires_grad=True)
+                cu = torch.tensor([0, 100, 101, 277, n], dtype=torch.int32, device="cuda") if docs else None
+                out = SequenceParallelAttention(causal=causal, kernel=kernel)(q, k, v, cu_seqlens=cu)
+                dout = torch.randn_like(out)
+                grads = torch.autograd.grad(out, (q, k, v), dout)
+                qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+                ref = _dense(qd, kd, vd, causal=causal, cu_seqlens=cu, scale=d**-0.5)
+                ref_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.double())
+                assert out.dtype == dtype and _rel(out, ref) < tol, case
+                for g, r in zip(grads, ref_grads):
+                    assert g.shape == r.shape and _rel(g, r) < tol, case
+                control = _dense(qd, kd, vd, causal=not causal, cu_seqlens=cu, scale=d**-0.5)
+                assert _rel(out, control) > 10 * tol, case  # control: the other mask is caught
+                op = chain.choose(q, MaskKind.CAUSAL if causal else MaskKind.FULL)
+                expected = {"sdpa": ("flash", "efficient"), "efficient": ("efficient",),
+                            "cudnn": ("cudnn", "efficient"), "flash_attn": ("flash_attn", "efficient")}[kernel]
+                assert op in expected, (case, op)  # a fused op ran, not the Python fallback
+
+
+@pytest.mark.parametrize("kernel, dtype", [p for p in PATHS if p[0] in ("sdpa", "efficient")])
+def test_dense_mask_blocks_with_empty_rows(kernel, dtype):
+    """DENSE blocks (the efficient op with a bias): rows with no key get out 0 / lse -inf, and the
+    backward given those rows stays finite and exact."""
+    tol = TOL[dtype]
     torch.manual_seed(0)
-    n, dtype = 1000, torch.bfloat16
-    q = torch.randn(1, n, 8, 64, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(1, n, 2, 64, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(1, n, 2, 64, device="cuda", dtype=dtype, requires_grad=True)
-    cu = torch.tensor([0, 300, 301, 777, n], dtype=torch.int32, device="cuda") if docs else None
-    out = SequenceParallelAttention(causal=causal, kernel=kernel)(q, k, v, cu_seqlens=cu)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    qd, kd, vd = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
-    ref = dense_attention(qd, kd, vd, causal=causal, cu_seqlens=None if cu is None else cu.cpu())
-    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.double().cpu())
-    assert (out.double().cpu() - ref).abs().max() < 2e-2
+    sq, sk, h, d = 100, 150, 8, 64
+    mask = torch.rand(sq, sk, device="cuda") > 0.7
+    mask[[3, 50]] = False
+    q = torch.randn(1, sq, h, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=dtype) for _ in range(2))
+    kern = K.make_kernel(kernel)
+    assert kern.choose(q, MaskKind.DENSE) == "efficient"
+    out, lse = kern.forward(q, k, v, scale=0.125, kind=MaskKind.DENSE, mask=mask)
+    dout = torch.randn_like(q)
+    grads = kern.backward(dout, q, k, v, out.to(dtype), lse, scale=0.125, kind=MaskKind.DENSE, mask=mask)
+    ref = K.TorchBlockwiseKernel()
+    args = [t.double() for t in (q, k, v)]
+    ref_out, ref_lse = ref.forward(*args, scale=0.125, kind=MaskKind.DENSE, mask=mask)
+    ref_grads = ref.backward(dout.double(), *args, ref_out, ref_lse, scale=0.125, kind=MaskKind.DENSE, mask=mask)
+    assert lse.dtype == torch.float32 and torch.isneginf(lse[:, :, [3, 50]]).all() and (out[:, [3, 50]] == 0).all()
+    assert _rel(out, ref_out) < tol
     for g, r in zip(grads, ref_grads):
-        assert (g.double().cpu() - r).abs().max() / r.abs().max() < 2e-2
+        assert torch.isfinite(g).all() and _rel(g, r) < tol
+    wrong = ref.forward(*args, scale=0.125, kind=MaskKind.FULL, mask=None)[0]
+    assert _rel(out, wrong) > 10 * tol  # control: ignoring the mask is caught

@@ -1,0 +1,216 @@
+"""lightning_sp.integrations.transformers without a process group: an unbound model equals HF's own
+sdpa model (float64), and everything that cannot be done exactly raises with the alternative."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from lightning_sp.integrations.transformers import (  # noqa: E402
+    SHARD_INFO_KEY,
+    apply_sequence_parallel,
+    shard_inputs,
+)
+from tests.hf_tiny import PAD_ID, clone, reference, tiny_batch, tiny_model, tiny_rows  # noqa: E402
+
+TOL = 1e-12
+
+
+def _sp_logits(model, batch):
+    shard = shard_inputs(batch, model)
+    shard.pop("labels", None)
+    return model(**shard).logits
+
+
+def test_import_lightning_sp_does_not_import_the_integration():
+    # (torchmetrics, imported by lightning, imports transformers itself when it is installed; what
+    # lightning_sp controls is that its integration, and so its registrations, stay lazy)
+    code = ("import sys, lightning_sp; mods = [m for m in sys.modules if m.startswith('lightning_sp.integrations')]; "
+            "assert not mods, mods")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "esm", "esm_abs", "roberta"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_unbound_model_equals_hf_sdpa(name, padded):
+    base = tiny_model(name)
+    batch = tiny_batch(name, 9 if padded else 12, pad_to=12 if padded else None)
+    ref_logits, _ = reference(clone(base), name, batch)
+    model = apply_sequence_parallel(clone(base))
+    assert model.config._attn_implementation == "lightning_sp"
+    real = 9 if padded else 12
+    logits = _sp_logits(model, batch)
+    assert logits.size(1) == real  # right padding is dropped
+    diff = (logits - ref_logits[:, :real]).abs().max()
+    assert diff < TOL
+    # negative control: the same comparison against a model that attends to the padding / other weights
+    other = tiny_model(name)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1e-3 * torch.randn_like(p))
+    assert (_sp_logits(apply_sequence_parallel(other), batch) - ref_logits[:, :real]).abs().max() > 1e-6
+
+
+def test_apply_is_idempotent():
+    base = tiny_model("llama")
+    batch = tiny_batch("llama", 12)
+    model = apply_sequence_parallel(clone(base))
+    once = _sp_logits(model, batch)
+    model = apply_sequence_parallel(apply_sequence_parallel(model))
+    assert len(model._forward_pre_hooks) == 1
+    assert sum(1 for n, _ in model.named_modules() if n.endswith("sp_attention")) == base.config.num_hidden_layers
+    assert torch.equal(_sp_logits(model, batch), once)
+    assert set(model.state_dict()) == set(base.state_dict())  # nothing added to checkpoints
+
+
+def test_packed_position_ids_match_hf_packing():
+    """A causal LM with position_ids restarting at 0 attends within each document, as HF's sdpa mask does."""
+    base = tiny_model("llama")
+    ids = torch.randint(4, 30, (1, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    ref = clone(base)(input_ids=ids, position_ids=pos, use_cache=False).logits  # HF packs only without a cache
+    model = apply_sequence_parallel(clone(base))
+    shard = shard_inputs({"input_ids": ids, "position_ids": pos}, model)
+    assert shard[SHARD_INFO_KEY].cu_seqlens.tolist() == [0, 5, 8, 12]
+    assert (model(**shard).logits - ref).abs().max() < TOL
+    # control: without the documents the later ones see the earlier ones
+    unpacked = clone(base)(input_ids=ids, position_ids=pos).logits  # with a cache HF ignores the packing
+    assert (model(**shard).logits - unpacked).abs().max() > 1e-6
+
+
+def test_equal_length_rows_batch():
+    base = tiny_model("esm")
+    batch = {k: torch.cat([v, tiny_batch("esm", 9, pad_to=12, seed=2)[k]]) for k, v in tiny_batch("esm", 9, pad_to=12).items()}
+    ref_logits, _ = reference(clone(base), "esm", batch)
+    diff = (_sp_logits(apply_sequence_parallel(clone(base)), batch) - ref_logits[:, :9]).abs().max()
+    assert diff < TOL
+
+
+def test_causal_labels_are_shifted_globally_and_padding_ignored():
+    model = apply_sequence_parallel(tiny_model("llama"))
+    batch = tiny_batch("llama", 9, pad_to=12)
+    labels = shard_inputs(batch, model)["labels"]
+    assert labels.shape == (1, 9) and labels[0, :8].tolist() == batch["input_ids"][0, 1:9].tolist()
+    assert labels[0, 8] == -100  # the last real token predicts nothing (its successor is padding)
+    mlm = apply_sequence_parallel(tiny_model("esm"))
+    batch = tiny_batch("esm", 12)
+    assert torch.equal(shard_inputs(batch, mlm)["labels"], batch["labels"])  # masked LM: no shift
+
+
+# ------------------------------------------------------------------------------ loud refusals
+def test_sliding_window_refused_only_when_it_changes_the_result():
+    batch = tiny_batch("mistral", 12)
+    short = apply_sequence_parallel(tiny_model("mistral", sliding_window=8))
+    with pytest.raises(NotImplementedError, match="sliding_window=8 would change the result"):
+        _sp_logits(short, batch)
+    base = tiny_model("mistral", sliding_window=16)  # covers the whole sequence: same result
+    ref_logits, _ = reference(clone(base), "mistral", batch)
+    assert (_sp_logits(apply_sequence_parallel(clone(base)), batch) - ref_logits).abs().max() < TOL
+
+
+def test_attention_dropout_refused_in_training_only():
+    model = apply_sequence_parallel(tiny_model("llama", attention_dropout=0.1))
+    batch = tiny_batch("llama", 12)
+    with pytest.raises(NotImplementedError, match=r"attention dropout .* config.attention_dropout = 0"):
+        _sp_logits(model.train(), batch)
+    _sp_logits(model.eval(), batch)
+
+
+def test_output_attentions_refused():
+    model = apply_sequence_parallel(tiny_model("llama"))
+    shard = shard_inputs(tiny_batch("llama", 12), model)
+    shard.pop("labels")
+    with pytest.raises(NotImplementedError, match="output_attentions .* attn_implementation='eager'"):
+        model(**shard, output_attentions=True)
+
+
+def test_arbitrary_4d_mask_refused():
+    model = apply_sequence_parallel(tiny_model("llama"))
+    with pytest.raises(NotImplementedError, match="arbitrary 4-D attention mask"):
+        model(input_ids=torch.randint(4, 30, (1, 6)), attention_mask=torch.zeros(1, 1, 6, 6, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("mask, match", [
+    ([[0, 0, 1, 1, 1, 1]], "only right padding"),
+    ([[1, 0, 1, 1, 1, 1]], "only right padding"),
+])
+def test_non_right_padding_refused(mask, match):
+    model = apply_sequence_parallel(tiny_model("llama"))
+    batch = {"input_ids": torch.randint(4, 30, (1, 6)), "attention_mask": torch.tensor(mask)}
+    with pytest.raises(NotImplementedError, match=match):
+        shard_inputs(batch, model)
+    with pytest.raises(NotImplementedError, match=match):  # passed to the model directly: not silently dropped
+        model(**batch)
+
+
+@pytest.mark.parametrize("name", ["llama", "esm", "roberta"])
+def test_rows_of_different_lengths_are_packed(name):
+    """Note [Packing padded rows]: B = 2 rows of 7 and 12 tokens -> one row of two documents, exact."""
+    base = tiny_model(name)
+    batch = tiny_rows(name, (7, 12), pad_to=12)
+    ref_logits, ref_loss = reference(clone(base), name, batch)
+    model = apply_sequence_parallel(clone(base))
+    shard = shard_inputs(batch, model)
+    assert shard["input_ids"].shape == (1, 19) and shard[SHARD_INFO_KEY].cu_seqlens.tolist() == [0, 7, 19]
+    labels = shard.pop("labels")
+    logits = model(**shard).logits
+    real = torch.cat([ref_logits[0, :7], ref_logits[1, :12]])[None]
+    assert (logits - real).abs().max() < TOL
+    loss = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=-100)
+    assert abs(float(loss.detach() - ref_loss.detach())) < TOL
+    # control: the padded batch given straight to the model cannot be expressed, and says how
+    with pytest.raises(NotImplementedError, match=r"different unpadded lengths \(\[7, 12\]\).*shard_inputs"):
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        apply_sequence_parallel(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="backend='ring' needs group="):
+        apply_sequence_parallel(tiny_model("llama"), backend="ring")
+    with pytest.raises(ValueError, match="call apply_sequence_parallel"):
+        shard_inputs({"input_ids": torch.ones(1, 4, dtype=torch.long)}, tiny_model("llama"))
+    model = apply_sequence_parallel(tiny_model("llama"))
+    with pytest.raises(ValueError, match="add the batch dim"):
+        shard_inputs({"input_ids": torch.ones(4, dtype=torch.long)}, model)
+    with pytest.raises(ValueError, match="labels has shape"):
+        shard_inputs({"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 5, dtype=torch.long)}, model)
+    with pytest.raises(ValueError, match="cu_seqlens. need batch size 1"):
+        shard_inputs({"input_ids": torch.ones(2, 4, dtype=torch.long), "cu_seqlens": torch.tensor([0, 2, 4])}, model)
+
+
+def test_attention_mask_with_shard_refused():
+    model = apply_sequence_parallel(tiny_model("llama"))
+    shard = shard_inputs(tiny_batch("llama", 9, pad_to=12), model)
+    shard.pop("labels")
+    mask = torch.ones(1, 12, dtype=torch.long)
+    mask[:, 9:] = 0
+    with pytest.raises(ValueError, match="pass the attention_mask to shard_inputs"):
+        model(**shard, attention_mask=mask)
+
+
+def test_pad_token_used_for_layout_padding():
+    assert PAD_ID == tiny_model("esm").config.pad_token_id
+
+
+@pytest.mark.parametrize("name", ["llama", "esm"])
+def test_bf16_autocast_like_hf_sdpa(name):
+    """Under autocast, rotary leaves q, k in float32 and v in bf16: cast as HF's sdpa is cast."""
+    base = tiny_model(name).float()
+    batch = tiny_batch(name, 12)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    other = clone(base)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = clone(base)(**inputs).logits.float()
+        out = _sp_logits(apply_sequence_parallel(clone(base)), batch).float()
+        control = _sp_logits(apply_sequence_parallel(other), batch).float()
+    assert (out - ref).abs().max() < 2e-2
+    assert (control - ref).abs().max() > 5e-2

@@ -1,0 +1,318 @@
+"""The CUDA kernel paths, checked on CPU: exact op argument lists on ``meta`` tensors, numerics
+through stand-ins of PyTorch's CUDA attention ops (``tests/stand_ins/cuda_sdpa.py``) and of
+flash-attn 2.6 / 2.7 / 2.8 (``tests/stand_ins/flash_attn.py``), eligibility rules, and the
+``(out, lse)`` conventions of every kernel x dtype path. ``tests/gpu`` runs the same paths for real."""
+
+import math
+import sys
+
+import pytest
+import torch
+
+from lightning_sp.layout import Run
+from lightning_sp.ops import kernels as K
+from lightning_sp.ops.plan import MaskKind
+from lightning_sp.ops.ring_attention import BlockAttentionSpec, block_attention
+from tests.reference import dense_attention
+from tests.stand_ins.cuda_sdpa import ContractError, CudaSdpaStandIn
+from tests.stand_ins.flash_attn import make_flash_attn
+
+H100 = (9, 0)
+FWD = {"flash": "_scaled_dot_product_flash_attention", "cudnn": "_scaled_dot_product_cudnn_attention",
+       "efficient": "_scaled_dot_product_efficient_attention"}
+
+
+def _cuda(cls, **kw):
+    return cls(device_type="cuda", capability=H100, **kw)
+
+
+# -- eligibility (Note [CUDA kernel eligibility]) -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "op, dtype, d, kind, cap, reason",
+    [
+        ("flash", torch.bfloat16, 128, MaskKind.CAUSAL, H100, None),
+        ("flash", torch.float16, 80, MaskKind.FULL, (8, 0), None),
+        ("flash", torch.float16, 256, MaskKind.FULL, (8, 0), None),
+        ("flash", torch.float16, 256, MaskKind.FULL, (8, 6), "> 192"),
+        ("flash_attn", torch.float16, 256, MaskKind.FULL, (8, 6), None),
+        ("flash", torch.float16, 100, MaskKind.FULL, H100, "multiple of 8"),
+        ("flash_attn", torch.float16, 264, MaskKind.FULL, H100, "<= 256"),
+        ("flash", torch.float32, 64, MaskKind.FULL, H100, "fp16 or bf16"),
+        ("flash", torch.float16, 64, MaskKind.DENSE, H100, "DENSE"),
+        ("flash", torch.float16, 64, MaskKind.FULL, (7, 5), "sm80"),
+        ("cudnn", torch.bfloat16, 128, MaskKind.CAUSAL, H100, None),
+        ("cudnn", torch.bfloat16, 256, MaskKind.CAUSAL, H100, "<= 128"),
+        ("efficient", torch.float32, 4, MaskKind.DENSE, H100, None),
+        ("efficient", torch.float32, 6, MaskKind.FULL, H100, "multiple of 4"),
+        ("efficient", torch.float16, 12, MaskKind.FULL, H100, "multiple of 8"),
+        ("efficient", torch.bfloat16, 64, MaskKind.FULL, (7, 5), "sm80"),
+        ("efficient", torch.float64, 64, MaskKind.FULL, H100, "fp32"),
+    ],
+)
+def test_eligibility_rules(op, dtype, d, kind, cap, reason):
+    got = K.why_not(op, dtype=dtype, head_dim=d, kind=kind, capability=cap)
+    assert got is None if reason is None else reason in got
+
+
+def test_each_kernel_chooses_its_ops_in_order():
+    meta = lambda dtype, d=64: torch.empty(1, 4, 2, d, dtype=dtype, device="meta")  # noqa: E731
+    sdpa, cudnn, eff = _cuda(K.SDPAKernel), _cuda(K.CudnnKernel), _cuda(K.EfficientKernel)
+    assert sdpa.choose(meta(torch.bfloat16), MaskKind.CAUSAL) == "flash"
+    assert sdpa.choose(meta(torch.float16), MaskKind.DENSE) == "efficient"
+    assert sdpa.choose(meta(torch.float32), MaskKind.FULL) == "efficient"
+    assert sdpa.choose(meta(torch.float64), MaskKind.FULL) == "torch"
+    assert cudnn.choose(meta(torch.float16), MaskKind.FULL) == "cudnn"
+    assert cudnn.choose(meta(torch.float16, 256), MaskKind.FULL) == "efficient"
+    assert eff.choose(meta(torch.bfloat16), MaskKind.CAUSAL) == "efficient"
+    assert eff.choose(meta(torch.float32, 12), MaskKind.FULL) == "efficient"
+    assert eff.choose(meta(torch.float16, 12), MaskKind.FULL) == "torch"
+
+
+# -- exact argument lists, meta tensors ------------------------------------------------------------
+
+
+def _meta_block(b, s, h, h_kv, d, dtype):
+    """A block sliced out of longer [B, S, H, D] tensors, as the ring loop passes it (not contiguous)."""
+    full = lambda heads: torch.empty(b, s + 3, heads, d, dtype=dtype, device="meta")[:, 3:]  # noqa: E731
+    return full(h), full(h_kv), full(h_kv)
+
+
+@pytest.mark.parametrize("name", ["sdpa", "cudnn", "efficient", "flash_attn"])
+def test_cuda_argument_lists_on_meta_tensors(name):
+    """Every kernel x dtype x mask x head dim x GQA the GPU test runs: the op the rules pick gets an
+    argument list the real CUDA op accepts (checked by the stand-in), and the results come back as
+    ``out [B, Sq, H, D]`` (q dtype), ``lse [B, H, Sq]`` fp32, dK/dV with H_kv heads."""
+    fa = make_flash_attn("2.8.3")
+    kernel = {"sdpa": _cuda(K.SDPAKernel), "cudnn": _cuda(K.CudnnKernel), "efficient": _cuda(K.EfficientKernel),
+              "flash_attn": _cuda(K.FlashAttnKernel, module=fa)}[name]
+    b, s, h = 2, 40, 8
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    for dtype in dtypes:
+        for kind in MaskKind:
+            for d in (64, 80, 128, 256):
+                for h_kv in (8, 1):
+                    q, k, v = _meta_block(b, s, h, h_kv, d, dtype)
+                    mask = torch.empty(s, s, dtype=torch.bool, device="meta") if kind is MaskKind.DENSE else None
+                    op = kernel.choose(q, kind)
+                    with CudaSdpaStandIn() as mode:
+                        out, lse = kernel.forward(q, k, v, scale=0.1, kind=kind, mask=mask)
+                        dq, dk, dv = kernel.backward(
+                            torch.empty_like(out, dtype=dtype), q, k, v, out.to(dtype), lse.float(),
+                            scale=0.1, kind=kind, mask=mask,
+                        )
+                    case = (name, dtype, kind, d, h_kv)
+                    assert op != "torch", case  # every case of this grid has a fused op
+                    if op == "flash_attn":
+                        assert mode.names() == [] and [c[0] for c in fa.calls[-2:]] == ["forward", "backward"], case
+                        assert fa.calls[-1][1]["k"].size(2) == h_kv, case  # native GQA: no repeat
+                        continue
+                    assert mode.names() == [FWD[op], FWD[op] + "_backward"], case
+                    assert out.shape == q.shape and out.dtype == dtype, case
+                    assert lse.shape == (b, h, s) and lse.dtype == torch.float32, case
+                    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape), case
+                    kv_heads_in = mode.calls[0][1][1].size(1)
+                    assert kv_heads_in == (h if op == "efficient" else h_kv), case  # native GQA: no repeat
+
+
+def test_stand_in_rejects_the_old_argument_lists():
+    """Negative controls: what the kernels passed before (and other near misses) is refused."""
+    q = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="meta")  # [B, H, S, D]
+    lse = torch.empty(1, 2, 16, device="meta")
+    empty = torch.empty(0, device="meta")
+    with CudaSdpaStandIn(), pytest.raises(ContractError, match="undefined"):
+        torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            q, q, q, q, q, lse, empty, empty, 16, 16, 0.0, False, empty, empty, scale=0.1
+        )
+    seed = torch.zeros((), dtype=torch.int64, device="meta")
+    with CudaSdpaStandIn(), pytest.raises(ContractError, match="logsumexp shape"):  # unpadded efficient lse
+        torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            q, q, q, q, None, q, lse, seed, seed, 0.0, [True, True, True, False], False, scale=0.1
+        )
+    contiguous_bhsd = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="meta")
+    q_ok = torch.empty(1, 16, 2, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    with CudaSdpaStandIn(), pytest.raises(ContractError, match="strides"):
+        torch.ops.aten._scaled_dot_product_cudnn_attention(q_ok, contiguous_bhsd, q_ok, None, True, scale=0.1)
+    with CudaSdpaStandIn() as mode:  # control of the control: the right layout passes
+        torch.ops.aten._scaled_dot_product_cudnn_attention(q_ok, q_ok, q_ok, None, True, scale=0.1)
+    assert mode.names() == [FWD["cudnn"]]
+
+
+# -- numerics through the stand-ins ----------------------------------------------------------------
+
+
+def _run_blocks(kernel, q, k, v, *, causal, cu):
+    """Local attention through the ring loop's single-rank path: one kernel call per document block,
+    merged, and the backward of every block against the merged (out, lse)."""
+    n = q.size(1)
+    spec = BlockAttentionSpec(
+        kernel=kernel, scale=q.size(-1) ** -0.5, causal=causal, q_runs=[Run(0, 0, n)],
+        k_runs_by_rank=[[Run(0, 0, n)]], doc_bounds=cu.tolist(),
+    )
+    out = block_attention(q, k, v, spec)
+    dout = torch.randn_like(out)
+    return out, torch.autograd.grad(out, (q, k, v), dout), dout
+
+
+def _check_against_dense(kernel, dtype, *, causal, tol, h=4, h_kv=2, d=16):
+    torch.manual_seed(0)
+    n = 48
+    q = torch.randn(1, n, h, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, n, h_kv, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, n, h_kv, d, dtype=dtype, requires_grad=True)
+    cu = torch.tensor([0, 17, 18, 40, n], dtype=torch.int32)  # a one-token document included
+    with CudaSdpaStandIn() as mode:
+        out, grads, dout = _run_blocks(kernel, q, k, v, causal=causal, cu=cu)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dense_attention(qd, kd, vd, causal=causal, cu_seqlens=cu)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.double())
+    rel = lambda a, b: ((a.double() - b).abs().max() / b.abs().max()).item()  # noqa: E731
+    assert rel(out, ref) < tol
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < tol
+    no_docs = dense_attention(qd, kd, vd, causal=causal)
+    assert rel(out, no_docs) > 10 * tol  # control: ignoring the documents is caught
+    return mode
+
+
+@pytest.mark.parametrize(
+    "cls, dtype, op, tol",
+    [
+        (K.SDPAKernel, torch.float16, "flash", 3e-3),
+        (K.SDPAKernel, torch.float32, "efficient", 1e-5),
+        (K.CudnnKernel, torch.bfloat16, "cudnn", 2e-2),
+        (K.EfficientKernel, torch.float16, "efficient", 3e-3),
+    ],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_paths_match_dense_attention(cls, dtype, op, tol, causal):
+    mode = _check_against_dense(_cuda(cls), dtype, causal=causal, tol=tol)
+    assert set(mode.names()) == {FWD[op], FWD[op] + "_backward"}
+    assert len(mode.names()) >= 8  # several document blocks, each forward and backward
+
+
+def _dense_mask_case(dtype):
+    torch.manual_seed(1)
+    sq, sk, h, d = 12, 20, 2, 8
+    mask = torch.rand(sq, sk) > 0.6
+    mask[[2, 7]] = False  # rows that see no key
+    q = torch.randn(1, sq, h, d, dtype=dtype)
+    k, v = torch.randn(1, sk, 1, d, dtype=dtype), torch.randn(1, sk, 1, d, dtype=dtype)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize(
+    "kernel, dtype, tol",
+    [
+        (K.TorchBlockwiseKernel(block_q=5, block_k=7), torch.float64, 1e-12),
+        (K.TorchBlockwiseKernel(), torch.bfloat16, 2e-2),
+        (K.SDPAKernel(), torch.float64, 1e-12),
+        (K.SDPAKernel(), torch.float32, 1e-5),
+        (K.SDPAKernel(), torch.bfloat16, 2e-2),
+        (_cuda(K.SDPAKernel), torch.float32, 1e-5),
+        (_cuda(K.EfficientKernel), torch.float16, 3e-3),
+        (_cuda(K.CudnnKernel), torch.float64, 1e-12),  # fp64 on CUDA: the torch kernel
+    ],
+)
+def test_rows_without_keys_and_lse_dtype(kernel, dtype, tol):
+    """Every kernel x dtype path: lse in fp32 (fp64 for fp64), ``-inf`` and ``out = 0`` for rows that
+    saw no key, and a backward (given those -inf rows) equal to the fp64 reference, zero on them."""
+    q, k, v, mask = _dense_mask_case(dtype)
+    with CudaSdpaStandIn():
+        out, lse = kernel.forward(q, k, v, scale=0.3, kind=MaskKind.DENSE, mask=mask)
+        dout = torch.randn_like(q)
+        dq, dk, dv = kernel.backward(dout, q, k, v, out.to(dtype), lse, scale=0.3, kind=MaskKind.DENSE, mask=mask)
+    assert lse.dtype == K.accumulation_dtype(dtype) == (torch.float64 if dtype is torch.float64 else torch.float32)
+    assert torch.isneginf(lse[:, :, [2, 7]]).all() and torch.isfinite(lse[:, :, mask.any(-1)]).all()
+    assert (out[:, [2, 7]] == 0).all()
+    ref_out, ref_lse = K.TorchBlockwiseKernel().forward(*(t.double() for t in (q, k, v)), scale=0.3, kind=MaskKind.DENSE, mask=mask)
+    ref = K.TorchBlockwiseKernel().backward(
+        dout.double(), *(t.double() for t in (q, k, v)), out.double(), lse.double(), scale=0.3, kind=MaskKind.DENSE, mask=mask
+    )
+    assert (out.double() - ref_out).abs().max() < tol
+    for g, r in zip((dq, dk, dv), ref):
+        assert torch.isfinite(g).all() and (g.double() - r).abs().max() < tol * max(1.0, r.abs().max().item())
+    assert (dq[:, [2, 7]] == 0).all()
+    wrong = K.TorchBlockwiseKernel().backward(  # control: a wrong scale is caught
+        dout.double(), *(t.double() for t in (q, k, v)), out.double(), lse.double(), scale=0.5, kind=MaskKind.DENSE, mask=mask
+    )
+    assert (wrong[1] - ref[1]).abs().max() > 10 * tol * max(1.0, ref[1].abs().max().item())
+
+
+def test_fused_backward_survives_a_minus_inf_row():
+    """A FULL block whose merged lse is -inf on a row (its out is 0): the fused op gets +inf there
+    (the stand-in refuses -inf) and that row contributes nothing."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float16) for _ in range(3))
+    kernel = _cuda(K.SDPAKernel)
+    with CudaSdpaStandIn():
+        out, lse = kernel.forward(q, k, v, scale=0.25, kind=MaskKind.FULL, mask=None)
+        out[:, 3], lse[:, :, 3] = 0, -math.inf
+        dout = torch.randn_like(q)
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, scale=0.25, kind=MaskKind.FULL, mask=None)
+        dout_without = dout.clone()
+        dout_without[:, 3] = 0
+        _, dk0, dv0 = kernel.backward(dout_without, q, k, v, out, lse, scale=0.25, kind=MaskKind.FULL, mask=None)
+    assert (dq[:, 3] == 0).all() and torch.equal(dk, dk0) and torch.equal(dv, dv0)
+    assert dk.abs().max() > 0  # control: the other rows do contribute
+
+
+# -- flash-attn 2.6 / 2.7 / 2.8 through stand-in packages -----------------------------------------
+
+
+@pytest.mark.parametrize("version", ["2.6.3", "2.7.4.post1", "2.8.3"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attn_versions(version, causal):
+    fa = make_flash_attn(version)
+    kernel = _cuda(K.FlashAttnKernel, module=fa)
+    _check_against_dense(kernel, torch.bfloat16, causal=causal, tol=2e-2, h=8, h_kv=1)
+    kinds = [c[0] for c in fa.calls]
+    assert kinds.count("forward") >= 4 and kinds.count("backward") == kinds.count("forward")
+    assert all(c[1]["k"].size(2) == 1 for c in fa.calls)  # GQA 8:1 passed natively
+
+
+def test_flash_attn_stand_in_refuses_missing_arguments():
+    """Negative control: the keyword call the old kernel built from ``inspect.signature`` (which sees
+    ``(*args, **kwargs)`` from 2.7 on) misses required arguments and fails."""
+    q = torch.randn(1, 8, 2, 16, dtype=torch.float16)
+    fwd = make_flash_attn("2.7.4").flash_attn_interface._flash_attn_forward
+    with pytest.raises(TypeError, match="window_size_left"):
+        fwd(q, q, q, dropout_p=0.0, softmax_scale=0.25, causal=False)
+    with pytest.raises(TypeError, match="window_size"):
+        make_flash_attn("2.6.3").flash_attn_interface._flash_attn_forward(q, q, q, 0.0, 0.25, False)
+
+
+def test_flash_attn_version_pinning(monkeypatch):
+    for version, ok in (("2.6.3", True), ("2.8.3", True), ("2.5.9", False), ("3.0.0b1", False)):
+        monkeypatch.setitem(sys.modules, "flash_attn", make_flash_attn(version if ok else "2.8.3"))
+        if not ok:
+            sys.modules["flash_attn"].__version__ = version
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert K.flash_attn_available() is ok
+        if ok:
+            assert isinstance(K.make_kernel("flash_attn"), K.FlashAttnKernel)
+            assert isinstance(K.make_kernel("auto"), K.FlashAttnKernel)
+            assert K.FlashAttnKernel().version == version[:3]
+        else:
+            with pytest.raises(ValueError, match=r"not supported.*flash-attn>=2.6,<2.9"):
+                K.make_kernel("flash_attn")
+            assert isinstance(K.make_kernel("auto"), K.SDPAKernel)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        assert K.flash_attn_available() is False
+        assert isinstance(K.make_kernel("auto"), K.SDPAKernel)
+
+
+# -- names and devices -----------------------------------------------------------------------------
+
+
+def test_kernel_names_and_cuda_only_kernels_on_cpu():
+    assert {"auto", "torch", "sdpa", "flash_attn", "efficient", "cudnn"} <= set(K.KERNELS)
+    assert isinstance(K.make_kernel("efficient"), K.EfficientKernel)
+    assert isinstance(K.make_kernel("cudnn"), K.CudnnKernel)
+    q = torch.randn(1, 4, 2, 8)
+    for name in ("efficient", "cudnn"):
+        with pytest.raises(ValueError, match="CUDA tensors only.*kernel='sdpa'"):
+            K.make_kernel(name).forward(q, q, q, scale=0.3, kind=MaskKind.FULL, mask=None)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        K.make_kernel("triton")
