@@ -29,7 +29,9 @@ def free_port() -> int:
 
 
 def _rank_main(rank, world_size, port, pg_timeout_s, fn, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # LOCAL_RANK/NODE_RANK: a Lightning Trainer inside a worker sees ranks launched externally (as under
+    # torchrun) and never starts its own launcher, which would re-run the parent's command (pytest)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
