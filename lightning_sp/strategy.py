@@ -459,8 +459,10 @@ class SequenceParallelStrategy(DDPStrategy):
     # ---------------------------------------------------------------------------------- batches
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        # shard first: only this rank's N/P tokens travel to the device, never the whole sequence
-        if self._context is not None:
+        # shard first: only this rank's N/P tokens travel to the device, never the whole sequence. A module
+        # whose batches need global work before sharding (HFSequenceParallelModule: label shift, packing)
+        # sets `shards_its_own_batches = True` and shards in `on_after_batch_transfer` instead.
+        if self._context is not None and not getattr(self.lightning_module, "shards_its_own_batches", False):
             batch = self.shard_batch(batch)
         return super().batch_to_device(batch, device, dataloader_idx)
 

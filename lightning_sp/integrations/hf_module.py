@@ -10,17 +10,14 @@ Batches are GLOBAL HF batches (``input_ids``, ``labels``, optional ``attention_m
 Note [HF batches under the strategy].
 
 Note [HF batches under the strategy]
-    ``SequenceParallelStrategy`` shards each batch's ``sequence_keys`` before any module hook runs, but
-    HF batches need global work first: labels shifted over the whole row, positions by cumulative sums,
-    ESM's mask ratio, padding turned into lengths or packed documents (``shard_inputs``). So
-    ``on_after_batch_transfer`` reassembles the global batch from the strategy's shards with one
-    all-gather of the token-id tensors (``[B, N]`` integers: bytes per token, against ``h`` floats per
-    token per layer for attention) and calls ``shard_inputs`` on it::
+    HF batches need global work before sharding: labels shifted over the whole row, positions by
+    cumulative sums, ESM's mask ratio, padding turned into lengths or packed documents. So this module
+    sets ``shards_its_own_batches = True``: ``SequenceParallelStrategy`` then moves the global batch
+    unsharded (token ids: a few bytes per token) and ``on_after_batch_transfer`` shards it with
+    ``shard_inputs`` (no strategy ``position_ids``: models that compute positions themselves, RoBERTa
+    and ESM-1b, get theirs)::
 
-        loader -> strategy.shard_batch -> [B, N/P] ids -> gather_sequence -> [B, N] -> shard_inputs -> [B', S/P]
-
-    The strategy's own ``position_ids`` (added when the batch has none) are switched off for this
-    module, so models that compute positions themselves (RoBERTa, ESM-1b) get theirs.
+        loader -> [B, N] ids -> device -> shard_inputs -> [B', S/P] (+ the global length for the context)
 """
 
 from __future__ import annotations
@@ -30,12 +27,11 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from lightning_sp.integrations.transformers import SHARD_INFO_KEY, _sp_modules, apply_sequence_parallel, shard_inputs
-from lightning_sp.layout import gather_sequence, group_size_and_rank
+from lightning_sp.layout import group_size_and_rank
 from lightning_sp.loss import sequence_parallel_cross_entropy
 
 TASKS = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM"}
@@ -77,6 +73,9 @@ class HFSequenceParallelModule(L.LightningModule):
         ignore_index: label value the loss ignores.
     """
 
+    shards_its_own_batches = True
+    """Tells ``SequenceParallelStrategy`` to leave the batch whole (Note [HF batches under the strategy])."""
+
     def __init__(
         self,
         model: nn.Module | None = None,
@@ -102,33 +101,8 @@ class HFSequenceParallelModule(L.LightningModule):
         self.config = self.model.config  # for SequenceParallelMonitor's FLOPs formula
 
     @override
-    def setup(self, stage: str) -> None:
-        from lightning_sp.strategy import SequenceParallelStrategy
-
-        strategy = self.trainer.strategy
-        if isinstance(strategy, SequenceParallelStrategy) and strategy.position_ids_key is not None:
-            # shard_inputs makes global positions itself (cumulative sums for RoBERTa-style models)
-            rank_zero_info("HFSequenceParallelModule: position_ids come from shard_inputs, not the strategy")
-            strategy.position_ids_key = None
-
-    def _global_batch(self, batch: Any) -> Any:
-        """Undo the strategy's sharding (Note [HF batches under the strategy]); other batches unchanged."""
-        from lightning_sp.strategy import SequenceParallelStrategy
-
-        strategy = self.trainer.strategy if self._trainer is not None else None
-        if not isinstance(strategy, SequenceParallelStrategy) or not isinstance(batch, dict):
-            return batch
-        context = strategy.context
-        out = dict(batch)
-        for key in strategy.sequence_keys:
-            t = batch.get(key)
-            if isinstance(t, torch.Tensor) and t.dim() >= 2:
-                out[key] = gather_sequence(t, context.group, layout=strategy.layout, seq_len=context.global_seq_len)
-        return out
-
-    @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> dict:
-        shard = shard_inputs(self._global_batch(batch), self.model, ignore_index=self.hparams.ignore_index)
+        shard = shard_inputs(batch, self.model, ignore_index=self.hparams.ignore_index)
         context = getattr(self.trainer.strategy, "_context", None) if self._trainer is not None else None
         if context is not None:
             context.global_seq_len = shard[SHARD_INFO_KEY].seq_len  # for SequenceParallelMonitor's token count
