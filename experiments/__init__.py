@@ -1,0 +1,1 @@
+"""Experiment folders of the research repo (issue 10); shared helpers in ``experiments.common``."""
