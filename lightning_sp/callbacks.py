@@ -1,14 +1,24 @@
 """``SequenceParallelMonitor``: tokens/s, model TFLOP/s, MFU, peak memory and communication per step.
 
-Logged to the Trainer's logger (TensorBoard by default) under ``sp/<backend>/...`` so runs with
-different backends sit side by side:
+Logged to the Trainer's loggers in three tag groups (the run name, e.g. ``runs/<experiment>/
+zigzag_ring-P4-N2048``, says the backend, so runs overlay in one chart per tag):
 
-- ``tokens_per_s``: global tokens of the step (all dp replicas, unpadded) / wall time of the step;
-- ``tflops``: model FLOP/s of the whole job in TFLOP/s; ``mfu``: that over ``peak_flops * world``;
-- ``peak_mem_gib``: CUDA peak allocated memory of this rank (reset every step), or the process's
+- ``throughput/tokens_per_s``: global tokens of the step (all dp replicas, unpadded) / wall time of the
+  step; ``throughput/step_time_s``; ``throughput/tflops``: model FLOP/s of the whole job in TFLOP/s;
+  ``throughput/mfu``: that over ``peak_flops * world`` (``throughput/measured_peak_tflops`` with
+  ``peak_flops="measure"``);
+- ``memory/peak_gib``: CUDA peak allocated memory of this rank (reset every step), or the process's
   peak RSS on CPU;
-- ``comm_mib``: bytes this rank sent in sequence-parallel collectives during the step
-  (``context.comm``), in MiB; ``comm_mib/<op>`` per operation.
+- ``communication/mib``: MiB this rank sent during the step in sequence-parallel (``context.comm``)
+  and tensor-parallel (``tensor_parallel_context.comm``) collectives; ``communication/sp_mib`` and
+  ``communication/tp_mib`` the two parts; ``communication/sp/<op>_mib``, ``communication/tp/<op>_mib``
+  per operation (byte convention: ``lightning_sp.comm.stats``). Data-parallel gradient traffic
+  (DDP/FSDP) is not counted.
+
+TensorBoard lists tag groups alphabetically, so at fit start the monitor also writes a Custom Scalars
+layout (``TENSORBOARD_LAYOUT``) with the categories in a fixed order: Loss (the module's
+``train``/``val`` loss tags), Throughput, Memory, Communication. Open it with
+``tensorboard --logdir runs/<experiment>`` and the *Custom Scalars* tab (``http://localhost:6006/#custom_scalars``).
 
 Model FLOPs follow Megatron (Korthikanti et al. 2022), per iteration of a decoder with ``L`` layers,
 hidden ``h``, vocabulary ``V``, batch ``B`` and sequence ``s``:
@@ -28,7 +38,44 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-__all__ = ["SequenceParallelMonitor", "megatron_flops_per_iteration"]
+__all__ = ["TENSORBOARD_LAYOUT", "SequenceParallelMonitor", "megatron_flops_per_iteration", "write_tensorboard_layout"]
+
+# Custom Scalars layout: category -> chart title -> ["Multiline", [tag regexes]]; categories in this order.
+TENSORBOARD_LAYOUT: dict[str, dict[str, list]] = {
+    "Loss": {
+        "train loss": ["Multiline", [r"^train.*loss"]],
+        "validation loss": ["Multiline", [r"^val.*loss"]],
+    },
+    "Throughput": {
+        "tokens/s (global)": ["Multiline", [r"^throughput/tokens_per_s$"]],
+        "model TFLOP/s (job)": ["Multiline", [r"^throughput/tflops$"]],
+        "MFU": ["Multiline", [r"^throughput/mfu$"]],
+        "step time (s)": ["Multiline", [r"^throughput/step_time_s$"]],
+    },
+    "Memory": {
+        "peak memory per rank (GiB)": ["Multiline", [r"^memory/peak_gib$"]],
+    },
+    "Communication": {
+        "MiB sent per rank and step": ["Multiline", [r"^communication/(sp_|tp_)?mib$"]],
+        "by operation (MiB)": ["Multiline", [r"^communication/(sp|tp)/"]],
+    },
+}
+
+
+def write_tensorboard_layout(trainer: "pl.Trainer", layout: dict | None = None) -> int:
+    """Write ``layout`` (default ``TENSORBOARD_LAYOUT``) into every ``TensorBoardLogger`` of ``trainer``
+    (rank zero writes; others are no-ops); returns how many loggers got it."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    n = 0
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            writer = logger.experiment  # a SummaryWriter on rank zero, a no-op stand-in elsewhere
+            if hasattr(writer, "add_custom_scalars"):
+                writer.add_custom_scalars(layout or TENSORBOARD_LAYOUT)
+                writer.flush()
+            n += 1
+    return n
 
 # dense bf16 peak FLOP/s per device, used when peak_flops is not given
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A800": 312e12, "H800": 989e12, "L40S": 362e12,
@@ -93,6 +140,16 @@ class SequenceParallelMonitor(Callback):
             return s.backend, s.context, s.parallel_dims.dp, s.parallel_dims.sp
         return "local", None, trainer.world_size, 1
 
+    @staticmethod
+    def _tp_comm(trainer: "pl.Trainer") -> Any:
+        """The tensor-parallel byte counters (``CommStats``) when the job has tp > 1, else ``None``."""
+        from lightning_sp.strategy import SequenceParallelStrategy
+
+        s = trainer.strategy
+        if isinstance(s, SequenceParallelStrategy) and s.tensor_parallel_size > 1:
+            return s.tensor_parallel_context.comm
+        return None
+
     def _default_flops(self, pl_module: "pl.LightningModule") -> Callable[[int, int], float] | None:
         config = getattr(pl_module, "config", None) or dict(getattr(pl_module, "hparams", {}))
         n_l = _find(config, ("num_layers", "n_layer", "n_layers", "num_hidden_layers"))
@@ -117,6 +174,10 @@ class SequenceParallelMonitor(Callback):
             dt = time.perf_counter() - t0
             if dt >= seconds:
                 return 2.0 * size**3 * n / dt
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        write_tensorboard_layout(trainer)
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -147,8 +208,10 @@ class SequenceParallelMonitor(Callback):
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         _, context, _, _ = self._strategy_info(trainer)
-        if context is not None and batch_idx % trainer.accumulate_grad_batches == 0:
-            context.comm.reset()
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            for comm in (context.comm if context is not None else None, self._tp_comm(trainer)):
+                if comm is not None:
+                    comm.reset()
         if pl_module.device.type == "cuda" and batch_idx % trainer.accumulate_grad_batches == 0:
             torch.cuda.reset_peak_memory_stats(pl_module.device)
         if self._t0 is None or batch_idx % trainer.accumulate_grad_batches == 0:
@@ -174,26 +237,30 @@ class SequenceParallelMonitor(Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
         dt = max(time.perf_counter() - self._t0, 1e-9)
-        backend, context, _, _ = self._strategy_info(trainer)
+        _, context, _, _ = self._strategy_info(trainer)
         if trainer.global_step % self.log_every_n_steps != 0:
             return
-        p = f"sp/{backend}/"
-        metrics: dict[str, float] = {p + "tokens_per_s": self._tokens / dt, p + "step_time_s": dt,
-                                     p + "peak_mem_gib": self._peak_mem_gib(pl_module.device)}
+        metrics: dict[str, float] = {"throughput/tokens_per_s": self._tokens / dt, "throughput/step_time_s": dt,
+                                     "memory/peak_gib": self._peak_mem_gib(pl_module.device)}
         flops_fn = self.flops_per_iteration or self._default_flops(pl_module)
         if flops_fn is not None and self._batch_shape is not None:
             b, s = self._batch_shape
             flops = flops_fn(b * trainer.accumulate_grad_batches, s)
-            metrics[p + "tflops"] = flops / dt / 1e12
+            metrics["throughput/tflops"] = flops / dt / 1e12
             peak = self._peak(pl_module.device)
             if peak:
-                metrics[p + "mfu"] = flops / dt / (peak * trainer.world_size)
+                metrics["throughput/mfu"] = flops / dt / (peak * trainer.world_size)
                 if self.peak_flops == "measure":
-                    metrics[p + "measured_peak_tflops"] = peak / 1e12
-        if context is not None:
-            metrics[p + "comm_mib"] = context.comm.total_bytes / 2**20
-            for op, nbytes in context.comm.snapshot().items():
-                metrics[f"{p}comm_mib/{op}"] = nbytes / 2**20
+                    metrics["throughput/measured_peak_tflops"] = peak / 1e12
+        total = 0
+        for axis, comm in (("sp", context.comm if context is not None else None), ("tp", self._tp_comm(trainer))):
+            if comm is None:
+                continue
+            total += comm.total_bytes
+            metrics[f"communication/{axis}_mib"] = comm.total_bytes / 2**20
+            for op, nbytes in comm.snapshot().items():
+                metrics[f"communication/{axis}/{op}_mib"] = nbytes / 2**20
+        metrics["communication/mib"] = total / 2**20
         self.last_metrics = metrics
         if trainer.logger is not None:
             for logger in trainer.loggers:

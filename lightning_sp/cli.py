@@ -1,8 +1,10 @@
 """Command line: ``lightning-sp fit --config experiments/protein_demo/config.yaml`` (LightningCLI).
 
 Any model / data module / strategy is picked by ``class_path`` in the YAML; ``model.vocab_size`` is
-linked to the data module's tokenizer. TensorBoard logging is the default, and rank zero prints
-where the event files are and how to open them.
+linked to the data module's tokenizer. TensorBoard logging is the default (without Lightning's
+empty ``hp_metric`` card; every experiment YAML sets ``default_hp_metric: false`` too), and rank zero
+prints where the event files are and how to open them on the ordered Custom Scalars view that
+``SequenceParallelMonitor`` writes (Loss, Throughput, Memory, Communication).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class LogLocation(L.Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._t0 = time.perf_counter()
-        self._say(trainer, "TensorBoard event files: {log_dir}\n  view them with:  tensorboard --logdir {save_dir}")
+        self._say(trainer, "TensorBoard event files: {log_dir}\n  view them with:  tensorboard --logdir {save_dir}"
+                           "  (Custom Scalars tab: http://localhost:6006/#custom_scalars)")
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -47,7 +50,8 @@ class LogLocation(L.Callback):
             trend = f"{self.monitor}: not logged"
         secs = time.perf_counter() - self._t0
         self._say(trainer, f"{trend}; {trainer.global_step} steps in {secs:.1f} s\n"
-                           "TensorBoard event files: {log_dir}\n  view them with:  tensorboard --logdir {save_dir}")
+                           "TensorBoard event files: {log_dir}\n  view them with:  tensorboard --logdir {save_dir}"
+                           "  (Custom Scalars tab: http://localhost:6006/#custom_scalars)")
 
     @rank_zero_only
     def _say(self, trainer: L.Trainer, template: str) -> None:
@@ -66,7 +70,7 @@ class SequenceParallelCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
         parser.set_defaults({
             "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                               "init_args": {"save_dir": "runs", "name": "default"}},
+                               "init_args": {"save_dir": "runs", "name": "default", "default_hp_metric": False}},
         })
 
 

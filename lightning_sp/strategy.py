@@ -618,7 +618,8 @@ class SequenceParallelStrategy(DDPStrategy):
         per optimizer step. (Manual optimization: call it before ``optimizer.step()``.)"""
         from lightning_sp.tensor_parallel.grads import reduce_replicated_gradients
 
-        reduce_replicated_gradients(self.lightning_module, self._tp_sharded, self._tp_context.group)
+        reduce_replicated_gradients(self.lightning_module, self._tp_sharded, self._tp_context.group,
+                                    self._tp_context.comm)
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, clip_val: float) -> torch.Tensor:
         """Clip by the norm of the whole (tp-split, FSDP-sharded) model, as one process would."""

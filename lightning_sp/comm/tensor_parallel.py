@@ -21,7 +21,9 @@ Note [Sequence-parallel padding]
         S = 5, t = 2:   rank 0 rows [0, 1, 2]   rank 1 rows [3, 4, pad]       S_pad = 6
 
 Byte convention (``lightning_sp.comm.stats``): all-gather ``(t-1) * shard``, reduce-scatter
-``(t-1)/t * input``, all-reduce ``2 (t-1)/t * input`` (what a ring all-reduce sends).
+``(t-1)/t * input``, all-reduce ``2 (t-1)/t * input`` (what a ring all-reduce sends). Every collective
+here, forward and backward, counts into the ``stats`` it is given (the ``TensorParallelContext.comm``
+of the layer), so measured traffic can be compared with ``lightning_sp.comm.volume``.
 """
 
 from __future__ import annotations
@@ -47,13 +49,14 @@ def _pad_seq(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return F.pad(x, pad)
 
 
-def all_reduce_raw(x: torch.Tensor, group, stats: CommStats | None = None, op_name: str = "all_reduce") -> torch.Tensor:
-    """Sum over ranks (no autograd); returns a new tensor."""
+def all_reduce_raw(x: torch.Tensor, group, stats: CommStats | None = None, op_name: str = "all_reduce", *,
+                   reduce_op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce over ranks (no autograd; ``reduce_op`` default sum); returns a new tensor."""
     world = dist.get_world_size(group)
     x = x.contiguous().clone()
     if stats is not None:
         stats.add(op_name, 2 * (world - 1) * x.numel() * x.element_size() // world)
-    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(x, op=reduce_op, group=group)
     return x
 
 
@@ -138,22 +141,23 @@ def reduce_scatter_to_sequence_parallel_region(
     return _ReduceScatterToSP.apply(x, group, dim % x.dim(), stats)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group, *, dim: int = 1) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group, *, dim: int = 1, stats: CommStats | None = None) -> torch.Tensor:
     """``[B, S, C]`` (replicated) ``-> [B, S_pad/t, C]``: this rank's rows, no communication forward.
     Backward all-gathers (each rank's loss sees only its rows of a replicated input)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dim = dim % x.dim()
     n = sp_shard_len(x.size(dim), world)
     # gather_from(scatter(x)) == x, and the backward of a slice followed by all ranks' gradients is an all-gather
-    return _ScatterToSP.apply(x, group, dim, n, rank)
+    return _ScatterToSP.apply(x, group, dim, n, rank, stats)
 
 
 class _ScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim, n, rank):
-        ctx.group, ctx.dim, ctx.seq_len = group, dim, x.size(dim)
+    def forward(ctx, x, group, dim, n, rank, stats):
+        ctx.group, ctx.dim, ctx.seq_len, ctx.stats = group, dim, x.size(dim), stats
         return _pad_seq(x, dim, n * dist.get_world_size(group)).narrow(dim, rank * n, n).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return sp_all_gather(grad.contiguous(), ctx.group, dim=ctx.dim, seq_len=ctx.seq_len), None, None, None, None
+        grad = sp_all_gather(grad.contiguous(), ctx.group, dim=ctx.dim, seq_len=ctx.seq_len, stats=ctx.stats)
+        return grad, None, None, None, None, None

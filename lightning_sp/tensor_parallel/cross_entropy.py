@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_sp.comm.collectives import all_reduce_sum
+from lightning_sp.comm.collectives import all_gather_raw, all_reduce_sum
 from lightning_sp.comm.tensor_parallel import all_reduce_raw
 from lightning_sp.layout import group_size_and_rank
 from lightning_sp.tensor_parallel.context import TensorParallelContext
@@ -30,8 +30,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, labels, vocab_start, ignore_index, group, stats):
         # logits [B, S, V_r], labels [B, S] -> per-token loss [B, S] (0 where ignored)
         m = logits.detach().amax(-1) if logits.size(-1) else logits.new_full(labels.shape, -torch.inf)
-        m = m.contiguous()
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        m = all_reduce_raw(m, group, stats, "all_reduce", reduce_op=dist.ReduceOp.MAX)  # [B, S]
         shifted = logits - m.unsqueeze(-1)  # [B, S, V_r]
         exp = shifted.exp()
         sumexp = all_reduce_raw(exp.sum(-1), group, stats, "all_reduce")  # [B, S]
@@ -92,8 +91,6 @@ def vocab_parallel_argmax(logits: torch.Tensor, tp: TensorParallelContext, *, vo
     else:
         val, idx = logits.new_full(logits.shape[:-1], -torch.inf), torch.zeros(logits.shape[:-1], dtype=torch.long)
     both = torch.stack([val.double(), (idx + vocab_start).double()])  # [2, B, S]
-    gathered = [torch.empty_like(both) for _ in range(tp.world)]
-    dist.all_gather(gathered, both.contiguous(), group=tp.group)
-    g = torch.stack(gathered)  # [t, 2, B, S]; rank order = vocabulary order
+    g = all_gather_raw(both.unsqueeze(0), tp.group, 0, tp.comm)  # [t, 2, B, S]; rank order = vocabulary order
     best = g[:, 0].argmax(0, keepdim=True)  # [1, B, S]: first rank holding the max
     return g[:, 1].gather(0, best).squeeze(0).long()

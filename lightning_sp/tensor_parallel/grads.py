@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_sp.comm.stats import CommStats
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
@@ -20,13 +22,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def reduce_replicated_gradients(module: nn.Module, sharded: Iterable[str], group) -> None:
+def reduce_replicated_gradients(module: nn.Module, sharded: Iterable[str], group, stats: CommStats | None = None) -> None:
     """Sum the gradients of ``module``'s replicated parameters (names not in ``sharded``) over the
-    tensor-parallel ``group``, in place; call once per optimizer step (not per micro-batch)."""
+    tensor-parallel ``group``, in place; call once per optimizer step (not per micro-batch). Bytes are
+    counted into ``stats`` as ``"grad_all_reduce"`` (``2 (t-1)/t`` of each gradient, as ``all_reduce_raw``)."""
     sharded = set(sharded)
+    world = dist.get_world_size(group)
     for name, p in module.named_parameters():  # same order on every rank: one all-reduce each
         if name not in sharded and p.grad is not None:
-            dist.all_reduce(_local(p.grad), op=dist.ReduceOp.SUM, group=group)
+            g = _local(p.grad)
+            if stats is not None:
+                stats.add("grad_all_reduce", 2 * (world - 1) * g.numel() * g.element_size() // world)
+            dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
 
 
 def clip_grad_norm_(module: nn.Module, parameters: Iterable[nn.Parameter], max_norm: float, *,

@@ -450,23 +450,25 @@ def test_bf16_mixed_trains_close_to_fp64(results):
 
 def test_monitor_logs_throughput_and_comm(results):
     m = results[0]["monitor"]
-    assert m["sp/usp/tokens_per_s"] > 0
-    assert m["sp/usp/tflops"] > 0
-    assert m["sp/usp/comm_mib"] > 0, m
-    assert any(k.startswith("sp/usp/comm_mib/") for k in m), m
+    assert m["throughput/tokens_per_s"] > 0
+    assert m["throughput/tflops"] > 0
+    assert m["communication/sp_mib"] > 0, m
+    assert m["communication/mib"] == m["communication/sp_mib"], m  # tp = 1: nothing else counted
+    assert any(k.startswith("communication/sp/") for k in m), m
     from lightning_sp.callbacks import megatron_flops_per_iteration
 
-    dt = m["sp/usp/step_time_s"]
+    dt = m["throughput/step_time_s"]
     # global batch of the usp case: 2 sequences x 13 real tokens (padding not counted)
-    assert m["sp/usp/tokens_per_s"] * dt == pytest.approx(2 * SEQ_LEN, rel=1e-9)
+    assert m["throughput/tokens_per_s"] * dt == pytest.approx(2 * SEQ_LEN, rel=1e-9)
     flops = megatron_flops_per_iteration(batch=2, seq_len=SEQ_LEN, num_layers=1, hidden=HIDDEN, vocab=VOCAB)
-    assert m["sp/usp/tflops"] * 1e12 * dt == pytest.approx(flops, rel=1e-9)
-    assert m["sp/usp/mfu"] == pytest.approx(flops / dt / (PEAK_FLOPS * WORLD), rel=1e-9)
+    assert m["throughput/tflops"] * 1e12 * dt == pytest.approx(flops, rel=1e-9)
+    assert m["throughput/mfu"] == pytest.approx(flops / dt / (PEAK_FLOPS * WORLD), rel=1e-9)
     # and it reached TensorBoard, once per optimizer step
     tags = results[0]["tb_tags"]
-    for key in ("tokens_per_s", "tflops", "mfu", "peak_mem_gib", "comm_mib", "step_time_s"):
-        assert tags.get(f"sp/usp/{key}") == STEPS, tags
-    assert m["sp/usp/peak_mem_gib"] > 0
+    for key in ("throughput/tokens_per_s", "throughput/tflops", "throughput/mfu", "memory/peak_gib",
+                "communication/mib", "communication/sp_mib", "throughput/step_time_s"):
+        assert tags.get(key) == STEPS, tags
+    assert m["memory/peak_gib"] > 0
 
 
 def test_sp_aware_metrics_count_each_token_once(results):

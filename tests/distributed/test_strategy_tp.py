@@ -146,6 +146,7 @@ def _fit(cfg: dict, model, data, val_data, probe):
     import lightning as L
     from torch.utils.data import DataLoader
 
+    from lightning_sp.callbacks import SequenceParallelMonitor
     from lightning_sp.strategy import SequenceParallelStrategy
 
     os.environ["WORLD_SIZE"] = str(WORLD)
@@ -156,7 +157,7 @@ def _fit(cfg: dict, model, data, val_data, probe):
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, precision="64-true", max_steps=STEPS,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=[probe], gradient_clip_val=cfg["clip"],
+        num_sanity_val_steps=0, callbacks=[probe, SequenceParallelMonitor()], gradient_clip_val=cfg["clip"],
     )
     trainer.fit(model, DataLoader(data, batch_size=cfg["b"], shuffle=False))
     val = None
@@ -172,13 +173,16 @@ def _probe():
     import lightning as L
     import torch.distributed as dist
 
+    from lightning_sp.callbacks import SequenceParallelMonitor
+
     class Probe(L.Callback):
         seen: dict = {}
 
         def on_train_end(self, trainer, pl_module):
             s = trainer.strategy
+            monitor = next(c for c in trainer.callbacks if isinstance(c, SequenceParallelMonitor))
             self.seen = {"groups": {a: dist.get_process_group_ranks(s._mesh.group(a)) for a in ("tp", "sp", "dp", "dp_sp")},
-                         "comm": s.tensor_parallel_context.comm.total_bytes}
+                         "comm": s.tensor_parallel_context.comm.total_bytes, "monitor": dict(monitor.last_metrics)}
 
     return Probe()
 
@@ -214,6 +218,7 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
             out["val"][cfg["name"]] = (float(val), ref_val)
         out["groups"][cfg["name"]] = probe.seen["groups"]
         out["comm"][cfg["name"]] = probe.seen["comm"]
+        out.setdefault("monitor", {})[cfg["name"]] = probe.seen["monitor"]
         for g in tp_groups:
             dist.destroy_process_group(g)
     out["resume"] = _resume_worker(rank, world_size, tmpdir)
@@ -247,6 +252,17 @@ def test_mesh_groups_tp_innermost(results):
     assert g[2]["tp2xdp2/ddp/decoder"] == {"tp": [2, 3], "sp": [2], "dp": [0, 2], "dp_sp": [0, 2]}
     assert g[3]["tp4/protein+clip"] == {"tp": [0, 1, 2, 3], "sp": [3], "dp": [3], "dp_sp": [3]}
     assert all(r["comm"]["tp4/protein+clip"] > 0 for r in results)  # the tp collectives ran (and were counted)
+
+
+def test_monitor_counts_tensor_parallel_traffic(results):
+    for res in results:
+        for name, m in res["monitor"].items():
+            assert m["communication/tp_mib"] > 0, (name, m)  # tp > 1 in every case
+            assert any(k.startswith("communication/tp/") for k in m), (name, m)
+            assert m["communication/mib"] == pytest.approx(m["communication/tp_mib"] + m.get("communication/sp_mib", 0.0)), m
+        # the monitor resets the counters every step: at the end of fit they hold the last step, which it logged
+        m = res["monitor"]["tp4/protein+clip"]
+        assert m["communication/tp_mib"] * 2**20 == res["comm"]["tp4/protein+clip"], (m, res["comm"])
 
 
 # --------------------------------------------------------------------------- sharded checkpoints
