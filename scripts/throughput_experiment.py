@@ -98,13 +98,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--causal", action="store_true", help="GPT-like causal decoder (default: bidirectional protein encoder)")
     p.add_argument("--worlds", type=int, nargs="+", help="degrees P to run (1 = the one-process run)")
     p.add_argument("--seq-lens", type=int, nargs="+", help="global lengths N of the training step")
+    p.add_argument("--attention-seq-lens", type=int, nargs="+", help="global lengths N of the attention-share section")
     p.add_argument("--reps", type=int, help="timed reps per implementation (median reported)")
     p.add_argument("--out", type=Path, default=PAPER_FIGURES, help="where throughput.{json,csv,png} go")
     p.add_argument("--log-dir", type=Path, default=RUNS / NAME, help="TensorBoard dir")
     p.add_argument("--no-plot", action="store_true", help="do not draw the figure")
     a = p.parse_args(argv)
     cfg = dict(QUICK if a.quick else FULL)
-    for key in ("worlds", "seq_lens", "reps"):
+    for key in ("worlds", "seq_lens", "attention_seq_lens", "reps"):
         if getattr(a, key) is not None:
             cfg[key] = getattr(a, key)
     if a.causal:
@@ -119,6 +120,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--reps must be >= 1, got {cfg['reps']}")
     a.cfg = cfg
     return a
+
+
+def _write(a: argparse.Namespace, cfg: dict, argv, rows: list[dict], t_start: float, load_start, *, complete: bool) -> Path:
+    """(Re)write the result files after every degree P, so a run stopped early keeps what it measured."""
+    check_losses(rows)
+    spec_meta = spec_dict(GridSpec(shape=cfg["shape"], seq_lens=cfg["seq_lens"], methods=list(METHODS),
+                                   attention_seq_lens=cfg["attention_seq_lens"], warmup=cfg["warmup"], reps=cfg["reps"]))
+    cores = os.cpu_count() or 1
+    meta = run_metadata(
+        ROOT / "scripts" / "throughput_experiment.py", argv, kind="measured",
+        what=("per-rank tokens/s and model TFLOP/s of one training step (fwd, loss, bwd, gradient reduction, AdamW) "
+              "vs sequence length, every backend and Megatron TP+SP; attention fwd+bwd per rank as a share of "
+              "P x one local kernel call on N/P tokens"),
+        flops=("Megatron model FLOPs 72*B*L*s*h^2*(1 + s/(6h) + V/(12*h*L)) "
+               "(lightning_sp.callbacks.megatron_flops_per_iteration): full attention counted also when causal"),
+        timing=("one thread per rank; implementations alternate rep by rep; barrier before and after each; "
+                "per rep the slowest rank; median over reps after warmup"),
+        spec=spec_meta, worlds=cfg["worlds"], worlds_done=sorted({r["world"] for r in rows}), complete=complete,
+        cores=cores, oversubscribed_worlds=[w for w in cfg["worlds"] if w > cores],
+        load_1m_5m_15m_start=list(load_start), load_1m_5m_15m_end=list(os.getloadavg()),
+        total_wall_s=round(time.perf_counter() - t_start, 1), dtype="float32", process_group="gloo",
+        attention_backends=list(ATTENTION_BACKENDS),
+    )
+    return write_results(NAME, meta, rows, a.out)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -146,32 +171,16 @@ def main(argv: list[str] | None = None) -> Path:
             else:
                 print(f"  attn  {r['method']:13s} N={r['seq_len']:6d}  {r['attention_fwd_bwd_s']:.4f} s  "
                       f"share of one kernel call {r['share_of_kernel']:.3f}", flush=True)
-    check_losses(rows)
-    spec_meta = spec_dict(GridSpec(shape=cfg["shape"], seq_lens=cfg["seq_lens"], methods=list(METHODS),
-                                   attention_seq_lens=cfg["attention_seq_lens"], warmup=cfg["warmup"], reps=cfg["reps"]))
-    meta = run_metadata(
-        ROOT / "scripts" / "throughput_experiment.py", argv, kind="measured",
-        what=("per-rank tokens/s and model TFLOP/s of one training step (fwd, loss, bwd, gradient reduction, AdamW) "
-              "vs sequence length, every backend and Megatron TP+SP; attention fwd+bwd per rank as a share of "
-              "P x one local kernel call on N/P tokens"),
-        flops=("Megatron model FLOPs 72*B*L*s*h^2*(1 + s/(6h) + V/(12*h*L)) "
-               "(lightning_sp.callbacks.megatron_flops_per_iteration): full attention counted also when causal"),
-        timing=("one thread per rank; implementations alternate rep by rep; barrier before and after each; "
-                "per rep the slowest rank; median over reps after warmup"),
-        spec=spec_meta, worlds=cfg["worlds"], cores=cores,
-        oversubscribed_worlds=[w for w in cfg["worlds"] if w > cores],
-        load_1m_5m_15m_start=list(load_start), load_1m_5m_15m_end=list(os.getloadavg()),
-        total_wall_s=round(time.perf_counter() - t_start, 1), dtype="float32", process_group="gloo",
-        attention_backends=list(ATTENTION_BACKENDS),
-    )
-    path = write_results(NAME, meta, rows, a.out)
+        path = _write(a, cfg, argv, rows, t_start, load_start, complete=world == cfg["worlds"][-1])
     log_scalars(rows, a.log_dir)
-    print(f"wrote {path} and .csv in {meta['total_wall_s']} s; TensorBoard: tensorboard --logdir {a.log_dir}")
-    if not a.no_plot:
-        import subprocess
+    print(f"wrote {path} and .csv in {time.perf_counter() - t_start:.0f} s; TensorBoard: tensorboard --logdir {a.log_dir}")
+    if not a.no_plot:  # in this process (the plot script only reads the file): saves a Python start-up
+        import importlib.util
 
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_throughput.py"), "--results", str(path),
-                        "--log-dir", str(a.log_dir)], check=True)
+        spec = importlib.util.spec_from_file_location("plot_throughput", ROOT / "scripts" / "plot_throughput.py")
+        plot = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(plot)
+        plot.main(["--results", str(path), "--log-dir", str(a.log_dir)])
     return path
 
 
