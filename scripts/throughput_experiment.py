@@ -40,7 +40,7 @@ from experiments.throughput.measure import (  # noqa: E402
 NAME = "throughput"
 LOSS_RTOL = 1e-4  # every method trains the same model on the same batch: step-0 losses agree to fp32 round-off
 
-# full run: ~N minutes on a quiet 2-core machine (README); quick: the smoke test's
+# full run: est. 8-12 min on a quiet 2-core machine (experiments/throughput/README.md); quick: the smoke test's
 FULL = dict(shape=ModelShape(d_model=256, n_layers=2, n_heads=8), seq_lens=[512, 1024, 2048, 4096],
             attention_seq_lens=[2048, 4096], worlds=[1, 2, 4], warmup=1, reps=5)
 QUICK = dict(shape=ModelShape(d_model=64, n_layers=1, n_heads=4), seq_lens=[256], attention_seq_lens=[256],
