@@ -294,9 +294,9 @@ def measure_points(world: int, points: list[tuple[str, int]], cfg: SearchConfig,
 
 
 def run_search(plan: dict[int, list[str]], cfg: SearchConfig, *, timeout_s: float = 900, concurrent: bool = False,
-               log=print) -> list[dict]:
+               log=print, on_degree_done=None) -> list[dict]:
     """One spawn of ``P`` ranks per degree (all degrees at once if ``concurrent``); every method of the plan
-    searched there. Rows as in the file."""
+    searched there. Rows as in the file. ``on_degree_done(rows so far)`` after each degree (partial saves)."""
     from experiments.common import run_on_ranks
 
     for p, names in plan.items():
@@ -308,10 +308,19 @@ def run_search(plan: dict[int, list[str]], cfg: SearchConfig, *, timeout_s: floa
             raise ValueError(f"methods {wrong} do not run at P={p}: single-process methods need P=1, parallel ones P>1")
         if p > 1 and cfg.n_heads % p:
             raise ValueError(f"n_heads={cfg.n_heads} must be divisible by P={p} (Ulysses and TP split the heads)")
+    import threading
+
+    done: dict[int, list[dict]] = {}
+    lock = threading.Lock()
+
     def one_degree(p: int) -> list[dict]:
         t0 = time.perf_counter()
         found = run_on_ranks(_worker, p, (cfg, plan[p]), timeout_s=timeout_s, pg_timeout_s=timeout_s)[0]
         log(f"[P={p}] " + ", ".join(f"{r['method']}: N={r['longest_N']}" for r in found) + f" ({time.perf_counter() - t0:.0f} s)")
+        with lock:
+            done[p] = found
+            if on_degree_done is not None:
+                on_degree_done([r for q in sorted(done) for r in done[q]])
         return found
 
     degrees = sorted(plan)
@@ -382,14 +391,22 @@ def main(argv: list[str] | None = None) -> int:
         plan = {k: [m for m in v if m in keep] for k, v in plan.items()}
         plan = {k: v for k, v in plan.items() if v}
     t0 = time.perf_counter()
-    rows = run_search(plan, cfg, timeout_s=args.timeout, concurrent=not args.sequential)
+
+    def save(rows: list[dict], *, complete: bool) -> Path:
+        rows = [dict(r) for r in rows]
+        add_ratios(rows)
+        for r in rows:
+            r["label"] = METHODS[r["method"]].label
+        meta = run_metadata(__file__, argv, config=dataclasses.asdict(cfg), plan=plan, memory_method=MEASURED,
+                            runtime_s=round(time.perf_counter() - t0, 1), quick=args.quick, complete=complete,
+                            degrees_done=sorted({r["P"] for r in rows}))
+        return write_results(NAME, meta, rows, args.out)
+
+    rows = run_search(plan, cfg, timeout_s=args.timeout, concurrent=not args.sequential,
+                      on_degree_done=lambda rows: save(rows, complete=False))
+    path = save(rows, complete=True)
     add_ratios(rows)
-    for r in rows:
-        r["label"] = METHODS[r["method"]].label
     runtime = time.perf_counter() - t0
-    meta = run_metadata(__file__, argv, config=dataclasses.asdict(cfg), plan=plan, memory_method=MEASURED,
-                        runtime_s=round(runtime, 1), quick=args.quick)
-    path = write_results(NAME, meta, rows, args.out)
     log_dir = Path(args.log_dir) if args.log_dir else (RUNS / NAME if Path(args.out) == PAPER_FIGURES else Path(args.out) / "runs")
     log_tensorboard(rows, log_dir)
     print(f"{'method':<30} {'P':>2} {'longest N':>10} {'peak MiB':>9} {'next N':>7} {'next MiB':>9}  x vanilla  x TP  x TP+SP")

@@ -32,7 +32,7 @@ def test_quick_search_boundary_is_measured(tmp_path):
 
     assert exp.main(["--quick", "--out", str(tmp_path), "--timeout", "240"]) == 0
     meta, rows = read_results(tmp_path / "longest_sequence.json")
-    assert meta["kind"] == "measured" and meta["quick"] and "VmHWM" in meta["memory_method"]
+    assert meta["kind"] == "measured" and meta["quick"] and meta["complete"] and "VmHWM" in meta["memory_method"]
     assert (tmp_path / "longest_sequence.csv").is_file() and (tmp_path / "runs").is_dir()
     cfg, budget = exp.QUICK, exp.QUICK.budget_bytes
     by = {(r["method"], r["P"]): r for r in rows}
@@ -53,6 +53,7 @@ def test_quick_search_boundary_is_measured(tmp_path):
     plot = _load("plot_longest_sequence")
     assert plot.main(["--results", str(tmp_path / "longest_sequence.json"), "--log-dir", str(tmp_path / "runs")]) == 0
     assert (tmp_path / "longest_sequence.png").stat().st_size > 10_000
+    assert "| ring attention (+ chunked FFN) | 2 |" in (tmp_path / "longest_sequence.md").read_text()
 
 
 def test_bad_configs_are_rejected():
