@@ -52,9 +52,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from experiments.peak_memory import mmap_large_allocations, proc_status_kib, reset_peak_rss  # noqa: E402
+
 # Large allocations through mmap, so the memory they free leaves the process and VmHWM deltas mean
 # "peak bytes this call needed". Must be set before the rank processes start (inherited by spawn).
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+mmap_large_allocations()
 
 import torch  # noqa: E402
 
@@ -74,23 +76,6 @@ def _inputs(seed, b, n, h, h_kv, d, dtype=torch.float32):
     v = torch.randn(b, n, h_kv, d, generator=g, dtype=dtype)
     dout = torch.randn(b, n, h, d, generator=g, dtype=dtype)
     return q, k, v, dout
-
-
-def _proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class _SeedGrad(torch.autograd.Function):
@@ -299,15 +284,15 @@ def _memory_section(rank, world, cfg, group):
         if world > 1:
             torch.distributed.barrier(group)
         saved = _SavedBytes()
-        rss0 = _proc_status_kib("VmRSS")
-        hwm_ok = _reset_hwm()
+        rss0 = proc_status_kib("VmRSS")
+        hwm_ok = reset_peak_rss()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             out = attn(q, k, v)
-        hwm_fwd = _proc_status_kib("VmHWM")
+        hwm_fwd = proc_status_kib("VmHWM")
         seed = _SeedGrad.apply(out, dout)
         del out  # the backend's saved tensors keep what it needs (see _SeedGrad)
         seed.backward()
-        hwm_fwd_bwd = _proc_status_kib("VmHWM")
+        hwm_fwd_bwd = proc_status_kib("VmHWM")
         input_bytes = sum(t.numel() * t.element_size() for t in (q, k, v))
         inputs_and_dout = input_bytes + dout.numel() * dout.element_size()
         rows.append({

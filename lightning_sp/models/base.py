@@ -29,6 +29,8 @@ class TransformerLM(L.LightningModule):
         lr: float = 1e-3,
         weight_decay: float = 0.01,
         warmup_steps: int = 10,
+        mlp_chunk_size: int | None = None,
+        dense_attention: bool = False,
     ) -> None:
         """``vocab_size=None``: the subclass's ``default_vocab_size`` (the CLI links it from the data)."""
         super().__init__()
@@ -38,6 +40,7 @@ class TransformerLM(L.LightningModule):
         self.config = TransformerConfig(
             vocab_size=vocab_size or self.default_vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
             n_kv_heads=n_kv_heads, mlp_ratio=mlp_ratio, causal=self.causal, attention_backend=attention_backend,
+            mlp_chunk_size=mlp_chunk_size, dense_attention=dense_attention,
         )
         self.net = Transformer(self.config)
 

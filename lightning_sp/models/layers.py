@@ -53,6 +53,13 @@ class TransformerConfig:
     """``None``: the strategy's backend when bound, plain local attention otherwise."""
     dropout: float = 0.0
     """Must be 0: dropout is not supported (it would make sequence-parallel and local runs differ)."""
+    mlp_chunk_size: int | None = None
+    """Tokens per tile of the sequence-tiled MLP (Note [Sequence-tiled MLP]): the MLP keeps only its input
+    for backward and recomputes each tile there, so its ``[B, S, mlp_ratio * d_model]`` hidden activations
+    never exist whole. Exact (same math per token). ``None``: the plain MLP. Not with tensor parallelism."""
+    dense_attention: bool = False
+    """Vanilla attention: materialise the ``[B, H, S, S]`` scores (matmul, softmax, matmul), as the memory
+    baseline of Ring Attention's Table 3. Only where the attention is not sequence parallel."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -69,6 +76,8 @@ class TransformerConfig:
             raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
         if self.dropout != 0.0:
             raise NotImplementedError("dropout is not supported; use weight decay or a smaller model instead")
+        if self.mlp_chunk_size is not None and self.mlp_chunk_size < 1:
+            raise ValueError(f"mlp_chunk_size must be >= 1 tokens (or None for the plain MLP), got {self.mlp_chunk_size}")
 
     @property
     def head_dim(self) -> int:
@@ -98,10 +107,71 @@ def _divisors(n: int) -> list[int]:
 
 class MLP(nn.Sequential):
     """``fc1`` (column-parallel) -> GELU -> ``fc2`` (row-parallel); a ``Sequential`` so parameter names
-    stay ``mlp.0.*`` / ``mlp.2.*``."""
+    stay ``mlp.0.*`` / ``mlp.2.*``. ``chunk_size``: run it sequence-tiled (Note [Sequence-tiled MLP])."""
+
+    def __init__(self, fc1: nn.Module, act: nn.Module, fc2: nn.Module, *, chunk_size: int | None = None) -> None:
+        super().__init__(fc1, act, fc2)
+        self.chunk_size = chunk_size
+
+    def dense(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:  # [B, S_t, C] -> [B, S_t, C]
+        return self[2](self[1](self[0](x, seq_len=seq_len)))
 
     def forward(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:  # [B, S_t, C] -> [B, S_t, C]
-        return self[2](self[1](self[0](x, seq_len=seq_len)))
+        if self.chunk_size is None:
+            return self.dense(x, seq_len)
+        if self[0].tp_bound or self[2].tp_bound:
+            raise NotImplementedError(
+                "mlp_chunk_size does not combine with tensor parallelism (the MLP's collectives span the whole "
+                "sequence); set mlp_chunk_size=None or tensor_parallel_size=1"
+            )
+        if x.size(1) <= self.chunk_size:
+            return self.dense(x, seq_len)
+        params = [p for p in self.parameters() if p.requires_grad]
+        return _TiledMLP.apply(x, self, self.chunk_size, *params)
+
+
+class _TiledMLP(torch.autograd.Function):
+    """Note [Sequence-tiled MLP]
+
+    The MLP acts on each token alone, so it can run tile by tile along the sequence (the blockwise
+    feed-forward of Ring Attention / BPT, DeepSpeed ALST's TiledMLP)::
+
+        forward:  x [B, S, C] -> for each tile x[:, i:i+c]: y[:, i:i+c] = fc2(gelu(fc1(x_tile)))   (no graph)
+        backward: for each tile: recompute fc1 -> gelu -> fc2 on x_tile with a graph, backprop dy_tile,
+                  write dx[:, i:i+c], add the tile's weight gradients
+
+    Only ``x`` is saved, so the ``[B, S, mlp_ratio * C]`` hidden activations (two of them: fc1's output and
+    GELU's) exist one ``[B, c, mlp_ratio * C]`` tile at a time, for one extra MLP forward in backward.
+    Per token the math is the plain MLP's: outputs and gradients agree to round-off (the weight
+    gradients are summed tile by tile).
+    """
+
+    @staticmethod
+    def forward(ctx, x, mlp, chunk_size, *params):  # x [B, S, C] -> [B, S, C]
+        ctx.save_for_backward(x)
+        ctx.mlp, ctx.chunk_size, ctx.params = mlp, chunk_size, params
+        out = torch.empty_like(x)
+        for start in range(0, x.size(1), chunk_size):
+            n = min(chunk_size, x.size(1) - start)
+            out.narrow(1, start, n).copy_(mlp.dense(x.narrow(1, start, n), n))
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # dout [B, S, C]
+        (x,) = ctx.saved_tensors
+        mlp, chunk_size, params = ctx.mlp, ctx.chunk_size, ctx.params
+        dx = torch.empty_like(x)
+        dparams = [torch.zeros_like(p) for p in params]
+        for start in range(0, x.size(1), chunk_size):
+            n = min(chunk_size, x.size(1) - start)
+            x_tile = x.narrow(1, start, n).detach().requires_grad_()  # [B, c, C]
+            with torch.enable_grad():
+                y_tile = mlp.dense(x_tile, n)  # [B, c, C]
+            grads = torch.autograd.grad(y_tile, (x_tile, *params), dout.narrow(1, start, n))
+            dx.narrow(1, start, n).copy_(grads[0])
+            for acc, g in zip(dparams, grads[1:]):
+                acc += g
+        return dx, None, None, *dparams
 
 
 class Block(TensorParallelModule):
@@ -118,7 +188,8 @@ class Block(TensorParallelModule):
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         hidden = int(cfg.mlp_ratio * cfg.d_model)
-        self.mlp = MLP(ColumnParallelLinear(cfg.d_model, hidden), nn.GELU(), RowParallelLinear(hidden, cfg.d_model))
+        self.mlp = MLP(ColumnParallelLinear(cfg.d_model, hidden), nn.GELU(), RowParallelLinear(hidden, cfg.d_model),
+                       chunk_size=cfg.mlp_chunk_size)
 
     def bind_tensor_parallel(self, ctx: TensorParallelContext) -> None:
         """Check that the heads divide across TP first, then Ulysses (the linears split themselves)."""
@@ -146,9 +217,34 @@ class Block(TensorParallelModule):
         q = rotary(q.view(b, s, h, d), position_ids, self.cfg.rope_base)  # [B, S, H/t, D]
         k = rotary(k.view(b, s, hkv, d), position_ids, self.cfg.rope_base)  # [B, S, Hkv/t, D]
         v = v.view(b, s, hkv, d)  # [B, S, Hkv/t, D]
-        a = self.attn(q, k, v, cu_seqlens=cu_seqlens)  # [B, S, H/t, D]
+        if self.cfg.dense_attention:
+            a = self._dense_attention(q, k, v, cu_seqlens)  # [B, S, H/t, D]
+        else:
+            a = self.attn(q, k, v, cu_seqlens=cu_seqlens)  # [B, S, H/t, D]
         x = x + self.proj(a.reshape(b, s, h * d))  # [B, S_t, C]
         return x + self.mlp(self.ln2(x), s)
+
+    def _dense_attention(self, q, k, v, cu_seqlens) -> torch.Tensor:
+        """Vanilla attention with the scores materialised (``TransformerConfig.dense_attention``).
+        ``q [B, S, H, D]``, ``k, v [B, S, H_kv, D]`` -> ``[B, S, H, D]``."""
+        group = self.attn.process_group
+        if group is not None and self.attn.resolved_backend() != "local" and torch.distributed.get_world_size(group) > 1:
+            raise ValueError(
+                "dense_attention=True attends only over this rank's tokens, but the attention is sequence "
+                f"parallel (backend {self.attn.resolved_backend()!r}): set dense_attention=False under sequence parallelism"
+            )
+        if cu_seqlens is not None:
+            raise NotImplementedError("dense_attention=True does not take cu_seqlens; use dense_attention=False")
+        groups = q.size(2) // k.size(2)
+        qh = q.transpose(1, 2)  # [B, H, S, D]
+        kh = k.repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, H, S, D]
+        vh = v.repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, H, S, D]
+        scores = (qh @ kh.transpose(-2, -1)) * (q.size(-1) ** -0.5)  # [B, H, S, S]
+        if self.cfg.causal:
+            keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        probs = scores.softmax(dim=-1)  # [B, H, S, S]
+        return (probs @ vh).transpose(1, 2)  # [B, S, H, D]
 
 
 class Transformer(TensorParallelModule):
