@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -55,6 +56,7 @@ def method_strategy(method: str, degree: int) -> dict[str, Any]:
     """``SequenceParallelStrategy`` arguments of one method at ``degree`` ranks (dp = 1: every rank
     holds part of the same sequence, so the global batch equals the one-process batch)."""
     if method == "megatron_tp_sp":  # Megatron tensor + sequence parallelism, no context parallelism
+        # (sp = 1: the attention backend never communicates; any name would do)
         return {"sequence_parallel_size": 1, "tensor_parallel_size": degree, "backend": "zigzag_ring"}
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -88,7 +90,6 @@ def train_one(case: dict[str, Any], *, steps: int, log_dir: str, devices: int) -
     """One ``Trainer.fit`` of ``case`` (``method`` is ``"one_process"`` for the reference); returns the
     per-step training losses and the mesh it ran on."""
     import lightning as L
-    import torch
     from lightning.pytorch.loggers import TensorBoardLogger
 
     cfg = load_config(case["model"])
@@ -207,16 +208,20 @@ def main(argv: list[str] | None = None) -> Path:
     torch.set_num_threads(1)
     t_start = time.perf_counter()
 
+    grid = build_grid(args.models, args.methods, args.degrees, args.modes)
+    references = [{"model": m, "method": "one_process", "P": 1, "mode": "single",
+                   "run": run_name("one_process", P=1, mode="single", model=m)} for m in args.models]
+    for case in references + grid:  # a rerun replaces its runs' event files instead of adding to them
+        shutil.rmtree(log_dir / case["run"], ignore_errors=True)
+
     # the one-process references, in this process
     refs = {}
-    for model in args.models:
-        case = {"model": model, "method": "one_process", "P": 1, "mode": "single",
-                "run": run_name("one_process", P=1, mode="single", model=model)}
+    for case in references:
+        model = case["model"]
         refs[model] = train_one(case, steps=args.steps, log_dir=str(log_dir), devices=1)
         print(f"{case['run']}: loss {refs[model]['losses'][0]:.4f} -> {refs[model]['losses'][-1]:.4f} "
               f"({refs[model]['fit_s']:.1f} s)", flush=True)
 
-    grid = build_grid(args.models, args.methods, args.degrees, args.modes)
     results: dict[str, dict] = {}
     for degree in args.degrees:
         cases = [c for c in grid if c["P"] == degree]
