@@ -51,6 +51,8 @@ class AttentionCall:
     padded_len: int
     doc_bounds: list[int] | None
     stats: CommStats | None
+    kv_pieces: int = 1
+    """Ring-style backends: pieces each K/V block travels in (``BlockAttentionSpec.kv_pieces``)."""
 
     def positions(self, world: int, rank: int, device=None) -> torch.Tensor:
         """Global positions of rank ``rank``'s tokens ``[padded_len / world]``; cached per layout,
@@ -65,6 +67,7 @@ class AttentionCall:
         return BlockAttentionSpec(
             kernel=self.kernel, scale=self.scale, causal=self.causal, q_runs=q_runs,
             k_runs_by_rank=k_runs_by_rank, doc_bounds=self.doc_bounds, group=group, stats=self.stats,
+            kv_pieces=self.kv_pieces,
         )
 
 
