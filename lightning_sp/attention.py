@@ -155,7 +155,7 @@ class SequenceParallelAttention(nn.Module):
             runs the queries in as many chunks, so a rank holds a few pieces instead of whole
             blocks: the peak memory per rank falls with ``P`` (Note [K/V in pieces] in
             ``ops/ring_attention.py``). Same bytes as the ring. Pieces are never shorter than
-            ``MIN_PIECE_TOKENS`` (128) tokens, so short blocks use fewer; ``1``: the neighbour ring
+            ``MIN_PIECE_TOKENS`` (256) tokens, so short blocks use fewer; ``1``: the neighbour ring
             with whole blocks double-buffered (more memory, fewer kernel calls).
     """
 

@@ -36,8 +36,15 @@ from lightning_sp.ops.merge import accumulation_dtype, merge_into
 from lightning_sp.ops.plan import MaskKind, plan_blocks
 
 
-MIN_PIECE_TOKENS = 128
+MIN_PIECE_TOKENS = 256
 """Default shortest K/V piece (tokens): below it the per-call overhead outweighs the memory saved."""
+
+
+def piece_count(kv_pieces: int, block_len: int, min_piece_tokens: int | None = None) -> int:
+    """``kv_pieces``, reduced so that no piece of a ``block_len``-token block is shorter than
+    ``min_piece_tokens`` (``None``: ``MIN_PIECE_TOKENS``); at least 1."""
+    shortest = MIN_PIECE_TOKENS if min_piece_tokens is None else min_piece_tokens
+    return max(1, min(kv_pieces, block_len // shortest))
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,8 +82,7 @@ class BlockAttentionSpec:
         """How many pieces a ``block_len``-token K/V block travels in (1: the neighbour ring)."""
         if self.group is None:
             return 1
-        shortest = MIN_PIECE_TOKENS if self.min_piece_tokens is None else self.min_piece_tokens
-        return max(1, min(self.kv_pieces, block_len // shortest))
+        return piece_count(self.kv_pieces, block_len, self.min_piece_tokens)
 
 
 class AttentionResult(NamedTuple):
@@ -178,7 +184,7 @@ def _bounds(n: int, parts: int) -> list[int]:
     return [n * i // parts for i in range(parts + 1)]
 
 
-def _slice_runs(runs, start: int, stop: int) -> tuple[Run, ...]:
+def slice_runs(runs, start: int, stop: int) -> tuple[Run, ...]:
     """The part of ``runs`` (local rows of a block) inside local rows ``[start, stop)``, with local
     offsets relative to ``start``."""
     out = []
@@ -216,7 +222,7 @@ def _pieces_forward(spec: BlockAttentionSpec, q, k, v, out, lse, pieces: int) ->
     comm = spec.comm()
     kb = _bounds(k.size(1), pieces)
     for _t, src, j, (k_p, v_p) in _piece_schedule(comm, k, v, pieces):
-        piece_runs = _slice_runs(spec.k_runs_by_rank[src], kb[j], kb[j + 1])
+        piece_runs = slice_runs(spec.k_runs_by_rank[src], kb[j], kb[j + 1])
         for c in plan_blocks(spec.q_runs, piece_runs, causal=spec.causal, doc_bounds=spec.doc_bounds):
             qs, ks = slice(c.q_start, c.q_start + c.q_len), slice(c.k_start, c.k_start + c.k_len)
             o_b, lse_b = spec.kernel.forward(
@@ -225,6 +231,32 @@ def _pieces_forward(spec: BlockAttentionSpec, q, k, v, out, lse, pieces: int) ->
             merge_into(out[:, qs], lse[:, :, qs], o_b, lse_b)
             del o_b, lse_b
         del k_p, v_p
+
+
+def query_chunks(q_runs, q_len: int, chunks: int) -> list[tuple[int, tuple[Run, ...]]]:
+    """``q_runs`` cut into ``chunks`` near-equal row ranges: ``[(first local row, runs relative to
+    it)]`` for ``accumulate_tile_grads``."""
+    qb = _bounds(q_len, chunks)
+    return [(qb[i], slice_runs(q_runs, qb[i], qb[i + 1])) for i in range(chunks)]
+
+
+def accumulate_tile_grads(spec: BlockAttentionSpec, q_chunks, k_runs, dout, q, k_blk, v_blk, out, lse, dq, dkv) -> None:
+    """Like ``accumulate_block_grads`` for a K/V block (or piece) whose positions are ``k_runs``,
+    one query chunk (``query_chunks``) at a time, so the kernel's per-call ``dq`` is a chunk, not
+    all of ``q``. ``dq [B, Sq, H, D]``, ``dkv = (dk, dv)`` each ``[B, Sk, H_kv, D]``, in place."""
+    dk, dv = dkv
+    for q0, chunk_runs in q_chunks:
+        for c in plan_blocks(chunk_runs, k_runs, causal=spec.causal, doc_bounds=spec.doc_bounds):
+            qs = slice(q0 + c.q_start, q0 + c.q_start + c.q_len)
+            ks = slice(c.k_start, c.k_start + c.k_len)
+            dq_c, dk_c, dv_c = spec.kernel.backward(
+                dout[:, qs], q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs], lse[:, :, qs],
+                scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device),
+            )
+            dq[:, qs] += dq_c
+            dk[:, ks] += dk_c
+            dv[:, ks] += dv_c
+            del dq_c, dk_c, dv_c
 
 
 def _pieces_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: int):
@@ -236,27 +268,16 @@ def _pieces_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: 
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    kb, qb = _bounds(k.size(1), pieces), _bounds(q.size(1), pieces)
-    q_chunks = [(qb[i], _slice_runs(spec.q_runs, qb[i], qb[i + 1])) for i in range(pieces)]
+    kb = _bounds(k.size(1), pieces)
+    q_chunks = query_chunks(spec.q_runs, q.size(1), pieces)
     for t, src, j, (k_p, v_p) in _piece_schedule(comm, k, v, pieces):
-        piece_runs = _slice_runs(spec.k_runs_by_rank[src], kb[j], kb[j + 1])
+        piece_runs = slice_runs(spec.k_runs_by_rank[src], kb[j], kb[j + 1])
         if t == 0:  # this rank's own piece: straight into its gradient
             dk_p, dv_p = dk[:, kb[j]:kb[j + 1]], dv[:, kb[j]:kb[j + 1]]
         else:
             dk_p = torch.zeros(k_p.shape, dtype=acc, device=q.device)
             dv_p = torch.zeros(v_p.shape, dtype=acc, device=q.device)
-        for q0, chunk_runs in q_chunks:
-            for c in plan_blocks(chunk_runs, piece_runs, causal=spec.causal, doc_bounds=spec.doc_bounds):
-                qs = slice(q0 + c.q_start, q0 + c.q_start + c.q_len)
-                ks = slice(c.k_start, c.k_start + c.k_len)
-                dq_c, dk_c, dv_c = spec.kernel.backward(
-                    dout[:, qs], q[:, qs], k_p[:, ks], v_p[:, ks], out[:, qs], lse[:, :, qs],
-                    scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device),
-                )
-                dq[:, qs] += dq_c
-                dk_p[:, ks] += dk_c
-                dv_p[:, ks] += dv_c
-                del dq_c, dk_c, dv_c
+        accumulate_tile_grads(spec, q_chunks, piece_runs, dout, q, k_p, v_p, out, lse, dq, (dk_p, dv_p))
         del k_p, v_p
         if t > 0:  # send this contribution to the piece's owner; receive the one for our own piece j
             got_k, got_v = comm.exchange((dk_p, dv_p), -t, op="ring_send_grad").wait()
