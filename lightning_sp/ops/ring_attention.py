@@ -12,11 +12,37 @@ sends dK/dV partial sums around the ring behind the K/V blocks (``ring_pass_accu
 [Gradient partial sums around the ring] in ``comm/ring.py``), so no rank ever holds more than two
 K/V blocks and one dK/dV partial sum: activation memory stays O(N/P).
 
-Memory per rank (``u`` = one local ``[B, S/P, H, D]`` shard): forward: ``out`` + ``lse`` (kept for
-backward), the K/V block in flight and the one computed on (``4u`` when both are received copies),
-one kernel result per call, merged in place. Backward: ``dq`` (fp32 accumulator, which *is* the
-returned gradient for fp32 inputs), the two K/V blocks, one dK/dV partial sum (``2u``) and the
-kernel's per-call ``dq, dk, dv`` results.
+Memory per rank (``u`` = one local ``[B, S/P, H, D]`` shard), whole blocks (``kv_pieces=1``):
+forward: ``out`` + ``lse`` (kept for backward), the K/V block in flight and the one computed on
+(``4u`` when both are received copies), one kernel result per call, merged in place. Backward:
+``dq`` (fp32 accumulator, which *is* the returned gradient for fp32 inputs), the two K/V blocks, one
+dK/dV partial sum (``2u``) and the kernel's per-call ``dq, dk, dv`` results. In pieces: below.
+
+Note [K/V in pieces]
+    A ring that only talks to its neighbours cannot hold less than about one whole K/V block of
+    another rank: rank ``r`` uses piece ``j`` of a block one step (``m`` pieces) after rank ``r-1``
+    did, so someone keeps it for that long; the same holds for the dK/dV partial sums travelling
+    behind. Ring-ish backends therefore sat at ``>= 4u`` of buffers on top of the ``4u`` every
+    backend needs at the end of its backward (``out`` and the three gradients).
+
+    With ``kv_pieces = m > 1`` (``BlockAttentionSpec.pieces_for``) each rank's K/V block is cut into
+    ``m`` row ranges and, at step ``t``, piece ``j`` of rank ``r - t``'s block comes straight from
+    its owner while rank ``r`` sends its own piece ``j`` to rank ``r + t`` (``RingComm.exchange``):
+    a rank only ever sends its *input* K/V (no received copy is kept to forward on), holds the
+    piece it computes on and the next one in flight, and sends exactly the ring's K/V bytes. In
+    backward the queries also run in ``m`` chunks (the kernel's per-call ``dq`` is a chunk); the
+    dK/dV contribution to another rank's piece is summed over the chunks and sent straight to the
+    piece's owner, which adds it into its own ``dk, dv`` (``P - 1`` contributions per rank, one
+    fewer than the ring's partial sums). Per rank, beyond ``out, dq, dk, dv``: about ``9u / m``
+    (two K/V pieces, one contribution being summed and the one received, the kernel's per-tile
+    results). The contribution exchange waits before the next piece (it does not overlap compute,
+    which would cost ``4u / m`` more); the K/V exchange of the next piece does.
+
+    The price is more, smaller kernel calls (``m^2`` tiles per step in backward) and ``m`` times as
+    many messages; ``piece_count`` keeps pieces at least ``MIN_PIECE_TOKENS`` long, so short blocks
+    use fewer pieces and blocks under ``2 * MIN_PIECE_TOKENS`` tokens run the neighbour ring.
+    Measured (benchmarks/README.md, section 4): P = 4, N = 8192, peak per rank 0.69 -> 0.33 (ring)
+    of one process's.
 """
 
 from __future__ import annotations
