@@ -35,6 +35,7 @@ from lightning_sp.ops.ring_attention import (
     accumulate_tile_grads,
     block_attention,
     block_attention_forward,
+    piece_bounds,
     piece_count,
     query_chunks,
     slice_runs,
@@ -171,7 +172,7 @@ class _AllGatherKVFunction(torch.autograd.Function):
         spec = ctx.grad_spec
         pieces = piece_count(ctx.kv_pieces, shard)
         q_chunks = query_chunks(spec.q_runs, q.size(1), pieces)
-        kb = [shard * i // pieces for i in range(pieces + 1)]
+        kb = piece_bounds(shard, pieces)
 
         def contribute(chunk, partial):  # this rank's share of rank `chunk`'s dK/dV [B, S/P, H_kv, D]
             if partial is None:

@@ -205,7 +205,7 @@ def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
 # ----------------------------------------------------------------------------------------------
 
 
-def _bounds(n: int, parts: int) -> list[int]:
+def piece_bounds(n: int, parts: int) -> list[int]:
     """``parts + 1`` cut points splitting ``range(n)`` into near-equal contiguous slices."""
     return [n * i // parts for i in range(parts + 1)]
 
@@ -227,7 +227,7 @@ def _piece_schedule(comm: RingComm, k, v, pieces: int):
     block (views, no copy); at step ``t > 0`` piece ``j`` comes straight from its owner while this
     rank's own piece ``j`` goes to rank ``rank + t`` (the same bytes as the ring). The next piece is
     in flight while the caller computes on the current one."""
-    kb = _bounds(k.size(1), pieces)
+    kb = piece_bounds(k.size(1), pieces)
     order = [(t, j) for t in range(comm.world) for j in range(pieces)]
 
     def fetch(t, j):
@@ -246,7 +246,7 @@ def _piece_schedule(comm: RingComm, k, v, pieces: int):
 def _pieces_forward(spec: BlockAttentionSpec, q, k, v, out, lse, pieces: int) -> None:
     """Forward over K/V pieces, merged into ``out [B, Sq, H, D]``, ``lse [B, H, Sq]`` in place."""
     comm = spec.comm()
-    kb = _bounds(k.size(1), pieces)
+    kb = piece_bounds(k.size(1), pieces)
     for _t, src, j, (k_p, v_p) in _piece_schedule(comm, k, v, pieces):
         piece_runs = slice_runs(spec.k_runs_by_rank[src], kb[j], kb[j + 1])
         for c in plan_blocks(spec.q_runs, piece_runs, causal=spec.causal, doc_bounds=spec.doc_bounds):
@@ -262,7 +262,7 @@ def _pieces_forward(spec: BlockAttentionSpec, q, k, v, out, lse, pieces: int) ->
 def query_chunks(q_runs, q_len: int, chunks: int) -> list[tuple[int, tuple[Run, ...]]]:
     """``q_runs`` cut into ``chunks`` near-equal row ranges: ``[(first local row, runs relative to
     it)]`` for ``accumulate_tile_grads``."""
-    qb = _bounds(q_len, chunks)
+    qb = piece_bounds(q_len, chunks)
     return [(qb[i], slice_runs(q_runs, qb[i], qb[i + 1])) for i in range(chunks)]
 
 
@@ -294,7 +294,7 @@ def _pieces_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: 
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    kb = _bounds(k.size(1), pieces)
+    kb = piece_bounds(k.size(1), pieces)
     q_chunks = query_chunks(spec.q_runs, q.size(1), pieces)
     for t, src, j, (k_p, v_p) in _piece_schedule(comm, k, v, pieces):
         piece_runs = slice_runs(spec.k_runs_by_rank[src], kb[j], kb[j + 1])
