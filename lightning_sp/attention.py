@@ -28,6 +28,10 @@ from lightning_sp.ops.kernels import KERNELS, make_kernel
 
 log = logging.getLogger(__name__)
 
+DEFAULT_KV_PIECES = 8
+"""``SequenceParallelAttention(kv_pieces=)`` default: at P = 4 the ring backends' peak per rank drops
+below 0.35 of one process's (benchmarks/README.md, section 4)."""
+
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
@@ -146,6 +150,13 @@ class SequenceParallelAttention(nn.Module):
             seen by the ranks whose signature is cached, and surfaces as a process-group timeout;
             ``"always"`` checks every call (debugging); ``False`` never (bad input then raises on the
             rank that has it only, and its peers wait for the timeout).
+        kv_pieces: ``ring``, ``zigzag_ring`` and the ring of ``usp``: each rank's K/V block is fetched
+            from its owner in this many pieces and its dK/dV returned in as many, the backward also
+            runs the queries in as many chunks, so a rank holds a few pieces instead of whole
+            blocks: the peak memory per rank falls with ``P`` (Note [K/V in pieces] in
+            ``ops/ring_attention.py``). Same bytes as the ring. Pieces are never shorter than
+            ``MIN_PIECE_TOKENS`` (256) tokens, so short blocks use fewer; ``1``: the neighbour ring
+            with whole blocks double-buffered (more memory, fewer kernel calls).
     """
 
     def __init__(
@@ -160,6 +171,7 @@ class SequenceParallelAttention(nn.Module):
         dropout_p: float = 0.0,
         window_size: tuple[int, int] | None = None,
         validate_inputs: bool | str = True,
+        kv_pieces: int = DEFAULT_KV_PIECES,
     ):
         super().__init__()
         if dropout_p:
@@ -179,6 +191,11 @@ class SequenceParallelAttention(nn.Module):
             raise ValueError(f"validate_inputs must be True, False or 'always', got {validate_inputs!r}")
         if ulysses_degree is not None and ulysses_degree < 1:
             raise ValueError(f"ulysses_degree must be >= 1, got {ulysses_degree}")
+        if isinstance(kv_pieces, bool) or not isinstance(kv_pieces, int) or kv_pieces < 1:
+            raise ValueError(
+                f"kv_pieces must be an int >= 1 (1: whole K/V blocks around the ring), got {kv_pieces!r}"
+            )
+        self.kv_pieces = kv_pieces
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.backend = backend
@@ -343,7 +360,7 @@ class SequenceParallelAttention(nn.Module):
         doc_bounds = _doc_bounds(bounds, seq_len, padded_len)
         call = backends.AttentionCall(
             kernel=self._make_kernel(q), scale=scale, causal=self.causal, layout=layout,
-            padded_len=padded_len, doc_bounds=doc_bounds, stats=ctx.comm,
+            padded_len=padded_len, doc_bounds=doc_bounds, stats=ctx.comm, kv_pieces=self.kv_pieces,
         )
         with torch.autocast(q.device.type, enabled=False):
             if backend == "ulysses":

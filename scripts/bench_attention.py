@@ -265,10 +265,10 @@ def _memory_section(rank, world, cfg, group):
     rows = []
     n, h, d = cfg["mem_seq_len"], cfg["heads"], cfg["head_dim"]
     full = _inputs(1, 1, n, h, h, d)
-    backends = ["local"] if world == 1 else BACKENDS
+    backends = ["local"] if world == 1 else cfg["backends"]
     for backend in backends:
         attn = SequenceParallelAttention(causal=True, backend=backend, group=group if world > 1 else None,
-                                         kernel="sdpa", validate_inputs=False)
+                                         kernel="sdpa", validate_inputs=False, **_pieces_kw(cfg))
         layout = attn.layout
         q, k, v, dout = (shard_sequence(t, group if world > 1 else None, layout=layout).clone() for t in full)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -307,6 +307,11 @@ def _memory_section(rank, world, cfg, group):
         if world > 1:
             torch.distributed.barrier(group)
     return rows
+
+
+def _pieces_kw(cfg) -> dict:
+    """``kv_pieces`` for the memory sections: the module default unless ``--kv-pieces`` is given."""
+    return {} if cfg.get("kv_pieces") is None else {"kv_pieces": cfg["kv_pieces"]}
 
 
 def _live_at_peak(trace_path: str, top: int = 12):
@@ -368,10 +373,10 @@ def _memtrace_section(rank, world, cfg, group):
     rows = []
     n, h, d = cfg["mem_seq_len"], cfg["heads"], cfg["head_dim"]
     full = _inputs(1, 1, n, h, h, d)
-    backends = ["local"] if world == 1 else [b for b in BACKENDS if b != "colossal"]
+    backends = ["local"] if world == 1 else [b for b in cfg["backends"] if b != "colossal"]
     for backend in backends:
         attn = SequenceParallelAttention(causal=True, backend=backend, group=group if world > 1 else None,
-                                         kernel="sdpa", validate_inputs=False)
+                                         kernel="sdpa", validate_inputs=False, **_pieces_kw(cfg))
         q, k, v, dout = (shard_sequence(t, group if world > 1 else None, layout=attn.layout).clone() for t in full)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         attn.context.global_seq_len = n  # the clones carry no length
@@ -563,6 +568,9 @@ def parse_args(argv=None):
     p.add_argument("--ds-seq-lens", default=None, help="global N for the DeepSpeed comparison (default 4096,8192; quick 1024)")
     p.add_argument("--vol-seq-len", type=int, default=None, help="global N for the volume section (default 2048; quick 512)")
     p.add_argument("--mem-seq-len", type=int, default=None, help="global N for the memory section (default 8192; quick 2048)")
+    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated subset of {BACKENDS} (memory, memtrace)")
+    p.add_argument("--kv-pieces", type=int, default=None,
+                   help="SequenceParallelAttention(kv_pieces=) in the memory sections (default: the module default)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
@@ -576,6 +584,11 @@ def parse_args(argv=None):
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         p.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    unknown = set(args.backends.split(",")) - set(BACKENDS)
+    if unknown:
+        p.error(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
+    if args.kv_pieces is not None and args.kv_pieces < 1:
+        p.error(f"--kv-pieces must be >= 1, got {args.kv_pieces}")
     return args
 
 
@@ -595,6 +608,7 @@ def main(argv=None) -> int:
         "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch,
         "reps": args.reps or (2 if q else 5), "warmup": args.warmup if args.warmup is not None else 1,
         "threads_per_rank": args.threads_per_rank, "ds_tol": 1e-3,
+        "backends": args.backends.split(","), "kv_pieces": args.kv_pieces,
     }
     info = _device_info()
     now = datetime.datetime.now(datetime.timezone.utc)

@@ -59,19 +59,31 @@ class RingComm:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
+        self._ranks = ranks
         self.next_global = ranks[(self.rank + 1) % self.world]  # isend/irecv take global ranks
         self.prev_global = ranks[(self.rank - 1) % self.world]
 
     def start(self, tensors: Sequence[torch.Tensor], op: str = "ring_send") -> _Pending:
         """Send ``tensors`` to the next rank and receive same-shaped ones from the previous."""
+        return self._exchange(tensors, self.next_global, self.prev_global, op)
+
+    def exchange(self, tensors: Sequence[torch.Tensor], offset: int, op: str = "ring_send") -> _Pending:
+        """Send ``tensors`` to group rank ``rank + offset`` and receive same-shaped ones from group
+        rank ``rank - offset`` (both mod ``world``): every rank calling it with the same ``offset``
+        makes one matched permutation (``offset = 1``: ``start``)."""
+        return self._exchange(
+            tensors, self._ranks[(self.rank + offset) % self.world], self._ranks[(self.rank - offset) % self.world], op
+        )
+
+    def _exchange(self, tensors, to_global: int, from_global: int, op: str) -> _Pending:
         ops, recv, sent = [], [], []
         for t in tensors:
             t = t.contiguous()
             sent.append(t)
             buf = torch.empty_like(t)
             recv.append(buf)
-            ops.append(dist.P2POp(dist.isend, t, self.next_global, self.group))
-            ops.append(dist.P2POp(dist.irecv, buf, self.prev_global, self.group))
+            ops.append(dist.P2POp(dist.isend, t, to_global, self.group))
+            ops.append(dist.P2POp(dist.irecv, buf, from_global, self.group))
             if self.stats is not None:
                 self.stats.add(op, t.numel() * t.element_size())
         return _Pending(dist.batch_isend_irecv(ops), tuple(recv), sent)

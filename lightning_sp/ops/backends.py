@@ -32,9 +32,13 @@ from lightning_sp.ops.kernels import LocalKernel
 from lightning_sp.ops.merge import accumulation_dtype
 from lightning_sp.ops.ring_attention import (
     BlockAttentionSpec,
-    accumulate_block_grads,
+    accumulate_tile_grads,
     block_attention,
     block_attention_forward,
+    piece_bounds,
+    piece_count,
+    query_chunks,
+    slice_runs,
 )
 
 BACKENDS = ("ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal", "local", "auto")
@@ -51,6 +55,8 @@ class AttentionCall:
     padded_len: int
     doc_bounds: list[int] | None
     stats: CommStats | None
+    kv_pieces: int = 1
+    """Ring-style backends: pieces each K/V block travels in (``BlockAttentionSpec.kv_pieces``)."""
 
     def positions(self, world: int, rank: int, device=None) -> torch.Tensor:
         """Global positions of rank ``rank``'s tokens ``[padded_len / world]``; cached per layout,
@@ -65,6 +71,7 @@ class AttentionCall:
         return BlockAttentionSpec(
             kernel=self.kernel, scale=self.scale, causal=self.causal, q_runs=q_runs,
             k_runs_by_rank=k_runs_by_rank, doc_bounds=self.doc_bounds, group=group, stats=self.stats,
+            kv_pieces=self.kv_pieces,
         )
 
 
@@ -137,17 +144,19 @@ class _AllGatherKVFunction(torch.autograd.Function):
     computed chunk by chunk (``ring_reduce_scatter``): the gradient of one rank's K/V shard is
     computed, added to the partial sum received from the previous rank and passed on, so no
     ``[B, S, H_kv, D]`` gradient is ever materialised, and the sum runs in the accumulation dtype
-    (fp32 for bf16/fp16 inputs), cast to the input dtype only at the end."""
+    (fp32 for bf16/fp16 inputs), cast to the input dtype only at the end. Within a chunk the kernel
+    runs on tiles of ``1/kv_pieces`` of the chunk's K/V rows and of the query rows
+    (``accumulate_tile_grads``), so its per-call results are tile-sized, not ``3`` local shards."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, grad_spec, group, stats):
+    def forward(ctx, q, k, v, spec, grad_spec, group, stats, kv_pieces):
         # [B, S/P, H_kv, D] -> [B, S, H_kv, D] in rank order
         k_all, v_all = all_gather_raw(k, group, 1, stats), all_gather_raw(v, group, 1, stats)
         res = block_attention_forward(spec, q, k_all, v_all)
         del k_all, v_all
         out = res.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, res.lse)
-        ctx.grad_spec, ctx.group, ctx.stats = grad_spec, group, stats
+        ctx.grad_spec, ctx.group, ctx.stats, ctx.kv_pieces = grad_spec, group, stats, kv_pieces
         return out
 
     @staticmethod
@@ -160,17 +169,26 @@ class _AllGatherKVFunction(torch.autograd.Function):
         shard = k.size(1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
 
+        spec = ctx.grad_spec
+        pieces = piece_count(ctx.kv_pieces, shard)
+        q_chunks = query_chunks(spec.q_runs, q.size(1), pieces)
+        kb = piece_bounds(shard, pieces)
+
         def contribute(chunk, partial):  # this rank's share of rank `chunk`'s dK/dV [B, S/P, H_kv, D]
-            rows = slice(chunk * shard, (chunk + 1) * shard)
-            k_blk, v_blk = k_all[:, rows], v_all[:, rows]
             if partial is None:
-                partial = (torch.zeros(k_blk.shape, dtype=acc, device=q.device),
-                           torch.zeros(v_blk.shape, dtype=acc, device=q.device))
-            accumulate_block_grads(ctx.grad_spec, chunk, dout, q, k_blk, v_blk, out, lse, dq, partial)
+                partial = (torch.zeros(k.shape, dtype=acc, device=q.device),
+                           torch.zeros(v.shape, dtype=acc, device=q.device))
+            for j in range(pieces):  # K/V rows and query rows in tiles: kernel results of one tile
+                rows = slice(chunk * shard + kb[j], chunk * shard + kb[j + 1])
+                accumulate_tile_grads(
+                    spec, q_chunks, slice_runs(spec.k_runs_by_rank[chunk], kb[j], kb[j + 1]), dout, q,
+                    k_all[:, rows], v_all[:, rows], out, lse, dq,
+                    (partial[0][:, kb[j]:kb[j + 1]], partial[1][:, kb[j]:kb[j + 1]]),
+                )
             return partial
 
         dk, dv = ring_reduce_scatter(RingComm(ctx.group, ctx.stats), contribute)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def allgather_kv_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
@@ -178,7 +196,7 @@ def allgather_kv_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tens
     q_runs = call.runs(world, [rank])
     spec = call.spec(q_runs, [call.runs(world, range(world))])  # forward: all gathered keys at once
     grad_spec = call.spec(q_runs, [call.runs(world, [r]) for r in range(world)])  # backward: per owner
-    return _AllGatherKVFunction.apply(q, k, v, spec, grad_spec, group, call.stats)
+    return _AllGatherKVFunction.apply(q, k, v, spec, grad_spec, group, call.stats, call.kv_pieces)
 
 
 def usp_attention(q, k, v, call: AttentionCall, *, ulysses_group, ring_group) -> torch.Tensor:

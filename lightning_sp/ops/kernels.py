@@ -13,8 +13,9 @@ Kernels (``KERNELS``):
   matrix); any float dtype incl. fp64, any device; the reference implementation and the last
   fallback of every other kernel.
 - ``sdpa``: PyTorch's fused ops. CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ its
-  backward), every dtype and mask. CUDA: the flash op where eligible, else the memory-efficient op,
-  else ``torch``.
+  backward), every dtype and mask; K/V with ``H_kv`` heads natively where the op takes them
+  (``cpu_sdpa_takes_gqa``), else repeated per query head. CUDA: the flash op where eligible, else
+  the memory-efficient op, else ``torch``.
 - ``efficient`` (CUDA): ``aten._scaled_dot_product_efficient_attention``, else ``torch``.
 - ``cudnn`` (CUDA): ``aten._scaled_dot_product_cudnn_attention`` (what PyTorch's context parallel
   uses on Hopper), else the efficient op, else ``torch``.
@@ -54,6 +55,7 @@ lse padded to a multiple of 32 along the sequence and the cuDNN op's lse as ``[B
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Protocol
 
@@ -391,7 +393,9 @@ class SDPAKernel(_CudaChainKernel):
 
     def _cpu_forward(self, q, k, v, *, scale, kind, mask):
         h = q.size(2)
-        qh, kh, vh = q.transpose(1, 2), expand_kv(k, h).transpose(1, 2), expand_kv(v, h).transpose(1, 2)
+        if not cpu_sdpa_takes_gqa():  # older torch: repeat K/V per query head
+            k, v = expand_kv(k, h), expand_kv(v, h)
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         additive = None
         if kind is MaskKind.DENSE:
             additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
@@ -406,7 +410,10 @@ class SDPAKernel(_CudaChainKernel):
         h, h_kv = q.size(2), k.size(2)
         lse = lse.to(accumulation_dtype(q.dtype))
         lse = lse.masked_fill(torch.isneginf(lse), math.inf)  # a row that saw no key: p = exp(s - inf) = 0
-        qh, kh, vh = q.transpose(1, 2), expand_kv(k, h).transpose(1, 2), expand_kv(v, h).transpose(1, 2)
+        native_gqa = cpu_sdpa_takes_gqa()
+        if not native_gqa:
+            k, v = expand_kv(k, h), expand_kv(v, h)
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         doh, oh = dout.to(q.dtype).transpose(1, 2), out.to(q.dtype).transpose(1, 2)
         additive = None
         if kind is MaskKind.DENSE:
@@ -414,7 +421,27 @@ class SDPAKernel(_CudaChainKernel):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             doh, qh, kh, vh, oh, lse, 0.0, kind is MaskKind.CAUSAL, attn_mask=additive, scale=scale,
         )
-        return dq.transpose(1, 2), reduce_kv_grad(dk.transpose(1, 2), h_kv), reduce_kv_grad(dv.transpose(1, 2), h_kv)
+        dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)  # [B, Sk, H_kv, D] natively, else [B, Sk, H, D]
+        if not native_gqa:
+            dk, dv = reduce_kv_grad(dk, h_kv), reduce_kv_grad(dv, h_kv)
+        return dq.transpose(1, 2), dk, dv
+
+
+@functools.cache
+def cpu_sdpa_takes_gqa() -> bool:
+    """Whether ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward take K/V with
+    fewer heads than Q (``H % H_kv == 0``) and return dK/dV with ``H_kv`` heads (torch 2.13 does).
+    A one-time probe on a tiny tensor, so an older build falls back to ``expand_kv``; saves the
+    ``H / H_kv``-fold K/V copies and the dK/dV reduction of every CPU block call."""
+    try:
+        q, kv = torch.zeros(1, 2, 2, 4), torch.zeros(1, 1, 2, 4)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kv, kv, 0.0, False, scale=0.5)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            out, q, kv, kv, out, lse, 0.0, False, scale=0.5
+        )
+    except (RuntimeError, TypeError, AttributeError):
+        return False
+    return out.shape == q.shape and all(g.shape == t.shape for g, t in zip(grads, (q, kv, kv)))
 
 
 class EfficientKernel(_CudaChainKernel):

@@ -12,11 +12,37 @@ sends dK/dV partial sums around the ring behind the K/V blocks (``ring_pass_accu
 [Gradient partial sums around the ring] in ``comm/ring.py``), so no rank ever holds more than two
 K/V blocks and one dK/dV partial sum: activation memory stays O(N/P).
 
-Memory per rank (``u`` = one local ``[B, S/P, H, D]`` shard): forward: ``out`` + ``lse`` (kept for
-backward), the K/V block in flight and the one computed on (``4u`` when both are received copies),
-one kernel result per call, merged in place. Backward: ``dq`` (fp32 accumulator, which *is* the
-returned gradient for fp32 inputs), the two K/V blocks, one dK/dV partial sum (``2u``) and the
-kernel's per-call ``dq, dk, dv`` results.
+Memory per rank (``u`` = one local ``[B, S/P, H, D]`` shard), whole blocks (``kv_pieces=1``):
+forward: ``out`` + ``lse`` (kept for backward), the K/V block in flight and the one computed on
+(``4u`` when both are received copies), one kernel result per call, merged in place. Backward:
+``dq`` (fp32 accumulator, which *is* the returned gradient for fp32 inputs), the two K/V blocks, one
+dK/dV partial sum (``2u``) and the kernel's per-call ``dq, dk, dv`` results. In pieces: below.
+
+Note [K/V in pieces]
+    A ring that only talks to its neighbours cannot hold less than about one whole K/V block of
+    another rank: rank ``r`` uses piece ``j`` of a block one step (``m`` pieces) after rank ``r-1``
+    did, so someone keeps it for that long; the same holds for the dK/dV partial sums travelling
+    behind. Ring-ish backends therefore sat at ``>= 4u`` of buffers on top of the ``4u`` every
+    backend needs at the end of its backward (``out`` and the three gradients).
+
+    With ``kv_pieces = m > 1`` (``BlockAttentionSpec.pieces_for``) each rank's K/V block is cut into
+    ``m`` row ranges and, at step ``t``, piece ``j`` of rank ``r - t``'s block comes straight from
+    its owner while rank ``r`` sends its own piece ``j`` to rank ``r + t`` (``RingComm.exchange``):
+    a rank only ever sends its *input* K/V (no received copy is kept to forward on), holds the
+    piece it computes on and the next one in flight, and sends exactly the ring's K/V bytes. In
+    backward the queries also run in ``m`` chunks (the kernel's per-call ``dq`` is a chunk); the
+    dK/dV contribution to another rank's piece is summed over the chunks and sent straight to the
+    piece's owner, which adds it into its own ``dk, dv`` (``P - 1`` contributions per rank, one
+    fewer than the ring's partial sums). Per rank, beyond ``out, dq, dk, dv``: about ``9u / m``
+    (two K/V pieces, one contribution being summed and the one received, the kernel's per-tile
+    results). The contribution exchange waits before the next piece (it does not overlap compute,
+    which would cost ``4u / m`` more); the K/V exchange of the next piece does.
+
+    The price is more, smaller kernel calls (``m^2`` tiles per step in backward) and ``m`` times as
+    many messages; ``piece_count`` keeps pieces at least ``MIN_PIECE_TOKENS`` long, so short blocks
+    use fewer pieces and blocks under ``2 * MIN_PIECE_TOKENS`` tokens run the neighbour ring.
+    Measured (benchmarks/README.md, section 4): P = 4, N = 8192, peak per rank 0.69 -> 0.33 (ring)
+    of one process's.
 """
 
 from __future__ import annotations
@@ -36,6 +62,17 @@ from lightning_sp.ops.merge import accumulation_dtype, merge_into
 from lightning_sp.ops.plan import MaskKind, plan_blocks
 
 
+MIN_PIECE_TOKENS = 256
+"""Default shortest K/V piece (tokens): below it the per-call overhead outweighs the memory saved."""
+
+
+def piece_count(kv_pieces: int, block_len: int, min_piece_tokens: int | None = None) -> int:
+    """``kv_pieces``, reduced so that no piece of a ``block_len``-token block is shorter than
+    ``min_piece_tokens`` (``None``: ``MIN_PIECE_TOKENS``); at least 1."""
+    shortest = MIN_PIECE_TOKENS if min_piece_tokens is None else min_piece_tokens
+    return max(1, min(kv_pieces, block_len // shortest))
+
+
 @dataclass(frozen=True, eq=False)
 class BlockAttentionSpec:
     """Everything but the tensors: what a forward/backward pair needs to agree on."""
@@ -51,9 +88,27 @@ class BlockAttentionSpec:
     group: object = None
     """Ring group; ``None``: K/V are all local (a single step)."""
     stats: CommStats | None = None
+    kv_pieces: int = 1
+    """Ring only: fetch each K/V block from its owner in this many pieces (Note [K/V in pieces]);
+    1: the neighbour ring with whole blocks."""
+    min_piece_tokens: int | None = None
+    """A piece is never shorter than this (shorter blocks use fewer pieces); ``None``:
+    ``MIN_PIECE_TOKENS``, read at call time."""
+
+    def __post_init__(self):
+        if not (isinstance(self.kv_pieces, int) and self.kv_pieces >= 1):
+            raise ValueError(f"kv_pieces must be an int >= 1, got {self.kv_pieces!r}")
+        if self.min_piece_tokens is not None and not (isinstance(self.min_piece_tokens, int) and self.min_piece_tokens >= 1):
+            raise ValueError(f"min_piece_tokens must be an int >= 1, got {self.min_piece_tokens!r}")
 
     def comm(self) -> RingComm | None:
         return None if self.group is None else RingComm(self.group, self.stats)
+
+    def pieces_for(self, block_len: int) -> int:
+        """How many pieces a ``block_len``-token K/V block travels in (1: the neighbour ring)."""
+        if self.group is None:
+            return 1
+        return piece_count(self.kv_pieces, block_len, self.min_piece_tokens)
 
 
 class AttentionResult(NamedTuple):
@@ -85,6 +140,10 @@ def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResul
     b, sq, h, _ = q.shape
     out = torch.zeros(b, sq, h, v.size(-1), dtype=acc, device=q.device)
     lse = torch.full((b, h, sq), -math.inf, dtype=acc, device=q.device)
+    pieces = spec.pieces_for(k.size(1))
+    if pieces > 1:
+        _pieces_forward(spec, q, k, v, out, lse, pieces)
+        return AttentionResult(out, lse)
 
     def step(_step, src, blocks):
         k_blk, v_blk = blocks
@@ -124,6 +183,9 @@ def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
             dout, q, k, v, out, lse, scale=spec.scale, kind=single.kind, mask=_mask_for(single, spec, q.device)
         )
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+    pieces = spec.pieces_for(k.size(1))
+    if pieces > 1:
+        return _pieces_backward(spec, dout, q, k, v, out, lse, pieces)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
 
     def grads(_step, src, blocks, partial):
@@ -135,6 +197,120 @@ def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
         return partial
 
     dk, dv = ring_pass_accumulating(spec.comm(), (k, v), grads)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# K/V in pieces (Note [K/V in pieces])
+# ----------------------------------------------------------------------------------------------
+
+
+def piece_bounds(n: int, parts: int) -> list[int]:
+    """``parts + 1`` cut points splitting ``range(n)`` into near-equal contiguous slices."""
+    return [n * i // parts for i in range(parts + 1)]
+
+
+def slice_runs(runs, start: int, stop: int) -> tuple[Run, ...]:
+    """The part of ``runs`` (local rows of a block) inside local rows ``[start, stop)``, with local
+    offsets relative to ``start``."""
+    out = []
+    for r in runs:
+        lo, hi = max(r.local_start, start), min(r.local_start + r.length, stop)
+        if lo < hi:
+            out.append(Run(lo - start, r.global_start + lo - r.local_start, hi - lo))
+    return tuple(out)
+
+
+def _piece_schedule(comm: RingComm, k, v, pieces: int):
+    """Yield ``(step, source_rank, piece, (k_piece, v_piece))`` for every piece of every rank's K/V
+    block, in ring order of the sources (step ``t``: source ``rank - t``). Step 0 is this rank's own
+    block (views, no copy); at step ``t > 0`` piece ``j`` comes straight from its owner while this
+    rank's own piece ``j`` goes to rank ``rank + t`` (the same bytes as the ring). The next piece is
+    in flight while the caller computes on the current one."""
+    kb = piece_bounds(k.size(1), pieces)
+    order = [(t, j) for t in range(comm.world) for j in range(pieces)]
+
+    def fetch(t, j):
+        own = (k[:, kb[j]:kb[j + 1]], v[:, kb[j]:kb[j + 1]])
+        return own if t == 0 else comm.exchange(own, t)
+
+    nxt = fetch(*order[0])
+    for i, (t, j) in enumerate(order):
+        cur, nxt = nxt, (fetch(*order[i + 1]) if i + 1 < len(order) else None)
+        blocks = cur if t == 0 else cur.wait()
+        del cur
+        yield t, (comm.rank - t) % comm.world, j, blocks
+        del blocks  # freed before the piece after next is allocated
+
+
+def _pieces_forward(spec: BlockAttentionSpec, q, k, v, out, lse, pieces: int) -> None:
+    """Forward over K/V pieces, merged into ``out [B, Sq, H, D]``, ``lse [B, H, Sq]`` in place."""
+    comm = spec.comm()
+    kb = piece_bounds(k.size(1), pieces)
+    for _t, src, j, (k_p, v_p) in _piece_schedule(comm, k, v, pieces):
+        piece_runs = slice_runs(spec.k_runs_by_rank[src], kb[j], kb[j + 1])
+        for c in plan_blocks(spec.q_runs, piece_runs, causal=spec.causal, doc_bounds=spec.doc_bounds):
+            qs, ks = slice(c.q_start, c.q_start + c.q_len), slice(c.k_start, c.k_start + c.k_len)
+            o_b, lse_b = spec.kernel.forward(
+                q[:, qs], k_p[:, ks], v_p[:, ks], scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device)
+            )
+            merge_into(out[:, qs], lse[:, :, qs], o_b, lse_b)
+            del o_b, lse_b
+        del k_p, v_p
+
+
+def query_chunks(q_runs, q_len: int, chunks: int) -> list[tuple[int, tuple[Run, ...]]]:
+    """``q_runs`` cut into ``chunks`` near-equal row ranges: ``[(first local row, runs relative to
+    it)]`` for ``accumulate_tile_grads``."""
+    qb = piece_bounds(q_len, chunks)
+    return [(qb[i], slice_runs(q_runs, qb[i], qb[i + 1])) for i in range(chunks)]
+
+
+def accumulate_tile_grads(spec: BlockAttentionSpec, q_chunks, k_runs, dout, q, k_blk, v_blk, out, lse, dq, dkv) -> None:
+    """Like ``accumulate_block_grads`` for a K/V block (or piece) whose positions are ``k_runs``,
+    one query chunk (``query_chunks``) at a time, so the kernel's per-call ``dq`` is a chunk, not
+    all of ``q``. ``dq [B, Sq, H, D]``, ``dkv = (dk, dv)`` each ``[B, Sk, H_kv, D]``, in place."""
+    dk, dv = dkv
+    for q0, chunk_runs in q_chunks:
+        for c in plan_blocks(chunk_runs, k_runs, causal=spec.causal, doc_bounds=spec.doc_bounds):
+            qs = slice(q0 + c.q_start, q0 + c.q_start + c.q_len)
+            ks = slice(c.k_start, c.k_start + c.k_len)
+            dq_c, dk_c, dv_c = spec.kernel.backward(
+                dout[:, qs], q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs], lse[:, :, qs],
+                scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device),
+            )
+            dq[:, qs] += dq_c
+            dk[:, ks] += dk_c
+            dv[:, ks] += dv_c
+            del dq_c, dk_c, dv_c
+
+
+def _pieces_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: int):
+    """Backward over K/V pieces and query chunks: ``dq`` and this rank's ``dk, dv`` accumulate in
+    place; the dK/dV contribution to another rank's piece is summed over the query chunks and sent
+    straight back to that piece's owner, which adds it into its own ``dk, dv``."""
+    comm = spec.comm()
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    kb = piece_bounds(k.size(1), pieces)
+    q_chunks = query_chunks(spec.q_runs, q.size(1), pieces)
+    for t, src, j, (k_p, v_p) in _piece_schedule(comm, k, v, pieces):
+        piece_runs = slice_runs(spec.k_runs_by_rank[src], kb[j], kb[j + 1])
+        if t == 0:  # this rank's own piece: straight into its gradient
+            dk_p, dv_p = dk[:, kb[j]:kb[j + 1]], dv[:, kb[j]:kb[j + 1]]
+        else:
+            dk_p = torch.zeros(k_p.shape, dtype=acc, device=q.device)
+            dv_p = torch.zeros(v_p.shape, dtype=acc, device=q.device)
+        accumulate_tile_grads(spec, q_chunks, piece_runs, dout, q, k_p, v_p, out, lse, dq, (dk_p, dv_p))
+        del k_p, v_p
+        if t > 0:  # send this contribution to the piece's owner; receive the one for our own piece j
+            got_k, got_v = comm.exchange((dk_p, dv_p), -t, op="ring_send_grad").wait()
+            del dk_p, dv_p
+            dk[:, kb[j]:kb[j + 1]] += got_k
+            dv[:, kb[j]:kb[j + 1]] += got_v
+            del got_k, got_v
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -316,3 +316,55 @@ def test_kernel_names_and_cuda_only_kernels_on_cpu():
             K.make_kernel(name).forward(q, q, q, scale=0.3, kind=MaskKind.FULL, mask=None)
     with pytest.raises(ValueError, match="kernel must be one of"):
         K.make_kernel("triton")
+
+
+# -- CPU GQA: K/V with H_kv heads go into the CPU op unrepeated -------------------------------------
+
+
+@pytest.mark.parametrize("kind", [MaskKind.FULL, MaskKind.CAUSAL, MaskKind.DENSE])
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_sdpa_gqa_native_and_fallback(monkeypatch, kind, native):
+    """``SDPAKernel`` on CPU with H=8, H_kv=2: forward and backward equal dense fp64 attention (autograd
+    through ``tests.reference.dense_attention``), with the op's native GQA and with the ``expand_kv``
+    fallback; natively the op sees K/V with 2 heads and no repeat happens."""
+    if native:
+        assert K.cpu_sdpa_takes_gqa()  # torch 2.13's CPU op takes H_kv < H
+    else:
+        monkeypatch.setattr(K, "cpu_sdpa_takes_gqa", lambda: False)
+    g = torch.Generator().manual_seed(3)
+    b, n, h, h_kv, d = 2, 24, 8, 2, 16
+    q, k, v, dout = (torch.randn(b, n, hh, d, generator=g, dtype=torch.float64) for hh in (h, h_kv, h_kv, h))
+    mask = torch.rand(n, n, generator=g) < 0.6 if kind is MaskKind.DENSE else None
+    if mask is not None:
+        mask[:, 0] = True  # every row sees a key (empty rows: test_rows_without_keys_and_lse_dtype)
+    seen_heads = []
+    real_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    class _Spy:  # records the K heads the op receives
+        def __call__(self, q_, k_, *a, **kw):
+            seen_heads.append(k_.size(1))
+            return real_fwd(q_, k_, *a, **kw)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", _Spy())
+    kernel = K.SDPAKernel()
+    out, lse = kernel.forward(q, k, v, scale=0.3, kind=kind, mask=mask)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, scale=0.3, kind=kind, mask=mask)
+    assert seen_heads == [h_kv if native else h]
+
+    # reference: dense fp64 with the same mask, gradients by autograd
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    kx, vx = kr.repeat_interleave(h // h_kv, 2), vr.repeat_interleave(h // h_kv, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qr, kx) * 0.3
+    visible = torch.ones(n, n, dtype=torch.bool).tril() if kind is MaskKind.CAUSAL else mask
+    if visible is not None:
+        s = s.masked_fill(~visible, -math.inf)
+    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vx)
+    ref.backward(dout)
+    assert dk.shape == dv.shape == k.shape
+    assert (out - ref).abs().max() < 1e-12
+    for got, want in zip((dq, dk, dv), (qr.grad, kr.grad, vr.grad)):
+        assert (got - want).abs().max() < 1e-11
+    # control: the same tolerance catches a K/V head mapping that is off by one group
+    k_wrong = k.roll(1, dims=2)
+    out_wrong, _ = kernel.forward(q, k_wrong, v, scale=0.3, kind=kind, mask=mask)
+    assert (out_wrong - ref).abs().max() > 1e-3

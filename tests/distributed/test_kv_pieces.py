@@ -1,0 +1,103 @@
+"""K/V in pieces (``kv_pieces``, Note [K/V in pieces] in ``ops/ring_attention.py``): ``ring``,
+``zigzag_ring``, ``usp`` (and ``allgather_kv``'s tiled backward) with pieces forced on tiny shapes
+(``MIN_PIECE_TOKENS = 1``) equal dense float64 attention, forward and backward, on 2 and 4 gloo
+ranks; they send the same K/V bytes as whole blocks; and ``kv_pieces`` is validated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_sp import SequenceParallelAttention, gather_sequence, shard_sequence
+from tests.distributed.harness import run_on_ranks
+from tests.reference import dense_attention
+
+pytestmark = pytest.mark.distributed
+
+N = 37  # divisible by no degree: padding in every layout
+DOCS = [0, 10, 11, 30, 37]
+CASES = {  # world -> [(backend, causal, (H, H_kv), docs, kv_pieces)]
+    2: [
+        ("ring", True, (4, 4), False, 3),
+        ("zigzag_ring", True, (4, 1), True, 5),
+        ("allgather_kv", True, (4, 2), True, 3),  # tiles in its backward; no ring sends
+    ],
+    4: [
+        ("ring", False, (4, 2), True, 4),
+        ("zigzag_ring", True, (4, 2), False, 2),
+        ("usp", True, (4, 2), False, 3),
+    ],
+}
+
+
+def _tensors(seed, h, h_kv):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, N, hh, 8, generator=g, dtype=torch.float64) for hh in (h, h_kv, h_kv, h)]
+
+
+def _worker(rank, world):
+    import torch.distributed as dist
+
+    from lightning_sp.ops import ring_attention
+
+    ring_attention.MIN_PIECE_TOKENS = 1  # pieces on a 10-token block
+    group = dist.group.WORLD
+    errors = {}
+    for i, (backend, causal, (h, h_kv), docs, pieces) in enumerate(CASES[world]):
+        q, k, v, dout = _tensors(i, h, h_kv)
+        cu = torch.tensor(DOCS, dtype=torch.int32) if docs else None
+        attn = SequenceParallelAttention(causal=causal, backend=backend, group=group, kv_pieces=pieces)
+        local = [shard_sequence(t, group, layout=attn.layout).requires_grad_(j < 3) for j, t in enumerate((q, k, v, dout))]
+        out = attn(*local[:3], cu_seqlens=cu, seq_len=N)
+        out.backward(local[3])
+        got = [gather_sequence(t, group, layout=attn.layout, seq_len=N) for t in (out.detach(), *(x.grad for x in local[:3]))]
+        qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = dense_attention(qd, kd, vd, causal=causal, cu_seqlens=cu)
+        ref_grads = torch.autograd.grad(ref, (qd, kd, vd), dout)
+        errs = [float((a - b).abs().max()) for a, b in zip(got, (ref.detach(), *ref_grads))]
+        control = float((got[0] - dense_attention(q, k, v, causal=not causal, cu_seqlens=cu)).abs().max())
+        # bytes: forward and backward of pieces vs whole blocks (kv_pieces=1), same shards
+        sent = {}
+        for p in (pieces, 1):
+            a = SequenceParallelAttention(causal=causal, backend=backend, group=group, kv_pieces=p)
+            x = [t.detach().clone().requires_grad_() for t in local[:3]]
+            a(*x, cu_seqlens=cu, seq_len=N)  # warm-up (usp sub-groups)
+            a.comm_stats.reset()
+            a(*x, cu_seqlens=cu, seq_len=N).backward(local[3])
+            sent[p] = dict(a.comm_stats.snapshot())
+        ring_world = world // attn.layout.ulysses_degree if backend == "usp" else world
+        errors[(backend, causal, h_kv, docs, pieces)] = (errs, control, sent, ring_world)
+    return errors
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def results(request):
+    return request.param, run_on_ranks(_worker, request.param, timeout_s=240, pg_timeout_s=60)
+
+
+def test_pieces_match_dense_fp64(results):
+    world, per_rank = results
+    for key, (errs, control, _, _) in per_rank[0].items():
+        assert max(errs) < 1e-10, f"world={world} {key}: out/dq/dk/dv errors {errs}"
+        assert control > 1e-3, f"world={world} {key}: negative control passed ({control})"
+
+
+def test_pieces_send_the_same_kv_bytes_and_fewer_gradient_bytes(results):
+    """K/V bytes equal the neighbour ring's; dK/dV: each of the P-1 other ranks' contributions is sent
+    once, straight to its owner (the ring sends the partial sum P times, the last to its owner)."""
+    world, per_rank = results
+    for rank_result in per_rank:
+        for key, (_, _, sent, ring_world) in rank_result.items():
+            pieces, whole = sent[key[-1]], sent[1]
+            if key[0] == "allgather_kv":  # no ring: the same collectives either way
+                assert pieces == whole, (world, key)
+                continue
+            assert pieces["ring_send"] == whole["ring_send"] > 0, (world, key)
+            assert pieces["ring_send_grad"] * ring_world == whole["ring_send_grad"] * (ring_world - 1), (world, key)
+            assert pieces.get("all_to_all", 0) == whole.get("all_to_all", 0)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "8"])
+def test_kv_pieces_is_validated(bad):
+    with pytest.raises(ValueError, match="kv_pieces must be an int >= 1"):
+        SequenceParallelAttention(backend="ring", kv_pieces=bad)
