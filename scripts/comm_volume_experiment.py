@@ -127,10 +127,24 @@ def _tensor_parallel_case(group, n, h, h_kv, seed):
     return fwd, bwd
 
 
+def ring_kv_pieces(backend: str, n: int, p: int, u: int | None) -> int:
+    """Pieces each ring K/V block travels in with the module's default ``kv_pieces`` (Note [K/V in
+    pieces]): the ring block is ``N/P`` tokens (``N/R`` for usp's ring of ``R = P/U``); 1 off the ring."""
+    from lightning_sp.attention import DEFAULT_KV_PIECES
+    from lightning_sp.ops.ring_attention import piece_count
+
+    if backend in ("ring", "zigzag_ring"):
+        return piece_count(DEFAULT_KV_PIECES, n // p)
+    if backend == "usp" and p // u > 1:
+        return piece_count(DEFAULT_KV_PIECES, n // (p // u))
+    return 1
+
+
 def _row(method, backend, u, heads, n, p, fwd, bwd) -> dict:
     h, h_kv = HEADS[heads]
     row = {"method": method, "backend": backend, "ulysses_degree": u, "heads": heads, "num_heads": h,
-           "num_kv_heads": h_kv, "N": n, "P": p, "measured_fwd_bytes": fwd[0], "measured_bwd_bytes": bwd[0]}
+           "num_kv_heads": h_kv, "N": n, "P": p, "kv_pieces": ring_kv_pieces(backend, n, p, u),
+           "measured_fwd_bytes": fwd[0], "measured_bwd_bytes": bwd[0]}
     fwd_el, bwd_el = formula_elements(row)
     return {**row, "formula_fwd_bytes": fwd_el * 4, "formula_bwd_bytes": bwd_el * 4,
             "formula": FORMULAS[backend], "fwd_ops": fwd[1], "bwd_ops": bwd[1]}
@@ -169,7 +183,7 @@ def formula_elements(row: dict) -> tuple[float, float]:
         return volume.tensor_parallel_elements(**kw), volume.tensor_parallel_backward_elements(**kw)
     kw = dict(seq_len=n, world=p, num_heads=h, num_kv_heads=h_kv, head_dim=HEAD_DIM,
               ulysses_degree=row["ulysses_degree"])
-    return volume.forward_elements(row["backend"], **kw), volume.backward_elements(row["backend"], **kw)
+    return volume.forward_elements(row["backend"], **kw), volume.backward_elements(row["backend"], kv_pieces=row["kv_pieces"], **kw)
 
 
 def measure(worlds, seq_lens, timeout_s: float) -> list[dict]:

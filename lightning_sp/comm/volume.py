@@ -15,6 +15,13 @@ to a collective as its send buffer. Each backward term is read off what that bac
                                         RingAV: V)      then K with dK partial sums (RingQK backward)
     usp (U x R)   Ulysses over U on the full heads + ring over R on H_kv'/U heads, each term as above
 
+K/V in pieces (``SequenceParallelAttention(kv_pieces=)``, Note [K/V in pieces] in
+``lightning_sp/ops/ring_attention.py``; ring, zigzag_ring and usp's ring): when a block travels in
+``m > 1`` pieces, each piece comes straight from its owner (the forward bytes are the ring's) and each
+dK/dV contribution goes straight back to its owner: ``(P-1)/P * 2 N h_kv`` instead of the circle's
+``2 N h_kv``. Pass the pieces actually used, ``kv_pieces=piece_count(module.kv_pieces, block_len)``
+with ``block_len`` = the ring's K/V block (``N/P``; ``N/R`` for usp), to ``backward_elements``.
+
 ``H_kv' = lcm(H_kv, U)``: Ulysses replicates KV heads until its ``U`` ranks can split them
 (``replicated_kv_heads``; ``U = P`` for plain Ulysses). Gradient partial sums travel in the
 accumulation dtype (fp32 for bf16/fp16 inputs): in *bytes*, the dK/dV terms (ring, zigzag, colossal,
@@ -55,24 +62,30 @@ def forward_elements(backend: str, *, seq_len: int, world: int, num_heads: int, 
 
 
 def backward_elements(backend: str, *, seq_len: int, world: int, num_heads: int, num_kv_heads: int,
-                      head_dim: int, ulysses_degree: int | None = None) -> float:
-    """Elements this rank sends in one attention layer's backward (table in the module docstring)."""
+                      head_dim: int, ulysses_degree: int | None = None, kv_pieces: int = 1) -> float:
+    """Elements this rank sends in one attention layer's backward (table in the module docstring);
+    ``kv_pieces``: the pieces each ring K/V block actually travels in (1: whole blocks)."""
+    if kv_pieces < 1:
+        raise ValueError(f"kv_pieces must be >= 1, got {kv_pieces}")
     return _attention_elements(backend, seq_len=seq_len, world=world, num_heads=num_heads,
                                num_kv_heads=num_kv_heads, head_dim=head_dim, ulysses_degree=ulysses_degree,
-                               backward=True)
+                               backward=True, grads_to_owner=kv_pieces > 1 and backend != "colossal")
 
 
-def _ring_elements(n: int, p: int, kv_width: float, backward: bool) -> float:
+def _ring_elements(n: int, p: int, kv_width: float, backward: bool, grads_to_owner: bool = False) -> float:
     """A ring over ``p`` ranks passing K and V (``kv_width`` = heads * head dim each): forward the
-    blocks (``p - 1`` sends), backward the blocks again plus the dK/dV partial sums (``p`` sends)."""
+    blocks (``p - 1`` sends), backward the blocks again plus the dK/dV partial sums (``p`` sends round
+    the circle, or ``p - 1`` contributions straight to their owners with ``grads_to_owner``)."""
     if p == 1:
         return 0.0
     blocks = (p - 1) / p * 2 * n * kv_width
-    return blocks + 2 * n * kv_width if backward else blocks
+    if not backward:
+        return blocks
+    return blocks + (blocks if grads_to_owner else 2 * n * kv_width)
 
 
 def _attention_elements(backend: str, *, seq_len: int, world: int, num_heads: int, num_kv_heads: int,
-                        head_dim: int, ulysses_degree: int | None, backward: bool) -> float:
+                        head_dim: int, ulysses_degree: int | None, backward: bool, grads_to_owner: bool = False) -> float:
     n, p, d = seq_len, world, head_dim
     _check(backend, p, ulysses_degree)
     if backend == "local" or p == 1:
@@ -81,7 +94,7 @@ def _attention_elements(backend: str, *, seq_len: int, world: int, num_heads: in
         h_kv = replicated_kv_heads(num_heads, num_kv_heads, p)
         return (2 * num_heads + 2 * h_kv) * d * n / p
     if backend in RING_BACKENDS:
-        return _ring_elements(n, p, num_kv_heads * d, backward)
+        return _ring_elements(n, p, num_kv_heads * d, backward, grads_to_owner)
     if backend == "allgather_kv":
         gather = (p - 1) / p * 2 * n * num_kv_heads * d
         return 2 * gather if backward else gather  # backward: re-gather + reduce-scatter of dK/dV
@@ -90,7 +103,7 @@ def _attention_elements(backend: str, *, seq_len: int, world: int, num_heads: in
         r = p // u
         h_kv = replicated_kv_heads(num_heads, num_kv_heads, u)
         a2a = (2 * num_heads + 2 * h_kv) * d * n / p if u > 1 else 0.0
-        return a2a + _ring_elements(n, r, h_kv * d / u, backward)
+        return a2a + _ring_elements(n, r, h_kv * d / u, backward, grads_to_owner)
     raise ValueError(f"no analytic volume for backend {backend!r}")
 
 

@@ -64,3 +64,20 @@ def test_megatron_tp_sp_layer():
 def test_unknown_backend_raises():
     with pytest.raises(ValueError, match="no analytic volume"):
         backward_elements("nccl_magic", world=4, num_heads=8, num_kv_heads=8, **KW)
+
+
+def test_kv_pieces_send_grads_straight_to_their_owner():
+    # Note [K/V in pieces]: K/V bytes are the ring's; dK/dV contributions go to their owners directly,
+    # (P-1)/P * 2 N h_kv instead of the circle's 2 N h_kv; colossal has no pieces
+    kw = dict(world=4, num_heads=8, num_kv_heads=2, **KW)
+    blocks = 3 / 4 * 2 * N * 2 * D
+    for backend in ("ring", "zigzag_ring"):
+        assert backward_elements(backend, kv_pieces=1, **kw) == blocks + 2 * N * 2 * D
+        assert backward_elements(backend, kv_pieces=4, **kw) == 2 * blocks
+        assert forward_elements(backend, **kw) == blocks
+    assert backward_elements("colossal", kv_pieces=4, **kw) == backward_elements("colossal", **kw)
+    usp_kw = dict(world=8, num_heads=8, num_kv_heads=8, ulysses_degree=2, **KW)
+    ring_part = 3 / 4 * 2 * N * 8 * D / 2  # ring of 4 on H/2 heads
+    assert backward_elements("usp", kv_pieces=2, **usp_kw) - backward_elements("usp", **usp_kw) == ring_part - 2 * N * 8 * D / 2
+    with pytest.raises(ValueError, match="kv_pieces"):
+        backward_elements("ring", kv_pieces=0, **kw)
