@@ -45,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--worlds", type=int, nargs="+", default=None, help="gloo world sizes to validate at")
     p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="global sequence lengths")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per case (median)")
+    p.add_argument("--predict-only", action="store_true", help="only (c): the papers' setups (no measurement)")
     args = p.parse_args(argv)
     args.worlds = args.worlds or ([2] if args.quick else [2, 4, 8])
     args.seq_lens = args.seq_lens or ([512] if args.quick else [1024, 2048])
@@ -111,9 +112,22 @@ def run(args) -> tuple[HardwareProfile, dict, list[dict]]:
     return hw, calibration, rows
 
 
+def write_predictions(argv, out) -> list[dict]:
+    preds = papers.predict_all()
+    write_results("cost_model_predictions", run_metadata(
+        __file__, argv, kind="model",
+        presets={name: hw_.source for name, hw_ in papers.presets_used().items()},
+        note="model_prediction is cost-model output at the papers' scale (never measured); paper_value is the paper's"),
+        preds, out)
+    return preds
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
+    if args.predict_only:
+        write_predictions(argv, args.out)
+        return 0
     hw, calibration, rows = run(args)
     meta = run_metadata(__file__, argv, kind="measured", calibration_profile=hw.to_dict(), calibration=calibration)
     write_results("cost_model_cpu_profile", meta, [{"block_tokens": b, "attention_fwd_bwd_flops": r}
@@ -129,12 +143,7 @@ def main(argv=None) -> int:
         note="2 shared CPU cores, other jobs running: timings are noisy",
     )
     write_results("cost_model_validation", meta, rows, args.out)
-    preds = papers.predict_all()
-    write_results("cost_model_predictions", run_metadata(
-        __file__, argv, kind="model",
-        presets={name: hw_.source for name, hw_ in papers.presets_used().items()},
-        note="model_prediction is cost-model output at the papers' scale (never measured); paper_value is the paper's"),
-        preds, args.out)
+    preds = write_predictions(argv, args.out)
     print(f"validation: {len(rows)} rows, mean |error| {meta['mean_abs_error_pct']}%, max {meta['max_abs_error_pct']}%; "
           f"{len(preds)} paper predictions; {time.perf_counter() - t0:.0f} s -> {args.out}", flush=True)
     return 0
