@@ -50,19 +50,56 @@ def default_ulysses_degree(group_size: int, *, ranks_per_node: int | None = None
     return max(fits)
 
 
-def resolve_auto_backend(num_heads: int, group_size: int, *, ranks_per_node: int | None = None) -> tuple[str, str]:
+def resolve_auto_backend(num_heads: int, group_size: int, *, ranks_per_node: int | None = None,
+                         seq_len: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
+                         dtype: torch.dtype | None = None, batch: int = 1, causal: bool = True,
+                         hardware=None, usp_allowed: bool = False) -> tuple[str, str]:
     """What ``backend="auto"`` runs, and why (the layout is zigzag either way).
 
-    Ulysses moves ``4*N*h/P`` per rank (4 all-to-alls) against the ring's ``2*N*h_kv*(P-1)/P``
-    point-to-point sends, and needs no per-step merges, so it is preferred when it can run well: the
-    heads split over ``P`` and the group fits in a node (an all-to-all across nodes is bound by the
-    slowest link). Otherwise the zigzag ring: no head limit, balanced causal work, traffic overlapped
-    with compute."""
+    With the shapes (``seq_len``; ``num_kv_heads``, ``head_dim``, ``dtype`` default to MHA, 64, bf16)
+    the choice is the cost model's (``lightning_sp.cost_model.choose_backend`` on ``hardware``, default
+    ``default_profile``; ``ranks_per_node`` replaces the profile's): the fastest predicted among the
+    backends exact on the zigzag layout, ``usp`` degrees only with ``usp_allowed``. The reason lists
+    every candidate's predicted time. Returns ``(backend, why)``; ``why`` names ``usp``'s degree.
+
+    Without ``seq_len``, the rule used before there was a model: Ulysses (``4*N*h/P`` per rank, no
+    per-step merges) when the heads split over ``P`` and the group fits in a node (an all-to-all across
+    nodes is bound by the slowest link); else the zigzag ring (no head limit, balanced causal work,
+    traffic overlapped with compute)."""
+    if seq_len is not None:
+        choice = auto_choice(num_heads, group_size, seq_len=seq_len, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                             dtype=dtype, batch=batch, causal=causal, ranks_per_node=ranks_per_node,
+                             hardware=hardware, usp_allowed=usp_allowed)
+        return choice.backend, choice.summary()
     if num_heads % group_size:
         return "zigzag_ring", f"num_heads={num_heads} is not divisible by the group size {group_size}"
     if ranks_per_node is not None and group_size > ranks_per_node:
         return "zigzag_ring", f"the group ({group_size} ranks) spans nodes of {ranks_per_node} ranks"
     return "ulysses", f"num_heads={num_heads} splits over {group_size} ranks inside a node"
+
+
+def auto_choice(num_heads: int, group_size: int, *, seq_len: int, num_kv_heads: int | None = None,
+                head_dim: int | None = None, dtype: torch.dtype | None = None, batch: int = 1, causal: bool = True,
+                ranks_per_node: int | None = None, hardware=None, usp_allowed: bool = False, device_type: str = "cpu"):
+    """The cost model's ``AutoChoice`` for these shapes (see ``resolve_auto_backend``)."""
+    from dataclasses import replace
+
+    from lightning_sp import cost_model
+
+    hw = hardware
+    if isinstance(hw, str):
+        hw = cost_model.preset(hw)
+    if hw is None:
+        name = torch.cuda.get_device_name() if device_type == "cuda" and torch.cuda.is_available() else None
+        hw = cost_model.default_profile(device_type, name)
+    if ranks_per_node is not None:
+        hw = replace(hw, ranks_per_node=ranks_per_node)
+    dtype = dtype or torch.bfloat16
+    shape = cost_model.AttentionShape(
+        seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads, head_dim=head_dim or 64,
+        batch=batch, dtype_bytes=torch.empty((), dtype=dtype).element_size(), causal=causal,
+    )
+    return cost_model.choose_backend(shape, group_size, hw, usp_allowed=usp_allowed)
 
 
 def layout_for_backend(backend: str, *, group_size: int | None = None, ulysses_degree: int | None = None) -> SequenceLayout:
@@ -339,10 +376,12 @@ class SequenceParallelAttention(nn.Module):
                 ctx.mark_validated(signature)
         elif error is not None:
             raise ValueError(error[1])
+        auto_u = None
         if backend == "auto":
-            backend = self._resolve_auto(q.size(2), world)
+            backend, auto_u = self._resolve_auto(q, k, seq_len, world)
         if backend in ("ulysses", "usp"):  # heads the all-to-all cannot split: say so before anything else
-            backends.kv_head_replication(q.size(2), k.size(2), world if backend == "ulysses" else layout.ulysses_degree)
+            u = world if backend == "ulysses" else (auto_u or layout.ulysses_degree)
+            backends.kv_head_replication(q.size(2), k.size(2), u)
         padded_len = q.size(1) * world
         if seq_len is None:
             raise ValueError(
@@ -372,7 +411,7 @@ class SequenceParallelAttention(nn.Module):
             if backend == "colossal":
                 return backends.colossal(q, k, v, call, group=group)
             if backend == "usp":
-                ug, rg = self._usp_groups(group, world)
+                ug, rg = self._usp_groups(group, world, auto_u)
                 return backends.usp_attention(q, k, v, call, ulysses_group=ug, ring_group=rg)
         raise AssertionError(f"unhandled backend {backend}")  # BACKENDS is checked in __init__/bind
 
@@ -387,13 +426,38 @@ class SequenceParallelAttention(nn.Module):
             return recorded.pop()
         return self.context.global_seq_len
 
-    def _resolve_auto(self, num_heads: int, world: int) -> str:
+    def _resolve_auto(self, q, k, seq_len, world) -> tuple[str, int | None]:
+        """``(backend, usp degree or None)`` for ``backend="auto"``: the cost model's choice for these
+        shapes (Note [Cost model of one attention layer]), among backends exact on the zigzag layout
+        ``auto`` shards for. Cached per shape on the context (every rank sees the same shapes, so every
+        rank chooses the same); logged whenever it changes."""
         ctx = self.context
-        backend, why = resolve_auto_backend(num_heads, world, ranks_per_node=ctx.ranks_per_node)
-        if ctx.resolved_backend != backend:
-            log.info("lightning_sp: backend='auto' runs %s (%s)", backend, why)
-            ctx.resolved_backend = backend
-        return backend
+        n = seq_len if seq_len is not None else q.size(1) * world
+        key = (n, q.size(0), q.size(2), k.size(2), q.size(3), q.dtype, self.causal, world)
+        choice = ctx.auto_choices.get(key)
+        if choice is None:
+            choice = auto_choice(
+                q.size(2), world, seq_len=n, num_kv_heads=k.size(2), head_dim=q.size(3), dtype=q.dtype,
+                batch=q.size(0), causal=self.causal, ranks_per_node=ctx.ranks_per_node, hardware=ctx.hardware,
+                usp_allowed=self._usp_groups_available(world), device_type=q.device.type,
+            )
+            if len(ctx.auto_choices) > 64:  # lengths that change every batch: bound the cache
+                ctx.auto_choices.clear()
+            ctx.auto_choices[key] = choice
+        if ctx.resolved_backend != choice.label:
+            log.info("lightning_sp: backend='auto' runs %s", choice.summary())
+            ctx.resolved_backend = choice.label
+            ctx.auto_choice = choice
+        return choice.backend, choice.ulysses_degree
+
+    def _usp_groups_available(self, world: int) -> bool:
+        """Whether ``auto`` may run ``usp``: its Ulysses/ring sub-groups are bound, or can be built here
+        (``make_usp_groups``: a group spanning the world)."""
+        ctx = self.context
+        if ctx.ulysses_group is not None and ctx.ring_group is not None:
+            return False  # bound for one degree only (backend="usp"); auto does not reuse them
+        group = self.process_group
+        return group is not None and dist.get_world_size(group) == dist.get_world_size()
 
     def _make_kernel(self, q):
         name = self.kernel if self.kernel != "auto" else self.context.kernel
@@ -402,9 +466,9 @@ class SequenceParallelAttention(nn.Module):
             self._kernel_cache[key] = make_kernel(name)
         return self._kernel_cache[key]
 
-    def _usp_groups(self, group, world):
+    def _usp_groups(self, group, world, ulysses_degree: int | None = None):
         ctx = self.context
-        u = self._ulysses_degree(world)
+        u = ulysses_degree or self._ulysses_degree(world)
         if ctx.ulysses_group is not None and ctx.ring_group is not None:
             if dist.get_world_size(ctx.ulysses_group) != u:
                 raise ValueError(

@@ -18,6 +18,8 @@ from lightning_sp.comm.stats import CommStats
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from lightning_sp.cost_model import AutoChoice, HardwareProfile
+
 
 @dataclass(kw_only=True)
 class SequenceParallelContext:
@@ -41,8 +43,16 @@ class SequenceParallelContext:
     all-to-all inside a node when they can. ``None``: unknown (no cap)."""
     comm: CommStats = field(default_factory=CommStats)
     """Bytes moved by every collective issued on behalf of the bound modules."""
+    hardware: "HardwareProfile | str | None" = None
+    """Cost-model profile ``backend="auto"`` chooses with (``lightning_sp.cost_model``; a preset name or a
+    calibrated ``HardwareProfile``). ``None``: ``cost_model.default_profile`` for the device."""
     resolved_backend: str | None = field(default=None, compare=False)
-    """What ``backend="auto"`` resolved to at the first attention call (``None`` before)."""
+    """What ``backend="auto"`` resolved to at the last attention call (``None`` before); ``usp`` as
+    ``"usp(ulysses=U)"``."""
+    auto_choice: "AutoChoice | None" = field(default=None, compare=False)
+    """The cost model's decision behind ``resolved_backend``: candidates, predicted times, exclusions."""
+    auto_choices: dict = field(default_factory=dict, repr=False, compare=False)
+    """Per-shape cache of ``auto``'s decisions (not configuration)."""
 
     # Per-batch caches shared by every module bound to this context (not configuration).
     _validated: set = field(default_factory=set, repr=False, compare=False)

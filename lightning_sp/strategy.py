@@ -365,8 +365,9 @@ class SequenceParallelStrategy(DDPStrategy):
         )
         backend = self._backend
         if backend == "auto":
-            backend = (f"auto (chosen at the first attention call: ulysses when the heads divide sp={dims.sp} "
-                       f"and sp <= {self._ranks_per_node()} ranks per node, else zigzag_ring)")
+            backend = (f"auto (chosen at the first attention call by the cost model from the shapes, sp={dims.sp} "
+                       f"and {self._ranks_per_node()} ranks per node, among ulysses, zigzag_ring, allgather_kv "
+                       f"and usp on the zigzag layout)")
         rank_zero_info(
             f"SequenceParallelStrategy: world={world} dp={dims.dp} sp={dims.sp} (ring={dims.ring} x "
             f"ulysses={dims.ulysses}) backend={backend} data_parallel={self._data_parallel}"
@@ -592,7 +593,9 @@ class SequenceParallelStrategy(DDPStrategy):
         if self._announced_auto or self._context is None or self._context.resolved_backend is None:
             return
         self._announced_auto = True
-        rank_zero_info(f"SequenceParallelStrategy: backend='auto' runs {self._context.resolved_backend}")
+        choice = self._context.auto_choice
+        rank_zero_info(f"SequenceParallelStrategy: backend='auto' runs "
+                       f"{choice.summary() if choice is not None else self._context.resolved_backend}")
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,565 @@
+"""A small analytic model of one attention layer (and one transformer layer) per sequence-parallel
+backend: compute + communication with each backend's overlap rule, and per-rank activation memory.
+
+    hw = preset("a100-80gb")                                           # or a profile calibrated on CPU
+    shape = AttentionShape(seq_len=65536, num_heads=32, num_kv_heads=8, head_dim=128)
+    predict_attention("zigzag_ring", shape, world=8, hw=hw).total_s    # model output, seconds
+    choose_backend(shape, world=16, hw=hw)                              # what backend="auto" runs
+
+Everything this module returns is *model output*, never a measurement; experiments label it so
+(``scripts/cost_model_experiment.py`` puts it beside measured times and the papers' numbers).
+
+Note [Cost model of one attention layer]
+    Compute. fwd FLOPs of dense attention ``4 N^2 H D`` (QK^T and PV), halved when causal; the
+    backward costs 2.5x the forward (flash-style: recompute P, then dV, dP, dQ, dK), so fwd+bwd is
+    ``3.5 x`` fwd. A kernel on a block of ``c`` query tokens runs at ``hw.attention_rate(c)`` FLOP/s
+    (measured vs block size on CPU; a saturating curve from datasheet peak for GPUs). What bounds a
+    rank's time is its own share, step by step (a ring step ends when its slowest rank ends):
+
+        ulysses        one call: N tokens, H/P heads                     work/P, block N
+        allgather_kv   one call: N/P queries vs N keys (zigzag: balanced) work/P, block N/P
+        zigzag_ring    P steps, each half a block (diagonal step: half)  (P/2)    blocks of N/P
+        ring (contig.) the last rank has a full block at every step      (P-1/2)  blocks (causal)
+        usp (U x R)    Ulysses over U, zigzag ring over R = P/U            (R/2) blocks of N/R, H/U heads
+        colossal       full score rows, no causal skipping               P blocks (materialised)
+
+    Communication: bytes of ``lightning_sp.comm.volume`` times the element size, over the link:
+    ``intra`` when the ranks of the collective share a node (``hw.ranks_per_node``), else ``inter``
+    (the slowest hop bounds a ring step; an all-to-all sends ``(g-n)/(g-1)`` of its bytes off-node).
+    Overlap rules (as the code in ``ops/`` and ``comm/ring.py`` does it):
+
+        ring, zigzag   fwd: K/V send overlapped with the block:  step = max(compute, transfer)
+                       bwd: K/V overlapped, dK/dV partial sums NOT (Note [Gradient partial sums
+                       around the ring]): step = max(compute, transfer) + transfer
+        allgather_kv   fwd: all-gather K,V, then compute (not overlapped); bwd: gather again, then
+                       a ring reduce-scatter of dK/dV (accumulating, not overlapped)
+        ulysses        4 all-to-alls fwd (q, k, v, out), 4 bwd; none overlapped
+        usp            Ulysses all-to-alls over U (not overlapped) + the zigzag ring over R
+        colossal       fwd: ring K, ring V; bwd: ring V + dV, ring K + dK; each overlapped as ring
+        megatron_sp    (Megatron TP+SP on t ranks, attention half of a layer) all-gather before QKV,
+                       reduce-scatter after the projection, fwd and bwd, not overlapped; H/t heads
+
+    A collective over ``g`` ranks pays ``(g-1)`` latencies (``P-1`` ring steps, ``g-1`` all-to-all
+    peers). On a CPU several ranks share the cores: ``hw.compute_slots`` ranks compute at once per
+    node, so compute stretches by ``ranks_per_node / compute_slots`` when there are more ranks.
+
+    Memory (per rank, one layer, bytes): Korthikanti et al.'s activation formula ``s b h (34 + 5 a
+    s / h)`` (REFERENCES.md), the ``5as/h`` score term replaced by flash attention's ``4a/h`` (LSE)
+    term for every backend except ``colossal`` (which keeps the scores on purpose), divided by the
+    sequence-parallel degree (``/t`` with TP+SP); plus the transient communication buffers (ring:
+    two K/V blocks in flight; allgather_kv: the gathered K/V; ulysses: the head-split q/k/v).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from lightning_sp.comm.volume import forward_elements, replicated_kv_heads
+
+MODEL_BACKENDS = ("ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal", "megatron_sp")
+"""Backends the model knows (``megatron_sp``: Megatron TP+SP over the same ranks, attention half)."""
+
+FWD_BWD_FACTOR = 3.5
+"""fwd+bwd FLOPs of attention over the forward's (backward = 2.5x forward, flash-style recompute)."""
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+@dataclass(kw_only=True, frozen=True)
+class HardwareProfile:
+    """What the model needs to know about one device type and its links."""
+
+    name: str
+    """Short name (``"a100-80gb"``, ``"cpu-calibrated"``)."""
+    source: str
+    """Where the numbers come from: ``"measured: ..."`` or ``"datasheet: ..."`` / ``"assumption: ..."``."""
+    attention_curve: tuple[tuple[int, float], ...]
+    """``(block tokens, attention fwd+bwd FLOP/s)`` points, block ascending; log-linear in between,
+    flat outside."""
+    matmul_flops: float
+    """Sustained dense matmul FLOP/s for the linear layers (transformer-layer predictions)."""
+    intra_bandwidth: float
+    """Bytes/s one rank sends to a peer on its own node."""
+    intra_latency: float
+    """Seconds per message between ranks of one node."""
+    inter_bandwidth: float
+    """Bytes/s one rank sends off its node (its share of the node's network)."""
+    inter_latency: float
+    """Seconds per message between nodes."""
+    ranks_per_node: int
+    """Ranks (devices) per node."""
+    compute_slots: int | None = None
+    """Ranks of one node that can compute at the same time (CPU cores); ``None``: one device each."""
+    memory_bytes: float | None = None
+    """Device memory per rank (max-context predictions)."""
+
+    def __post_init__(self) -> None:
+        if not self.attention_curve:
+            raise ValueError("attention_curve needs at least one (block tokens, FLOP/s) point")
+        blocks = [b for b, _ in self.attention_curve]
+        if blocks != sorted(blocks) or any(b <= 0 or r <= 0 for b, r in self.attention_curve):
+            raise ValueError(f"attention_curve must have positive, ascending blocks and rates, got {self.attention_curve}")
+        for name in ("matmul_flops", "intra_bandwidth", "inter_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.intra_latency < 0 or self.inter_latency < 0:
+            raise ValueError("latencies must be >= 0")
+        if self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        if self.compute_slots is not None and self.compute_slots < 1:
+            raise ValueError(f"compute_slots must be >= 1 or None, got {self.compute_slots}")
+
+    def attention_rate(self, block_tokens: float) -> float:
+        """Attention fwd+bwd FLOP/s of one kernel call on ``block_tokens`` query tokens."""
+        pts = self.attention_curve
+        if block_tokens <= pts[0][0]:
+            return pts[0][1]
+        if block_tokens >= pts[-1][0]:
+            return pts[-1][1]
+        for (b0, r0), (b1, r1) in zip(pts, pts[1:]):
+            if b0 <= block_tokens <= b1:
+                w = math.log(block_tokens / b0) / math.log(b1 / b0)
+                return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+        raise AssertionError("unreachable")
+
+    def compute_stretch(self, world: int) -> float:
+        """How much slower each rank computes because ranks of a node share ``compute_slots``."""
+        if self.compute_slots is None:
+            return 1.0
+        on_node = min(world, self.ranks_per_node)
+        return max(1.0, on_node / self.compute_slots)
+
+    def link(self, ranks: int, stride: int = 1) -> tuple[float, float]:
+        """``(bandwidth, latency)`` of the slowest hop among ``ranks`` ranks ``stride`` apart."""
+        if ranks <= 1 or (ranks - 1) * stride + 1 <= self.ranks_per_node:  # consecutive ranks share a node
+            return self.intra_bandwidth, self.intra_latency
+        return self.inter_bandwidth, self.inter_latency
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareProfile":
+        d = dict(d)
+        d["attention_curve"] = tuple((int(b), float(r)) for b, r in d["attention_curve"])
+        return cls(**d)
+
+
+def saturating_curve(peak: float, efficiency: float, half_block: int, blocks=(128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)):
+    """``rate(c) = peak * efficiency * c / (c + half_block)``: a kernel that needs blocks of a few
+    ``half_block`` tokens to fill the device (an assumption for GPUs, where we measured nothing)."""
+    return tuple((b, peak * efficiency * b / (b + half_block)) for b in blocks)
+
+
+# GPU presets. Peaks and link speeds are datasheet figures; the efficiencies are assumptions taken from
+# papers (cited), since no GPU was measured here. Model output from them is labelled as such.
+_A100_PEAK = 312e12  # NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 tensor core
+_H100_PEAK = 989e12  # NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16
+PRESETS: dict[str, HardwareProfile] = {
+    "a100-80gb": HardwareProfile(
+        name="a100-80gb",
+        source=("datasheet: A100 SXM 312 TFLOP/s bf16, NVLink3 600 GB/s total (300 GB/s per direction), "
+                "80 GB; DGX A100: 8 GPUs/node, 8x HDR 200 Gb/s (25 GB/s per GPU). assumption: attention "
+                "fwd+bwd reaches 60% of peak on large blocks (FlashAttention-2, arXiv 2307.08691: 50-73%), "
+                "half of that at 1K-token blocks; matmuls 75% of peak; latency 10 us NVLink, 20 us IB"),
+        attention_curve=saturating_curve(_A100_PEAK, 0.60, 1024),
+        matmul_flops=0.75 * _A100_PEAK,
+        intra_bandwidth=300e9, intra_latency=10e-6,
+        inter_bandwidth=25e9, inter_latency=20e-6,
+        ranks_per_node=8, memory_bytes=80e9,
+    ),
+    "h100-80gb": HardwareProfile(
+        name="h100-80gb",
+        source=("datasheet: H100 SXM 989 TFLOP/s bf16 dense, NVLink4 900 GB/s total (450 per direction), "
+                "80 GB; DGX H100: 8 GPUs/node, 8x NDR 400 Gb/s (50 GB/s per GPU). assumption: attention "
+                "fwd+bwd at 55% of peak on large blocks (FlashAttention-3, arXiv 2407.08608: up to 75% fwd), "
+                "half of that at 2K-token blocks; matmuls 70% of peak; latency 10 us NVLink, 20 us IB"),
+        attention_curve=saturating_curve(_H100_PEAK, 0.55, 2048),
+        matmul_flops=0.70 * _H100_PEAK,
+        intra_bandwidth=450e9, intra_latency=10e-6,
+        inter_bandwidth=50e9, inter_latency=20e-6,
+        ranks_per_node=8, memory_bytes=80e9,
+    ),
+    "cpu-default": HardwareProfile(
+        name="cpu-default",
+        source=("assumption (uncalibrated): one core per rank, ~20 GFLOP/s attention on large blocks, "
+                "loopback 2 GB/s and 50 us per message; run scripts/cost_model_experiment.py to calibrate"),
+        attention_curve=((64, 5e9), (256, 12e9), (1024, 20e9)),
+        matmul_flops=40e9,
+        intra_bandwidth=2e9, intra_latency=50e-6, inter_bandwidth=2e9, inter_latency=50e-6,
+        ranks_per_node=1 << 16, compute_slots=None,
+    ),
+}
+
+
+def preset(name: str) -> HardwareProfile:
+    if name not in PRESETS:
+        raise ValueError(f"unknown hardware preset {name!r}; choose one of {sorted(PRESETS)} or build a HardwareProfile")
+    return PRESETS[name]
+
+
+def default_profile(device_type: str = "cpu", device_name: str | None = None, ranks_per_node: int | None = None) -> HardwareProfile:
+    """The profile ``backend="auto"`` uses when none is bound: a GPU preset matched by name, else the
+    uncalibrated CPU one; ``ranks_per_node`` (the topology the strategy knows) replaces the preset's."""
+    hw = PRESETS["cpu-default"]
+    if device_type == "cuda":
+        name = (device_name or "").lower()
+        hw = PRESETS["h100-80gb"] if ("h100" in name or "h200" in name) else PRESETS["a100-80gb"]
+    return replace(hw, ranks_per_node=ranks_per_node) if ranks_per_node else hw
+
+
+@dataclass(kw_only=True, frozen=True)
+class AttentionShape:
+    """One attention layer's global problem."""
+
+    seq_len: int
+    """Global tokens ``N`` per sequence."""
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    batch: int = 1
+    dtype_bytes: int = 2
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "num_heads", "num_kv_heads", "head_dim", "batch", "dtype_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AttentionShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+
+    def fwd_flops(self, n_q: float, n_k: float, heads: float) -> float:
+        """Forward FLOPs of ``n_q`` queries against ``n_k`` keys on ``heads`` heads (no causal skipping)."""
+        return 4.0 * self.batch * n_q * n_k * heads * self.head_dim
+
+
+@dataclass(kw_only=True)
+class Prediction:
+    """Model output for one attention layer fwd+bwd on one rank (seconds, bytes)."""
+
+    backend: str
+    world: int
+    ulysses_degree: int | None
+    compute_s: float
+    comm_s: float
+    """Time the link is busy (fwd+bwd)."""
+    exposed_comm_s: float
+    """The part of ``comm_s`` not hidden behind compute."""
+    total_s: float
+    comm_bytes: float
+    """Bytes sent per rank, fwd+bwd."""
+    activation_bytes: float
+    """Per-rank activation memory of one transformer layer with this attention (Note above)."""
+    notes: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"usp(ulysses={self.ulysses_degree})" if self.backend == "usp" else self.backend
+
+
+def _ring_time(steps: int, compute_per_step: float, transfer: float, *, fwd_share: float) -> tuple[float, float]:
+    """``(total, exposed comm)`` of a ring of ``steps`` ranks: fwd steps ``max(c, t)`` (last step: c
+    only); bwd steps ``max(c, t) + t`` (K/V overlapped, dK/dV partial sums not)."""
+    c_f, c_b = compute_per_step * fwd_share, compute_per_step * (1 - fwd_share)
+    if steps <= 1:
+        return compute_per_step, 0.0
+    fwd = (steps - 1) * max(c_f, transfer) + c_f
+    bwd = (steps - 1) * (max(c_b, transfer) + transfer) + c_b
+    total = fwd + bwd
+    return total, total - steps * compute_per_step
+
+
+def _all_to_all_time(nbytes: float, ranks: int, hw: HardwareProfile) -> float:
+    """One all-to-all over ``ranks`` consecutive ranks sending ``nbytes`` per rank in all."""
+    if ranks <= 1:
+        return 0.0
+    n = min(ranks, hw.ranks_per_node)
+    on_node = nbytes * (n - 1) / (ranks - 1)
+    off_node = nbytes - on_node
+    lat = hw.intra_latency if ranks <= hw.ranks_per_node else hw.inter_latency
+    return (ranks - 1) * lat + max(on_node / hw.intra_bandwidth, off_node / hw.inter_bandwidth)
+
+
+def activation_bytes_per_layer(shape: AttentionShape, backend: str, world: int, *, bytes_per_value: int | None = None) -> float:
+    """Per-rank activations of one transformer layer (Korthikanti et al. Sec. 4, 16-bit; the ``34``
+    term scales with the element size), flash-style attention except ``colossal``; see the Note."""
+    s, b, a, d = shape.seq_len, shape.batch, shape.num_heads, shape.head_dim
+    h = a * d
+    scale = (bytes_per_value or shape.dtype_bytes) / 2
+    scores = 5 * a * s / h if backend == "colossal" else 4 * a / h
+    return s * b * h * (34 * scale + scores) / world
+
+
+def predict_attention(backend: str, shape: AttentionShape, world: int, hw: HardwareProfile, *,
+                      ulysses_degree: int | None = None) -> Prediction:
+    """Model fwd+bwd time of one attention layer on one of ``world`` ranks (Note [Cost model of one
+    attention layer]). ``ulysses_degree``: ``usp``'s inner degree (required for ``usp``)."""
+    if backend not in MODEL_BACKENDS:
+        raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {backend!r}")
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    p, n, h, hkv, d = world, shape.seq_len, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    causal_share = 0.5 if shape.causal else 1.0
+    stretch = hw.compute_stretch(p)
+    eb = shape.dtype_bytes * shape.batch
+    fwd_share = 1 / FWD_BWD_FACTOR
+
+    def kernel_time(n_q, n_k, heads, share=causal_share):
+        flops = shape.fwd_flops(n_q, n_k, heads) * share * FWD_BWD_FACTOR
+        return flops / hw.attention_rate(n_q) * stretch
+
+    u = None
+    notes = ""
+    if p == 1:
+        compute = kernel_time(n, n, h)
+        return Prediction(backend=backend, world=1, ulysses_degree=None, compute_s=compute, comm_s=0.0, exposed_comm_s=0.0,
+                          total_s=compute, comm_bytes=0.0, activation_bytes=activation_bytes_per_layer(shape, backend, 1))
+    vol = lambda name, **kw: forward_elements(name, seq_len=n, world=p, num_heads=h, num_kv_heads=hkv, head_dim=d, **kw) * eb  # noqa: E731
+    if backend == "ulysses":
+        if h % p:
+            raise ValueError(f"ulysses needs num_heads ({h}) divisible by world ({p})")
+        compute = kernel_time(n, n, h / p)
+        fwd_bytes = vol("ulysses")
+        # 4 all-to-alls fwd (q, k, v, out) and 4 bwd, each a share of the bytes
+        h_kv = replicated_kv_heads(h, hkv, p)
+        comm = 0.0
+        for heads in (h, h_kv, h_kv, h):
+            comm += 2 * _all_to_all_time(heads * d * n / p * eb, p, hw)
+        total, comm_bytes, exposed = compute + comm, 2 * fwd_bytes, comm
+        transient = 3 * n / p * (h + 2 * h_kv) * d * eb
+    elif backend in ("ring", "zigzag_ring"):
+        c = n / p
+        block = kernel_time(c, c, h, share=1.0)  # one full (N/P x N/P) block
+        if not shape.causal:
+            per_step = block
+        elif backend == "zigzag_ring":
+            per_step = block / 2  # every step half a block (Note [Zigzag layout])
+        else:
+            per_step = block * (p - 0.5) / p  # the last rank's full blocks bound each step
+        bw, lat = hw.link(p)
+        transfer = lat + 2 * c * hkv * d * eb / bw
+        total, exposed = _ring_time(p, per_step, transfer, fwd_share=fwd_share)
+        compute = per_step * p
+        comm = (p - 1) * transfer * 2
+        comm_bytes = 2 * vol(backend)
+        transient = 4 * c * hkv * d * eb
+    elif backend == "allgather_kv":
+        c = n / p
+        compute = kernel_time(c, n, h)  # zigzag: every rank half of its rows' keys when causal
+        bw, lat = hw.link(p)
+        chunk = 2 * c * hkv * d * eb
+        gather = (p - 1) * (lat + chunk / bw)
+        comm = 3 * gather  # gather fwd, gather bwd, ring reduce-scatter of dK/dV bwd
+        total, exposed = compute + comm, comm
+        comm_bytes = 3 * vol("allgather_kv")
+        transient = 2 * n * hkv * d * eb
+    elif backend == "usp":
+        u = ulysses_degree
+        if u is None or p % u or not 1 <= u <= p:
+            raise ValueError(f"usp needs ulysses_degree dividing world={p}, got {u}")
+        if h % u:
+            raise ValueError(f"usp needs num_heads ({h}) divisible by ulysses_degree ({u})")
+        r = p // u
+        h_kv = replicated_kv_heads(h, hkv, u)
+        a2a = 0.0
+        for heads in (h, h_kv, h_kv, h):
+            a2a += 2 * _all_to_all_time(heads * d * n / p * eb, u, hw)
+        c = n / r
+        block = kernel_time(c, c, h / u, share=1.0)
+        per_step = block / 2 if shape.causal else block
+        bw, lat = hw.link(r, stride=u)
+        transfer = lat + 2 * c * (h_kv / u) * d * eb / bw
+        ring_total, ring_exposed = _ring_time(r, per_step, transfer, fwd_share=fwd_share)
+        compute = per_step * r
+        comm = a2a + (r - 1) * transfer * 2
+        total, exposed = ring_total + a2a, ring_exposed + a2a
+        comm_bytes = 2 * vol("usp", ulysses_degree=u)
+        transient = 3 * n / p * (h + 2 * h_kv) * d * eb + 4 * c * (h_kv / u) * d * eb
+        notes = f"U={u} x R={r}"
+    elif backend == "colossal":
+        c = n / p
+        compute = kernel_time(c, n, h, share=1.0)  # full score rows, masked not skipped
+        bw, lat = hw.link(p)
+        transfer = lat + c * hkv * d * eb / bw  # K or V alone
+        ring_qk, ex1 = _ring_time(p, compute / (2 * p), transfer, fwd_share=fwd_share)
+        ring_av, ex2 = _ring_time(p, compute / (2 * p), transfer, fwd_share=fwd_share)
+        total, exposed = ring_qk + ring_av, ex1 + ex2
+        comm = 2 * (p - 1) * transfer * 2
+        comm_bytes = 3 * vol("colossal")
+        transient = 2 * c * hkv * d * eb
+    else:  # megatron_sp: TP+SP over the same ranks, attention half of the layer
+        if h % p:
+            raise ValueError(f"megatron_sp needs num_heads ({h}) divisible by the TP degree ({p})")
+        compute = kernel_time(n, n, h / p)
+        hidden = h * d
+        # all-gather of [N, h] before QKV and reduce-scatter after the projection, fwd and bwd
+        bw, lat = hw.link(p)
+        one = (p - 1) * (lat + n / p * hidden * eb / bw)
+        comm = 4 * one
+        total, exposed = compute + comm, comm
+        comm_bytes = 4 * (p - 1) / p * n * hidden * eb
+        transient = n * hidden * eb  # the gathered layer input
+    act = activation_bytes_per_layer(shape, backend, p) + transient
+    return Prediction(backend=backend, world=p, ulysses_degree=u, compute_s=compute, comm_s=comm,
+                      exposed_comm_s=max(exposed, 0.0), total_s=total, comm_bytes=comm_bytes,
+                      activation_bytes=act, notes=notes)
+
+
+# ------------------------------------------------------------------------------------------------
+# backend="auto"
+# ------------------------------------------------------------------------------------------------
+
+AUTO_LAYOUT_BACKENDS = ("ulysses", "zigzag_ring", "allgather_kv", "usp")
+"""What ``backend="auto"`` may run: the backends exact on the zigzag layout ``auto`` shards for
+(Ulysses reorders the gathered sequence; ``usp`` runs its ring over coarse zigzag chunks; see
+``choose_backend``). ``ring`` (contiguous) and ``colossal`` (O(N^2/P) memory, the baseline) are never
+chosen."""
+
+
+@dataclass(kw_only=True)
+class AutoChoice:
+    """What ``backend="auto"`` runs, and the predictions it chose from (model output)."""
+
+    backend: str
+    ulysses_degree: int | None
+    predictions: list[Prediction]
+    excluded: dict[str, str] = field(default_factory=dict)
+    """Backend label -> why it was not a candidate."""
+    hardware: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"usp(ulysses={self.ulysses_degree})" if self.backend == "usp" else self.backend
+
+    def summary(self) -> str:
+        """One line: the choice, every candidate's predicted fwd+bwd time, and the exclusions."""
+        preds = "; ".join(f"{p.label} {p.total_s * 1e3:.3g} ms" for p in sorted(self.predictions, key=lambda p: p.total_s))
+        out = f"{self.label} (cost model on {self.hardware}, predicted fwd+bwd per layer: {preds}"
+        if self.excluded:
+            out += "; not candidates: " + ", ".join(f"{k} ({v})" for k, v in self.excluded.items())
+        return out + ")"
+
+
+def choose_backend(shape: AttentionShape, world: int, hw: HardwareProfile, *, usp_allowed: bool = True) -> AutoChoice:
+    """The fastest backend by the model among those exact on ``auto``'s zigzag layout: ``ulysses``
+    (heads divisible by ``world``), ``zigzag_ring``, ``allgather_kv`` and ``usp`` for every inner
+    degree ``1 < U < world`` dividing ``world`` and the heads (``usp_allowed=False`` when its
+    sub-groups cannot be built). Ties go to the earlier of ``AUTO_LAYOUT_BACKENDS``."""
+    if world < 2:
+        raise ValueError(f"choose_backend needs a group of >= 2 ranks, got {world}")
+    preds, excluded = [], {}
+    if shape.num_heads % world == 0:
+        preds.append(predict_attention("ulysses", shape, world, hw))
+    else:
+        excluded["ulysses"] = f"num_heads={shape.num_heads} not divisible by {world}"
+    preds.append(predict_attention("zigzag_ring", shape, world, hw))
+    preds.append(predict_attention("allgather_kv", shape, world, hw))
+    degrees = [u for u in range(2, world) if world % u == 0]
+    for u in degrees:
+        if not usp_allowed:
+            excluded[f"usp(ulysses={u})"] = "its sub-groups are not available"
+        elif shape.num_heads % u:
+            excluded[f"usp(ulysses={u})"] = f"num_heads={shape.num_heads} not divisible by {u}"
+        else:
+            preds.append(predict_attention("usp", shape, world, hw, ulysses_degree=u))
+    order = {b: i for i, b in enumerate(AUTO_LAYOUT_BACKENDS)}
+    best = min(preds, key=lambda p: (p.total_s, order[p.backend], p.ulysses_degree or 0))
+    return AutoChoice(backend=best.backend, ulysses_degree=best.ulysses_degree, predictions=preds,
+                      excluded=excluded, hardware=hw.name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole transformer layer / step (papers' TFLOPs and max-context predictions)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelShape:
+    """A GPT-style decoder for step-level predictions."""
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    vocab: int = 50257
+    num_kv_heads: int | None = None
+    ffn_mult: int = 4
+
+    @property
+    def params(self) -> float:
+        return 12.0 * self.num_layers * self.hidden ** 2 + self.vocab * self.hidden
+
+
+def layer_time(model: ModelShape, seq_len: int, batch: int, backend: str, world: int, hw: HardwareProfile, *,
+               ulysses_degree: int | None = None, dtype_bytes: int = 2) -> dict[str, float]:
+    """fwd+bwd seconds of one transformer layer per rank: linear layers (``24 b s h^2`` fwd FLOPs,
+    split over ``world``) at ``hw.matmul_flops`` + the attention of ``predict_attention``; Megatron TP+SP
+    (``megatron_sp``) also pays its all-gather/reduce-scatter around the MLP (not overlapped)."""
+    h = model.hidden
+    shape = AttentionShape(seq_len=seq_len, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads or model.num_heads,
+                           head_dim=h // model.num_heads, batch=batch, dtype_bytes=dtype_bytes, causal=True)
+    attn = predict_attention(backend, shape, world, hw, ulysses_degree=ulysses_degree)
+    linear = 3 * 24.0 * batch * seq_len * h * h / world / hw.matmul_flops * hw.compute_stretch(world)
+    mlp_comm = 0.0
+    if backend == "megatron_sp" and world > 1:
+        bw, lat = hw.link(world)
+        mlp_comm = 4 * (world - 1) * (lat + seq_len / world * h * batch * dtype_bytes / bw)
+    return {"attention_s": attn.total_s, "linear_s": linear, "comm_s": attn.comm_s + mlp_comm,
+            "exposed_comm_s": attn.exposed_comm_s + mlp_comm, "total_s": attn.total_s + linear + mlp_comm,
+            "activation_bytes": attn.activation_bytes}
+
+
+def model_flops(model: ModelShape, seq_len: int, batch: int, *, causal: bool = True) -> float:
+    """Model FLOPs of one fwd+bwd: Megatron's ``72 B L s h^2 (1 + s/(6h) + V/(12 h L))``
+    (``callbacks.megatron_flops_per_iteration``), whose attention term counts the whole score matrix;
+    ``causal=True`` counts the half a causal kernel computes (``s/(12h)``), so TFLOP/s stays below peak."""
+    from lightning_sp.callbacks import megatron_flops_per_iteration
+
+    full = megatron_flops_per_iteration(batch=batch, seq_len=seq_len, num_layers=model.num_layers,
+                                        hidden=model.hidden, vocab=model.vocab)
+    if not causal:
+        return full
+    h, s = model.hidden, seq_len
+    return full - 72.0 * batch * model.num_layers * s * h * h * s / (12.0 * h)
+
+
+def tflops_per_rank(model: ModelShape, seq_len: int, batch: int, backend: str, world: int, hw: HardwareProfile, **kw) -> float:
+    """Predicted model TFLOP/s per rank: model FLOPs of the group's batch over ``world`` ranks x step time."""
+    t = layer_time(model, seq_len, batch, backend, world, hw, **kw)["total_s"] * model.num_layers
+    return model_flops(model, seq_len, batch) / world / t / 1e12
+
+
+def step_memory_bytes(model: ModelShape, seq_len: int, batch: int, backend: str, world: int, *,
+                      shard_states_over: int, checkpoint_layers: bool = True, dtype_bytes: int = 2,
+                      attention: str = "flash") -> float:
+    """Per-rank peak memory of one training step: mixed-precision Adam states (16 bytes/param, ZeRO-3
+    over ``shard_states_over`` ranks) + stored activations (each layer's input ``2sbh/P`` with full
+    recompute, else every layer's activations) + one layer's full activations during its backward.
+    ``attention``: ``"flash"`` (scores never stored), ``"vanilla"`` (``5as/h`` term kept) for the
+    Ring Attention Table 3 baselines."""
+    s, b, h, a = seq_len, batch, model.hidden, model.num_heads
+    states = 16.0 * model.params / shard_states_over
+    scores = 5 * a * s / h if attention == "vanilla" or backend == "colossal" else 4 * a / h
+    one_layer = s * b * h * (34 * dtype_bytes / 2 + scores) / world
+    stored = (2 * s * b * h / world * model.num_layers) if checkpoint_layers else one_layer * model.num_layers
+    logits = s * b * model.vocab * 4 / world  # fp32 logits of this rank's tokens
+    return states + stored + one_layer + logits
+
+
+def max_context(model: ModelShape, budget_bytes: float, backend: str, world: int, *, shard_states_over: int,
+                batch: int = 1, attention: str = "flash", checkpoint_layers: bool = True, grid: int = 1024) -> int:
+    """Largest sequence (multiple of ``grid``) whose ``step_memory_bytes`` fits ``budget_bytes`` (model)."""
+    if step_memory_bytes(model, grid, batch, backend, world, shard_states_over=shard_states_over,
+                         attention=attention, checkpoint_layers=checkpoint_layers) > budget_bytes:
+        return 0
+    lo, hi = 1, 2
+    fits = lambda k: step_memory_bytes(model, k * grid, batch, backend, world, shard_states_over=shard_states_over,  # noqa: E731
+                                       attention=attention, checkpoint_layers=checkpoint_layers) <= budget_bytes
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 24:
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * grid

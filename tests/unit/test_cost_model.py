@@ -1,0 +1,121 @@
+"""The cost model (``lightning_sp/cost_model.py``) and ``backend="auto"``'s use of it, without processes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from lightning_sp import cost_model as cm
+from lightning_sp.attention import resolve_auto_backend
+
+A100 = cm.preset("a100-80gb")
+SHAPE = cm.AttentionShape(seq_len=65536, num_heads=32, num_kv_heads=8, head_dim=128)
+
+
+def test_ulysses_comm_falls_as_one_over_p():
+    times = {p: cm.predict_attention("ulysses", SHAPE, p, replace(A100, intra_latency=0.0)).comm_s for p in (2, 4, 8)}
+    # bytes per rank fall as 1/P (the send buffer, as CommStats counts it) and no latency: time ~ 1/P
+    assert times[4] == pytest.approx(times[2] / 2, rel=1e-9)
+    assert times[8] == pytest.approx(times[2] / 4, rel=1e-9)
+    # negative control: the ring's transfer does not fall as 1/P
+    ring = {p: cm.predict_attention("zigzag_ring", SHAPE, p, A100).comm_s for p in (2, 8)}
+    assert ring[8] > ring[2] / 2
+
+
+def test_ring_overlap_hides_transfer_when_blocks_are_big():
+    slow_compute = replace(A100, attention_curve=((1, 1e12),))  # compute per block >> transfer
+    fast_compute = replace(A100, attention_curve=((1, 1e17),))  # compute per block << transfer
+    hidden = cm.predict_attention("zigzag_ring", SHAPE, 8, slow_compute)
+    exposed = cm.predict_attention("zigzag_ring", SHAPE, 8, fast_compute)
+    # forward and the backward's K/V transfers hide; only the dK/dV partial sums (not overlapped) remain
+    kv_transfer = hidden.comm_s / (2 * 7)
+    assert hidden.exposed_comm_s == pytest.approx(7 * kv_transfer, rel=1e-6)
+    assert hidden.exposed_comm_s < 0.01 * hidden.total_s
+    assert exposed.exposed_comm_s > 0.9 * exposed.total_s
+    # all-to-all and all-gather are never overlapped: exposed = all of it
+    for b in ("ulysses", "allgather_kv"):
+        p = cm.predict_attention(b, SHAPE, 8, slow_compute)
+        assert p.exposed_comm_s == pytest.approx(p.comm_s)
+
+
+def test_monotone_in_length_and_zigzag_beats_plain_ring_causal():
+    for b in ("ulysses", "zigzag_ring", "allgather_kv", "ring", "colossal"):
+        t = [cm.predict_attention(b, replace(SHAPE, seq_len=n), 8, A100).total_s for n in (8192, 16384, 65536)]
+        assert t == sorted(t) and t[0] < t[-1], b
+    zig = cm.predict_attention("zigzag_ring", SHAPE, 8, A100).compute_s
+    ring = cm.predict_attention("ring", SHAPE, 8, A100).compute_s
+    assert ring / zig == pytest.approx(2 * 7.5 / 8, rel=1e-6)  # (P - 1/2) blocks vs P/2
+    bidir = replace(SHAPE, causal=False)
+    assert cm.predict_attention("ring", bidir, 8, A100).compute_s == pytest.approx(
+        cm.predict_attention("zigzag_ring", bidir, 8, A100).compute_s)
+
+
+def test_inter_node_links_slow_ulysses_and_keep_usp_all_to_all_inside():
+    two_nodes = replace(A100, ranks_per_node=8)
+    p16 = cm.predict_attention("ulysses", SHAPE, 16, two_nodes)
+    p8 = cm.predict_attention("ulysses", SHAPE, 8, two_nodes)
+    assert p16.comm_s > p8.comm_s  # half the bytes, but over 25 GB/s instead of 300
+    usp = cm.predict_attention("usp", SHAPE, 16, two_nodes, ulysses_degree=8)
+    assert usp.total_s < p16.total_s
+
+
+def test_memory_falls_with_p_and_colossal_keeps_scores():
+    m = [cm.predict_attention("zigzag_ring", SHAPE, p, A100).activation_bytes for p in (2, 4, 8)]
+    assert m[0] > m[1] > m[2]
+    assert cm.predict_attention("colossal", SHAPE, 8, A100).activation_bytes > 10 * m[2]
+    model = cm.ModelShape(num_layers=32, hidden=4096, num_heads=32)
+    one = cm.max_context(model, 80e9, "zigzag_ring", 1, shard_states_over=8)
+    eight = cm.max_context(model, 80e9, "zigzag_ring", 8, shard_states_over=8)
+    assert 4 * one < eight
+
+
+def test_auto_picks_ulysses_inside_a_node_ring_across_slow_links_never_inexact():
+    # inside one fast node: Ulysses (all-to-all over NVLink, one big kernel call)
+    kw = dict(seq_len=65536, num_kv_heads=32, head_dim=128, hardware="a100-80gb")
+    backend, why = resolve_auto_backend(32, 8, ranks_per_node=8, **kw)
+    assert backend == "ulysses" and "zigzag_ring" in why and "predicted fwd+bwd per layer" in why
+    # one rank per node on slow links, GQA: the ring (overlapped, small K/V) beats the all-to-all
+    slow = replace(A100, inter_bandwidth=2e9, inter_latency=1e-4)
+    backend, why = resolve_auto_backend(32, 8, ranks_per_node=1, seq_len=65536, num_kv_heads=4, head_dim=128,
+                                        hardware=slow)
+    assert backend == "zigzag_ring", why
+    # heads not divisible: never Ulysses, and usp only with a degree dividing the heads
+    choice = cm.choose_backend(replace(SHAPE, num_heads=12, num_kv_heads=4), 8, A100)
+    labels = {p.label for p in choice.predictions}
+    assert "ulysses" not in labels and "usp(ulysses=4)" in labels and "usp(ulysses=2)" in labels
+    assert "ulysses" in choice.excluded
+    for hw in (A100, slow, replace(A100, ranks_per_node=2)):
+        for h in (3, 6, 12, 32):
+            c = cm.choose_backend(cm.AttentionShape(seq_len=4096, num_heads=h, num_kv_heads=1, head_dim=64), 8, hw)
+            assert c.backend in cm.AUTO_LAYOUT_BACKENDS
+            if c.backend == "ulysses":
+                assert h % 8 == 0
+            if c.backend == "usp":
+                assert h % c.ulysses_degree == 0 and 8 % c.ulysses_degree == 0
+    # usp not offered when its sub-groups cannot be built
+    c = cm.choose_backend(SHAPE, 16, replace(A100, ranks_per_node=8), usp_allowed=False)
+    assert all(p.backend != "usp" for p in c.predictions) and "usp(ulysses=8)" in c.excluded
+
+
+def test_auto_rule_without_shapes_unchanged():
+    assert resolve_auto_backend(8, 4)[0] == "ulysses"
+    assert resolve_auto_backend(6, 4)[0] == "zigzag_ring"
+    assert resolve_auto_backend(16, 16, ranks_per_node=8)[0] == "zigzag_ring"
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        cm.AttentionShape(seq_len=8, num_heads=6, num_kv_heads=4, head_dim=8)
+    with pytest.raises(ValueError, match="divisible"):
+        cm.predict_attention("ulysses", replace(SHAPE, num_heads=12, num_kv_heads=4), 8, A100)
+    with pytest.raises(ValueError, match="ulysses_degree"):
+        cm.predict_attention("usp", SHAPE, 8, A100)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        cm.predict_attention("striped", SHAPE, 8, A100)
+    with pytest.raises(ValueError, match="unknown hardware preset"):
+        cm.preset("tpu")
+    with pytest.raises(ValueError, match="ascending"):
+        replace(A100, attention_curve=((10, 1.0), (5, 1.0)))
+    hw = cm.HardwareProfile.from_dict(A100.to_dict())
+    assert hw == A100
