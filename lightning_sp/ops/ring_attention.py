@@ -160,18 +160,9 @@ def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResul
 
 def accumulate_block_grads(spec: BlockAttentionSpec, src: int, dout, q, k_blk, v_blk, out, lse, dq, dkv) -> None:
     """Add, in place, the gradients of this rank's queries against source ``src``'s K/V block:
-    ``dq [B, Sq, H, D]`` and ``dkv = (dk, dv)``, each ``[B, Sk, H_kv, D]`` (accumulation dtype)."""
-    dk, dv = dkv
-    for c in plan_blocks(spec.q_runs, spec.k_runs_by_rank[src], causal=spec.causal, doc_bounds=spec.doc_bounds):
-        qs, ks = slice(c.q_start, c.q_start + c.q_len), slice(c.k_start, c.k_start + c.k_len)
-        dq_c, dk_c, dv_c = spec.kernel.backward(
-            dout[:, qs], q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs], lse[:, :, qs],
-            scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device),
-        )
-        dq[:, qs] += dq_c
-        dk[:, ks] += dk_c
-        dv[:, ks] += dv_c
-        del dq_c, dk_c, dv_c  # free the kernel's results before the next call allocates its own
+    ``dq [B, Sq, H, D]`` and ``dkv = (dk, dv)``, each ``[B, Sk, H_kv, D]`` (accumulation dtype).
+    ``accumulate_tile_grads`` with all of ``q`` as one chunk."""
+    accumulate_tile_grads(spec, [(0, spec.q_runs)], spec.k_runs_by_rank[src], dout, q, k_blk, v_blk, out, lse, dq, dkv)
 
 
 def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
@@ -267,7 +258,7 @@ def query_chunks(q_runs, q_len: int, chunks: int) -> list[tuple[int, tuple[Run, 
 
 
 def accumulate_tile_grads(spec: BlockAttentionSpec, q_chunks, k_runs, dout, q, k_blk, v_blk, out, lse, dq, dkv) -> None:
-    """Like ``accumulate_block_grads`` for a K/V block (or piece) whose positions are ``k_runs``,
+    """The gradients of this rank's queries against a K/V block (or piece) whose positions are ``k_runs``,
     one query chunk (``query_chunks``) at a time, so the kernel's per-call ``dq`` is a chunk, not
     all of ``q``. ``dq [B, Sq, H, D]``, ``dkv = (dk, dv)`` each ``[B, Sk, H_kv, D]``, in place."""
     dk, dv = dkv
@@ -282,7 +273,7 @@ def accumulate_tile_grads(spec: BlockAttentionSpec, q_chunks, k_runs, dout, q, k
             dq[:, qs] += dq_c
             dk[:, ks] += dk_c
             dv[:, ks] += dv_c
-            del dq_c, dk_c, dv_c
+            del dq_c, dk_c, dv_c  # free the kernel's results before the next call allocates its own
 
 
 def _pieces_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: int):
