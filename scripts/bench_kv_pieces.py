@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""What K/V in pieces costs in time: fwd+bwd of one attention call with ``kv_pieces`` (default 8)
+against whole blocks (``kv_pieces=1``), side by side in one run (Note [K/V in pieces]).
+
+    .venv/bin/python scripts/bench_kv_pieces.py --seq-lens 4096 8192 --reps 7
+
+Two gloo ranks on CPU (one thread each), causal, H=8, D=64, fp32, ``kernel="sdpa"``; the two variants
+alternate rep by rep (the order flips every rep), a barrier before and after each call; median and
+minimum over reps after one warm-up rep. Prints ``time(pieces) / time(whole blocks)`` per backend and N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from experiments.common import run_on_ranks  # noqa: E402
+
+
+def _worker(rank: int, world: int, seq_len: int, backends: list[str], reps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_sp import SequenceParallelAttention, shard_sequence
+    from lightning_sp.attention import DEFAULT_KV_PIECES
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, seq_len, 8, 64, generator=g) for _ in range(4)]  # q, k, v, dout: [1, N, H, D]
+    results = {}
+    for backend in backends:
+        mods = {p: SequenceParallelAttention(causal=True, backend=backend, group=group, kernel="sdpa", kv_pieces=p)
+                for p in (DEFAULT_KV_PIECES, 1)}
+        shards = [shard_sequence(t, group, layout=mods[1].layout) for t in full]  # [1, N/P, H, D] each
+        times: dict[int, list[float]] = {p: [] for p in mods}
+        for rep in range(reps + 1):  # rep 0: warm-up
+            for p in (list(mods) if rep % 2 else list(mods)[::-1]):
+                q, k, v = (t.detach().clone().requires_grad_() for t in shards[:3])
+                dist.barrier()
+                t0 = time.perf_counter()
+                mods[p](q, k, v, seq_len=seq_len).backward(shards[3])
+                dist.barrier()
+                if rep:
+                    times[p].append(time.perf_counter() - t0)
+        results[backend] = {p: (statistics.median(ts), min(ts)) for p, ts in times.items()}
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--backends", default="ring,zigzag_ring,allgather_kv")
+    ap.add_argument("--reps", type=int, default=7)
+    a = ap.parse_args(argv)
+    if a.reps < 1 or any(n % 4 for n in a.seq_lens):
+        ap.error("--reps must be >= 1 and every --seq-lens divisible by 4 (2 ranks x 2 zigzag chunks)")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from lightning_sp.attention import DEFAULT_KV_PIECES
+
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    for n in a.seq_lens:
+        res = run_on_ranks(_worker, 2, (n, a.backends.split(","), a.reps), timeout_s=1200)[0]
+        for backend, r in res.items():
+            (pm, pmin), (wm, wmin) = r[DEFAULT_KV_PIECES], r[1]
+            print(f"N={n} P=2 {backend:12s} kv_pieces={DEFAULT_KV_PIECES}: median {pm:.3f} s (min {pmin:.3f}) | "
+                  f"kv_pieces=1: median {wm:.3f} s (min {wmin:.3f}) | ratio median {pm / wm:.3f}, min {pmin / wmin:.3f}",
+                  flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
