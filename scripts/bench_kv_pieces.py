@@ -5,17 +5,15 @@ against whole blocks (``kv_pieces=1``), side by side in one run (Note [K/V in pi
     .venv/bin/python scripts/bench_kv_pieces.py --seq-lens 4096 8192 --reps 7
 
 Two gloo ranks on CPU (one thread each), causal, H=8, D=64, fp32, ``kernel="sdpa"``; the two variants
-alternate rep by rep (the order flips every rep), a barrier before and after each call; median and
-minimum over reps after one warm-up rep. Prints ``time(pieces) / time(whole blocks)`` per backend and N.
+alternate rep by rep (``experiments.throughput.time_alternating``: the order rotates every rep, a
+barrier before and after each call); median and minimum over reps after one warm-up rep. Prints ``time(pieces) / time(whole blocks)`` per backend and N.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +26,7 @@ def _worker(rank: int, world: int, seq_len: int, backends: list[str], reps: int)
     import torch
     import torch.distributed as dist
 
+    from experiments.throughput import time_alternating
     from lightning_sp import SequenceParallelAttention, shard_sequence
     from lightning_sp.attention import DEFAULT_KV_PIECES
 
@@ -39,17 +38,13 @@ def _worker(rank: int, world: int, seq_len: int, backends: list[str], reps: int)
         mods = {p: SequenceParallelAttention(causal=True, backend=backend, group=group, kernel="sdpa", kv_pieces=p)
                 for p in (DEFAULT_KV_PIECES, 1)}
         shards = [shard_sequence(t, group, layout=mods[1].layout) for t in full]  # [1, N/P, H, D] each
-        times: dict[int, list[float]] = {p: [] for p in mods}
-        for rep in range(reps + 1):  # rep 0: warm-up
-            for p in (list(mods) if rep % 2 else list(mods)[::-1]):
-                q, k, v = (t.detach().clone().requires_grad_() for t in shards[:3])
-                dist.barrier()
-                t0 = time.perf_counter()
-                mods[p](q, k, v, seq_len=seq_len).backward(shards[3])
-                dist.barrier()
-                if rep:
-                    times[p].append(time.perf_counter() - t0)
-        results[backend] = {p: (statistics.median(ts), min(ts)) for p, ts in times.items()}
+
+        def fwd_bwd(mod):
+            q, k, v = (t.detach().clone().requires_grad_() for t in shards[:3])
+            mod(q, k, v, seq_len=seq_len).backward(shards[3])
+
+        timings = time_alternating({p: (lambda m=m: fwd_bwd(m)) for p, m in mods.items()}, warmup=1, reps=reps, group=group)
+        results[backend] = {p: (t.median_s, min(t.wall_s)) for p, t in timings.items()}
     return results
 
 
