@@ -23,8 +23,10 @@ import ctypes.util
 import gc
 import os
 
-MMAP_THRESHOLD_BYTES = 128 * 1024
+import torch
+from torch.profiler import ProfilerActivity, profile
 
+MMAP_THRESHOLD_BYTES = 128 * 1024
 
 
 def method(threshold: int = MMAP_THRESHOLD_BYTES) -> str:
@@ -117,3 +119,106 @@ class PeakRSS:
 
     def __exit__(self, *exc) -> None:
         self.increase_bytes = self.peak_now()
+
+
+# ----------------------------------------------------------------------------------------------
+# The PyTorch allocator's peak (deterministic; what the profiler sees, not gloo's own buffers)
+# ----------------------------------------------------------------------------------------------
+
+
+def grad_seed(out, dout):
+    """A scalar whose ``.backward()`` runs ``out``'s backward with gradient ``dout``, so that the caller
+    can drop ``out`` first (``seed = grad_seed(out, dout); del out; seed.backward()``): as in a model,
+    where the next layer's backward has released the output before attention's backward runs
+    (``out.backward(dout)`` would keep it alive throughout)."""
+    return _SeedGrad.apply(out, dout)
+
+
+class _SeedGrad(torch.autograd.Function):
+    """A scalar whose backward hands ``dout`` to ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, dout):
+        ctx.dout = dout
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad):
+        return ctx.dout, None
+
+
+class AllocatorPeak:
+    """``with AllocatorPeak() as p: work()`` -> ``p.peak_bytes``: the peak, over the block, of the CPU
+    tensor bytes allocated in it minus those freed (``torch.profiler`` with ``profile_memory=True``), and
+    ``p.live_at_peak(top)``: the tensors alive at that moment as ``[(aten op, autograd node, MiB,
+    count)]``, largest first. Deterministic (no page or allocator-cache effects); sees only PyTorch's
+    allocator, not a collective library's own buffers, which ``PeakRSS`` counts."""
+
+    def __init__(self) -> None:
+        self.peak_bytes: int | None = None
+        self._trace: dict | None = None
+
+    def __enter__(self) -> "AllocatorPeak":
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import json
+        import tempfile
+
+        self._prof.__exit__(*exc)
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            self._prof.export_chrome_trace(f.name)
+            with open(f.name) as g:
+                self._trace = json.load(g)
+        del self._prof
+        self.peak_bytes, self._live = _peak_of(self._trace["traceEvents"])
+
+    def live_at_peak(self, top: int = 12) -> list[tuple[str, str, float, int]]:
+        """Tensors alive at the peak, grouped by the aten op that allocated them (the innermost one
+        other than a bare ``empty``/``empty_strided``, which name no purpose; "?" = outside any aten op,
+        e.g. a C++ collective), its autograd node and the allocation size."""
+        import bisect
+        import collections
+
+        events = self._trace["traceEvents"]
+        ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+        starts = [o["ts"] for o in ops]
+        alloc_only = {"aten::empty", "aten::empty_strided", "aten::resize_"}
+
+        def owner(ts):
+            aten, node = "?", "forward"
+            for o in reversed(ops[: bisect.bisect_right(starts, ts)]):
+                if o["ts"] <= ts <= o["ts"] + o["dur"]:
+                    if aten == "?" and o["name"].startswith("aten::") and o["name"] not in alloc_only:
+                        aten = o["name"]
+                    if o["name"].startswith("autograd::engine::evaluate_function"):
+                        node = o["name"].split(": ", 1)[-1]
+                        break
+            return aten, node
+
+        groups, counts = collections.Counter(), collections.Counter()
+        for nbytes, ts in self._live.values():
+            key = (*owner(ts), nbytes)
+            groups[key] += nbytes
+            counts[key] += 1
+        return [(a, n, b / 2**20, counts[(a, n, each)]) for (a, n, each), b in groups.most_common(top)]
+
+
+def _peak_of(events) -> tuple[int, dict]:
+    """Peak of the running sum of CPU allocator events, and ``{address: (bytes, time)}`` alive then.
+    Frees of memory allocated before the profile lower the running sum (the peak is net of them)."""
+    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
+                 key=lambda e: e["ts"])
+    live, running, peak, peak_live = {}, 0, 0, {}
+    for e in mem:
+        nbytes, addr = e["args"]["Bytes"], e["args"]["Addr"]
+        running += nbytes
+        if nbytes > 0:
+            live[addr] = (nbytes, e["ts"])
+        else:
+            live.pop(addr, None)
+        if running > peak:
+            peak, peak_live = running, dict(live)
+    return peak, peak_live

@@ -29,8 +29,9 @@ from lightning_sp.ops.kernels import KERNELS, make_kernel
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_PIECES = 8
-"""``SequenceParallelAttention(kv_pieces=)`` default: at P = 4 the ring backends' peak per rank drops
-below 0.35 of one process's (benchmarks/README.md, section 4)."""
+"""``SequenceParallelAttention(kv_pieces=)`` default: at P = 4 the peak per rank of every backend but
+colossal drops below 0.35 of one process's (allgather_kv's gathered K/V aside; benchmarks/README.md,
+section 4)."""
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
@@ -193,7 +194,10 @@ class SequenceParallelAttention(nn.Module):
             blocks: the peak memory per rank falls with ``P`` (Note [K/V in pieces] in
             ``ops/ring_attention.py``). Same bytes as the ring. Pieces are never shorter than
             ``MIN_PIECE_TOKENS`` (256) tokens, so short blocks use fewer; ``1``: the neighbour ring
-            with whole blocks double-buffered (more memory, fewer kernel calls).
+            with whole blocks double-buffered (more memory, fewer kernel calls). ``ulysses`` and
+            ``usp``: the all-to-alls and the attention run on up to this many groups of heads (the
+            largest divisor of the K/V heads per rank that fits; Note [Heads in groups] in
+            ``ops/backends.py``), so the backward holds one group's temporaries at a time.
     """
 
     def __init__(

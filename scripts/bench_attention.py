@@ -19,14 +19,21 @@ Sections (``--sections``, comma-separated; default all):
   (a) bytes saved for backward by one attention call (``torch.autograd.graph.saved_tensors_hooks``,
   unique storages by ``untyped_storage().data_ptr()``), (b) peak RSS increase during one fwd+bwd
   (``VmHWM`` reset through ``/proc/self/clear_refs``, glibc told to mmap every allocation >= 128 KiB
-  so freed memory leaves the process), and (c) the same peak plus the bytes of this rank's inputs
-  ``q, k, v, dout`` (the whole per-rank footprint of the call). The backward is seeded through a
-  function that does not keep the attention output alive (``_SeedGrad``), as in a model, where the
-  next layer's backward has released it before attention's backward runs; an output that the
-  backend itself saves for backward still counts.
+  so freed memory leaves the process), (c) the same peak plus the bytes of this rank's inputs
+  ``q, k, v, dout`` (the whole per-rank footprint of the call while the harness holds the inputs),
+  and (d) the peak as in a model: ``q, k, v`` are made inside the measurement by a node that saves
+  nothing (``_Projected``, like a projection's output) and the harness drops them after the forward,
+  so they live on only if the backend saved them (local attention and the rings save them; Ulysses
+  saves its head-split copies instead), plus ``dout``. (b) charges a backend for copies of its
+  inputs but not for the inputs themselves, (c) for both; (d) for what a model would hold. The
+  backward is seeded through a
+  function that does not keep the attention output alive (``experiments.peak_memory.grad_seed``),
+  as in a model, where the next layer's backward has released it before attention's backward runs;
+  an output that the backend itself saves for backward still counts. ``allgather_kv`` is also shown
+  without its gathered K/V (``2 N h_kv``), which it keeps by design.
 - ``memtrace`` (not in the default run): where each backend's peak comes from. One fwd+bwd per
-  backend under ``torch.profiler`` with ``profile_memory=True``; from the allocator events (address,
-  bytes, running total) it reports the peak of tensor bytes allocated during the call and the
+  backend under ``experiments.peak_memory.AllocatorPeak`` (``torch.profiler``, ``profile_memory``);
+  from the allocator events (address, bytes, running total) it reports the peak of tensor bytes allocated during the call and the
   tensors alive at that moment, grouped by the aten op that allocated them and its autograd node.
   Sees only the PyTorch allocator (not gloo's own buffers, which the RSS peak includes).
 - ``gpu``: only with CUDA; skipped (and reported as skipped) otherwise. TODO, see ``_gpu_section``.
@@ -52,7 +59,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.peak_memory import mmap_large_allocations, proc_status_kib, reset_peak_rss  # noqa: E402
+from experiments.peak_memory import (  # noqa: E402
+    AllocatorPeak,
+    grad_seed,
+    mmap_large_allocations,
+    proc_status_kib,
+    reset_peak_rss,
+)
 
 # Large allocations through mmap, so the memory they free leaves the process and VmHWM deltas mean
 # "peak bytes this call needed". Must be set before the rank processes start (inherited by spawn).
@@ -78,20 +91,6 @@ def _inputs(seed, b, n, h, h_kv, d, dtype=torch.float32):
     return q, k, v, dout
 
 
-class _SeedGrad(torch.autograd.Function):
-    """A scalar whose backward hands ``dout`` to ``x``: starts the backward of ``x`` without the
-    harness holding ``x`` (``out.backward(dout)`` would keep the output alive throughout)."""
-
-    @staticmethod
-    def forward(ctx, x, dout):
-        ctx.dout = dout
-        return x.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _grad):
-        return ctx.dout, None
-
-
 class _SavedBytes:
     """Bytes of unique storages autograd saves for backward while active."""
 
@@ -110,6 +109,21 @@ class _SavedBytes:
     @property
     def total(self) -> int:
         return sum(self.storages.values())
+
+
+class _Projected(torch.autograd.Function):
+    """``q, k, v`` as a model has them: outputs of a graph node that saves nothing (like the
+    projections, which save their input, not their output), so once the harness drops its references
+    they stay alive only if the attention saved them, and the gradients they receive are consumed
+    (freed) by this node's backward instead of accumulating in leaves."""
+
+    @staticmethod
+    def forward(ctx, anchor, q, k, v):
+        return q.clone(), k.clone(), v.clone()
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        return torch.zeros((), dtype=dq.dtype), None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,18 +303,38 @@ def _memory_section(rank, world, cfg, group):
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             out = attn(q, k, v)
         hwm_fwd = proc_status_kib("VmHWM")
-        seed = _SeedGrad.apply(out, dout)
-        del out  # the backend's saved tensors keep what it needs (see _SeedGrad)
+        seed = grad_seed(out, dout)
+        del out  # the backend's saved tensors keep what it needs
         seed.backward()
         hwm_fwd_bwd = proc_status_kib("VmHWM")
         input_bytes = sum(t.numel() * t.element_size() for t in (q, k, v))
         inputs_and_dout = input_bytes + dout.numel() * dout.element_size()
+        # (d) as in a model: q, k, v made inside the measurement by a node that saves nothing, and
+        # dropped by the harness after the forward; dout held throughout (counted)
+        data = [t.detach() for t in (q, k, v)]
+        anchor = torch.zeros((), requires_grad=True)
+        gc.collect()
+        if world > 1:
+            torch.distributed.barrier(group)
+        rss0_model = proc_status_kib("VmRSS")
+        reset_peak_rss()
+        mq, mk, mv = _Projected.apply(anchor, *data)
+        out = attn(mq, mk, mv)
+        del mq, mk, mv
+        seed = grad_seed(out, dout)
+        del out
+        seed.backward()
+        model_bytes = (proc_status_kib("VmHWM") - rss0_model) * 1024 + dout.numel() * dout.element_size()
+        del data, anchor
         rows.append({
             "world": world, "rank": rank, "backend": backend, "seq_len": n, "heads": h, "head_dim": d, "dtype": "float32",
             "causal": True, "saved_for_backward_bytes": saved.total, "local_qkv_bytes": input_bytes,
             "peak_rss_increase_fwd_bytes": (hwm_fwd - rss0) * 1024 if hwm_ok else None,
             "peak_rss_increase_fwd_bwd_bytes": (hwm_fwd_bwd - rss0) * 1024 if hwm_ok else None,
             "peak_fwd_bwd_with_inputs_bytes": (hwm_fwd_bwd - rss0) * 1024 + inputs_and_dout if hwm_ok else None,
+            "peak_as_in_a_model_bytes": model_bytes if hwm_ok else None,
+            # allgather_kv holds every rank's K and V ([B, N, H_kv, D] each) by design
+            "gathered_kv_bytes": 2 * world * k.numel() * k.element_size() if backend == "allgather_kv" else 0,
         })
         del seed, q, k, v, dout, saved
         gc.collect()
@@ -314,60 +348,7 @@ def _pieces_kw(cfg) -> dict:
     return {} if cfg.get("kv_pieces") is None else {"kv_pieces": cfg["kv_pieces"]}
 
 
-def _live_at_peak(trace_path: str, top: int = 12):
-    """Parse a chrome trace: peak of the running sum of allocator bytes, and the allocations alive at
-    that moment as ``[(aten op, autograd node, MiB, count)]`` (largest first; grouped by op, node and
-    allocation size). The op is the innermost one enclosing the allocation other than a bare
-    ``empty``/``empty_strided`` (those name the op that asked for the memory: ``zeros``, ``clone``...);
-    "?" = allocated outside any aten op (e.g. by a C++ collective)."""
-    import bisect
-    import collections
-
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
-    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
-                 key=lambda e: e["ts"])
-    live, running, peak, peak_live = {}, 0, 0, {}
-    for e in mem:
-        nbytes, addr = e["args"]["Bytes"], e["args"]["Addr"]
-        running += nbytes
-        if nbytes > 0:
-            live[addr] = (nbytes, e["ts"])
-        else:
-            live.pop(addr, None)  # frees of memory allocated before the profile are ignored
-        if running > peak:
-            peak, peak_live = running, dict(live)
-    starts = [o["ts"] for o in ops]
-
-    alloc_only = {"aten::empty", "aten::empty_strided", "aten::resize_"}
-
-    def owner(ts):  # innermost aten op (other than a bare allocation) and autograd node enclosing ts
-        aten, node = "?", "forward"
-        for o in reversed(ops[: bisect.bisect_right(starts, ts)]):
-            if o["ts"] <= ts <= o["ts"] + o["dur"]:
-                if aten == "?" and o["name"].startswith("aten::") and o["name"] not in alloc_only:
-                    aten = o["name"]
-                if o["name"].startswith("autograd::engine::evaluate_function"):
-                    node = o["name"].split(": ", 1)[-1]
-                    break
-        return aten, node
-
-    groups = collections.Counter()
-    counts = collections.Counter()
-    for nbytes, ts in peak_live.values():
-        key = (*owner(ts), nbytes)
-        groups[key] += nbytes
-        counts[key] += 1
-    rows = [(a, n, b / 2**20, counts[(a, n, each)]) for (a, n, each), b in groups.most_common(top)]
-    return peak, rows
-
-
 def _memtrace_section(rank, world, cfg, group):
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
     from lightning_sp import SequenceParallelAttention, shard_sequence
 
     rows = []
@@ -385,16 +366,14 @@ def _memtrace_section(rank, world, cfg, group):
             t.grad = None
         if world > 1:
             torch.distributed.barrier(group)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with AllocatorPeak() as peak:
             out = attn(q, k, v)
-            seed = _SeedGrad.apply(out, dout)
+            seed = grad_seed(out, dout)
             del out
             seed.backward()
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            prof.export_chrome_trace(f.name)
-            peak, live = _live_at_peak(f.name)
         rows.append({"world": world, "rank": rank, "backend": backend, "seq_len": n, "heads": h,
-                     "local_shard_bytes": q.numel() * q.element_size(), "peak_alloc_bytes": peak, "live_at_peak": live})
+                     "local_shard_bytes": q.numel() * q.element_size(), "peak_alloc_bytes": peak.peak_bytes,
+                     "live_at_peak": peak.live_at_peak()})
         del q, k, v, dout, seed
         if world > 1:
             torch.distributed.barrier(group)
@@ -488,54 +467,7 @@ def _summaries(results, worlds):
                     cells.append(f" {worst:12.4f}")
             lines.append(f"{backend:<13}" + "".join(cells))
     if "memory" in results:
-        mem = results["memory"]
-        base = [r for r in mem if r["world"] == 1]
-        if base:
-            b = base[0]
-            lines.append(f"\n== Per-rank activation memory, global N={b['seq_len']}, H={b['heads']}, D={b['head_dim']}, fp32 causal "
-                         "(max over ranks; ratio = mem(P)/mem(1)) ==")
-            lines.append(f"P=1 local: saved-for-backward {_fmt_bytes(b['saved_for_backward_bytes'])}, "
-                         f"peak RSS increase fwd+bwd {_fmt_bytes(b['peak_rss_increase_fwd_bwd_bytes'])}")
-            ps = [p for p in sorted({r["world"] for r in mem}) if p > 1]
-            hdr = f"{'backend':<13}" + "".join(f" {f'saved P={p}':>15} {'ratio':>6} {'1/P':>5}" for p in ps)
-            lines.append(hdr)
-            for backend in BACKENDS:
-                cells = []
-                for p in ps:
-                    rs = [r for r in mem if r["backend"] == backend and r["world"] == p]
-                    if not rs:
-                        cells.append(" " * 29)
-                        continue
-                    m = max(r["saved_for_backward_bytes"] for r in rs)
-                    cells.append(f" {_fmt_bytes(m):>15} {m / b['saved_for_backward_bytes']:6.3f} {1 / p:5.3f}")
-                lines.append(f"{backend:<13}" + "".join(cells))
-            lines.append(f"{'backend':<13}" + "".join(f" {f'peakRSS P={p}':>15} {'ratio':>6} {'1/P':>5}" for p in ps))
-            for backend in BACKENDS:
-                cells = []
-                for p in ps:
-                    rs = [r for r in mem if r["backend"] == backend and r["world"] == p]
-                    vals = [r["peak_rss_increase_fwd_bwd_bytes"] for r in rs if r["peak_rss_increase_fwd_bwd_bytes"] is not None]
-                    base_v = b["peak_rss_increase_fwd_bwd_bytes"]
-                    if not vals or not base_v:
-                        cells.append(" " * 29)
-                        continue
-                    m = max(vals)
-                    cells.append(f" {_fmt_bytes(m):>15} {m / base_v:6.3f} {1 / p:5.3f}")
-                lines.append(f"{backend:<13}" + "".join(cells))
-            key = "peak_fwd_bwd_with_inputs_bytes"
-            if b.get(key):
-                lines.append(f"P=1 local: peak fwd+bwd incl. inputs q, k, v, dout {_fmt_bytes(b[key])}")
-                lines.append(f"{'backend':<13}" + "".join(f" {f'+inputs P={p}':>15} {'ratio':>6} {'1/P':>5}" for p in ps))
-                for backend in BACKENDS:
-                    cells = []
-                    for p in ps:
-                        vals = [r[key] for r in mem if r["backend"] == backend and r["world"] == p and r.get(key)]
-                        if not vals:
-                            cells.append(" " * 29)
-                            continue
-                        m = max(vals)
-                        cells.append(f" {_fmt_bytes(m):>15} {m / b[key]:6.3f} {1 / p:5.3f}")
-                    lines.append(f"{backend:<13}" + "".join(cells))
+        lines.extend(_memory_report(results["memory"]))
     if "memtrace" in results:
         lines.append("\n== Tensors alive at the allocator peak of one fwd+bwd (rank 0; u = one local shard) ==")
         for r in results["memtrace"]:
@@ -548,6 +480,51 @@ def _summaries(results, worlds):
     if "gpu" in results:
         lines.append(f"\n== GPU ==\n{results['gpu']}")
     return "\n".join(lines)
+
+
+MEMORY_MEASURES = [  # (row key, column label, P=1 line)
+    ("saved_for_backward_bytes", "saved", "saved for backward"),
+    ("peak_rss_increase_fwd_bwd_bytes", "increase", "(b) peak RSS increase over the inputs"),
+    ("peak_fwd_bwd_with_inputs_bytes", "+inputs", "(c) peak incl. the inputs q, k, v, dout"),
+    ("peak_as_in_a_model_bytes", "model", "(d) peak as in a model (q, k, v alive only if saved; dout held)"),
+]
+
+
+def _memory_report(mem) -> list[str]:
+    """One table per measure: the max over ranks at each P, as a ratio to P=1 (local attention on
+    the whole sequence); allgather_kv also without its gathered K/V for the peak measures."""
+    base = [r for r in mem if r["world"] == 1]
+    if not base:
+        return []
+    b = base[0]
+    ps = [p for p in sorted({r["world"] for r in mem}) if p > 1]
+    lines = [f"\n== Per-rank activation memory, global N={b['seq_len']}, H={b['heads']}, D={b['head_dim']}, fp32 causal "
+             "(max over ranks; ratio = mem(P)/mem(1)) =="]
+    for key, label, title in MEMORY_MEASURES:
+        if not b.get(key):
+            continue
+        lines.append(f"P=1 local, {title}: {_fmt_bytes(b[key])}")
+        lines.append(f"{'backend':<13}" + "".join(f" {f'{label} P={p}':>16} {'ratio':>6} {'1/P':>5}" for p in ps))
+        for backend in BACKENDS:
+            cells = []
+            for p in ps:
+                vals = [r[key] for r in mem if r["backend"] == backend and r["world"] == p and r.get(key) is not None]
+                if not vals:
+                    cells.append(" " * 30)
+                    continue
+                m = max(vals)
+                cells.append(f" {_fmt_bytes(m):>16} {m / b[key]:6.3f} {1 / p:5.3f}")
+            lines.append(f"{backend:<13}" + "".join(cells))
+        if key == "saved_for_backward_bytes":
+            continue
+        for p in ps:  # allgather_kv may keep its gathered K/V (nothing else of size N): that share apart
+            rs = [r for r in mem if r["backend"] == "allgather_kv" and r["world"] == p and r.get(key) is not None]
+            if rs:
+                r = max(rs, key=lambda r: r[key])
+                rest = r[key] - r["gathered_kv_bytes"]
+                lines.append(f"  allgather_kv P={p} without its gathered K/V ({_fmt_bytes(r['gathered_kv_bytes'])}): "
+                             f"{_fmt_bytes(rest)}, ratio {rest / b[key]:.3f}")
+    return lines
 
 
 def _csv_rows(results):
@@ -617,7 +594,7 @@ def main(argv=None) -> int:
             "cwd": os.getcwd(), "config": cfg,
             "memory_method": "saved_for_backward: saved_tensors_hooks, unique untyped storages; peak: /proc/self/status "
                              "VmHWM after clear_refs=5, minus VmRSS before the call (MALLOC_MMAP_THRESHOLD_=131072); backward seeded "
-                             "through _SeedGrad (the harness does not hold the output); +inputs: plus the bytes of local q, k, v, dout"}
+                             "through grad_seed (the harness does not hold the output); +inputs: plus the bytes of local q, k, v, dout"}
     print(f"device: {info['cpu_model']} x{info['cpu_cores']} cores, torch {info['torch']}, deepspeed {info['deepspeed']}")
     print(f"command: {meta['command']}")
     results: dict = {}

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """What K/V in pieces costs in time: fwd+bwd of one attention call with ``kv_pieces`` (default 8)
-against whole blocks (``kv_pieces=1``), side by side in one run (Note [K/V in pieces]).
+against whole blocks (``kv_pieces=1``), side by side in one run (Note [K/V in pieces]; for
+``ulysses``, head groups against one group, Note [Heads in groups]).
 
     .venv/bin/python scripts/bench_kv_pieces.py --seq-lens 4096 8192 --reps 7
 
@@ -51,7 +52,7 @@ def _worker(rank: int, world: int, seq_len: int, backends: list[str], reps: int)
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192])
-    ap.add_argument("--backends", default="ring,zigzag_ring,allgather_kv")
+    ap.add_argument("--backends", default="ring,zigzag_ring,allgather_kv,ulysses")
     ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args(argv)
     if a.reps < 1 or any(n % 4 for n in a.seq_lens):

@@ -12,6 +12,20 @@ whole global sequence (masks from global positions, ``doc_bounds`` and ``causal`
     allgather_kv   zigzag        all-gather K and V: (P-1)/P * 2*N*h_kv
     usp            zigzag(U)     Ulysses over U ranks, zigzag ring over P/U
     colossal       contiguous    ring K then ring V; O(N^2/P) score memory
+
+Note [Heads in groups]
+    Ulysses attends over the whole sequence for ``H/P`` heads, so its backward holds the head-split
+    ``q, k, v, out`` it saved (``4u``, ``u`` = one local ``[B, S/P, H, D]`` shard; the all-to-all
+    outputs are copies, not the caller's tensors), ``dout`` and the kernel's ``dq, dk, dv`` (``4u``)
+    at once: with the caller's ``q, k, v, dout`` that is ``12u``, 0.375 of what one process
+    doing the whole sequence needs (``8P u``) at P = 4. Attention is independent per head, so
+    ``ulysses`` and ``usp`` run the all-to-alls and the attention on ``G`` groups of heads
+    (``head_group_count``: the largest divisor of the K/V heads per rank that is at most
+    ``kv_pieces``, fewer on short shards), each group its own autograd nodes. The backward then
+    finishes one group (and autograd frees what that group saved) before it starts the next, so
+    the transients are ``4u / G`` and the peak falls to about ``8u + 4u / G`` with the inputs
+    (``scripts/bench_attention.py --sections memory``). Same bytes, ``G`` times as many (smaller)
+    all-to-alls and kernel calls; query head ``h`` stays with K/V head ``h // (H / H_kv)``.
 """
 
 from __future__ import annotations
@@ -120,15 +134,36 @@ def _attend_gathered(q, k, v, call: AttentionCall, world: int) -> torch.Tensor:
     return out.index_select(1, inverse)
 
 
+def head_group_count(kv_pieces: int, kv_heads_per_rank: int, shard_len: int) -> int:
+    """How many head groups ``ulysses``/``usp`` run in (Note [Heads in groups]): the largest divisor of
+    ``kv_heads_per_rank`` (K/V heads each rank holds after the all-to-all) that is at most
+    ``piece_count(kv_pieces, shard_len)``, so short shards (and ``kv_pieces=1``) use one group."""
+    most = piece_count(kv_pieces, shard_len)
+    return max(d for d in range(1, kv_heads_per_rank + 1) if kv_heads_per_rank % d == 0 and d <= most)
+
+
+def _in_head_groups(q, k, v, groups: int, attend) -> torch.Tensor:
+    """``attend`` on each of ``groups`` head groups of ``q [B, S/P, H, D]``, ``k, v [B, S/P, H_kv, D]``,
+    outputs concatenated along the heads (group ``c``: query heads ``c*H/groups ...``, K/V heads
+    ``c*H_kv/groups ...``, so every query head keeps its K/V head)."""
+    if groups == 1:
+        return attend(q, k, v)
+    parts = zip(q.chunk(groups, dim=2), k.chunk(groups, dim=2), v.chunk(groups, dim=2))
+    return torch.cat([attend(qg, kg, vg) for qg, kg, vg in parts], dim=2)
+
+
 def ulysses_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     world = torch.distributed.get_world_size(group)
     rep = kv_head_replication(q.size(2), k.size(2), world)
     if rep > 1:  # [B, S/P, H_kv, D] -> [B, S/P, H_kv*rep, D]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    # [B, S/P, H, D] -> [B, S, H/P, D]
-    qh, kh, vh = (seq_to_head(t, group, call.stats) for t in (q, k, v))
-    out = _attend_gathered(qh, kh, vh, call, world)  # [B, S, H/P, D]
-    return head_to_seq(out, group, call.stats)  # [B, S/P, H, D]
+
+    def attend(qg, kg, vg):  # one head group: [B, S/P, H', D] -> [B, S, H'/P, D] -> attention -> back
+        qh, kh, vh = (seq_to_head(t, group, call.stats) for t in (qg, kg, vg))
+        return head_to_seq(_attend_gathered(qh, kh, vh, call, world), group, call.stats)  # [B, S/P, H', D]
+
+    groups = head_group_count(call.kv_pieces, k.size(2) // world, q.size(1))
+    return _in_head_groups(q, k, v, groups, attend)  # [B, S/P, H, D]
 
 
 def ring_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
@@ -140,13 +175,13 @@ def ring_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
 
 class _AllGatherKVFunction(torch.autograd.Function):
     """All-gather K/V, attend locally; save only the local K/V shards (O(N/P) activations) and
-    gather them again in backward. dK/dV go back to their owners through a ring reduce-scatter
-    computed chunk by chunk (``ring_reduce_scatter``): the gradient of one rank's K/V shard is
-    computed, added to the partial sum received from the previous rank and passed on, so no
-    ``[B, S, H_kv, D]`` gradient is ever materialised, and the sum runs in the accumulation dtype
-    (fp32 for bf16/fp16 inputs), cast to the input dtype only at the end. Within a chunk the kernel
-    runs on tiles of ``1/kv_pieces`` of the chunk's K/V rows and of the query rows
-    (``accumulate_tile_grads``), so its per-call results are tile-sized, not ``3`` local shards."""
+    gather them again in backward. dK/dV go back to their owners through ring reduce-scatters
+    (``ring_reduce_scatter``), one per K/V piece (``kv_pieces`` row ranges of a shard): the gradient
+    of piece ``j`` of one rank's K/V shard is computed, added to the partial sum received from the
+    previous rank and passed on, so the partial sums in flight are piece-sized, no ``[B, S, H_kv, D]``
+    gradient is ever materialised, and the sum runs in the accumulation dtype (fp32 for bf16/fp16
+    inputs), cast to the input dtype only at the end. The kernel runs on tiles of (query chunk x
+    K/V piece) (``accumulate_tile_grads``), so its per-call results are tile-sized too."""
 
     @staticmethod
     def forward(ctx, q, k, v, spec, grad_spec, group, stats, kv_pieces):
@@ -168,26 +203,32 @@ class _AllGatherKVFunction(torch.autograd.Function):
         k_all, v_all = all_gather_raw(k, ctx.group, 1, ctx.stats), all_gather_raw(v, ctx.group, 1, ctx.stats)
         shard = k.size(1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.empty(k.shape, dtype=acc, device=q.device)
+        dv = torch.empty(v.shape, dtype=acc, device=q.device)
 
         spec = ctx.grad_spec
         pieces = piece_count(ctx.kv_pieces, shard)
         q_chunks = query_chunks(spec.q_runs, q.size(1), pieces)
         kb = piece_bounds(shard, pieces)
+        comm = RingComm(ctx.group, ctx.stats)
+        for j in range(pieces):
+            piece_shape = (k.size(0), kb[j + 1] - kb[j], *k.shape[2:])
 
-        def contribute(chunk, partial):  # this rank's share of rank `chunk`'s dK/dV [B, S/P, H_kv, D]
-            if partial is None:
-                partial = (torch.zeros(k.shape, dtype=acc, device=q.device),
-                           torch.zeros(v.shape, dtype=acc, device=q.device))
-            for j in range(pieces):  # K/V rows and query rows in tiles: kernel results of one tile
+            def contribute(chunk, partial, j=j, piece_shape=piece_shape):  # this rank's share of piece j
+                # of rank `chunk`'s dK/dV [B, piece, H_kv, D]
+                if partial is None:
+                    partial = (torch.zeros(piece_shape, dtype=acc, device=q.device),
+                               torch.zeros(piece_shape, dtype=acc, device=q.device))
                 rows = slice(chunk * shard + kb[j], chunk * shard + kb[j + 1])
                 accumulate_tile_grads(
                     spec, q_chunks, slice_runs(spec.k_runs_by_rank[chunk], kb[j], kb[j + 1]), dout, q,
-                    k_all[:, rows], v_all[:, rows], out, lse, dq,
-                    (partial[0][:, kb[j]:kb[j + 1]], partial[1][:, kb[j]:kb[j + 1]]),
+                    k_all[:, rows], v_all[:, rows], out, lse, dq, partial,
                 )
-            return partial
+                return partial
 
-        dk, dv = ring_reduce_scatter(RingComm(ctx.group, ctx.stats), contribute)
+            dk_j, dv_j = ring_reduce_scatter(comm, contribute)
+            dk[:, kb[j]:kb[j + 1]], dv[:, kb[j]:kb[j + 1]] = dk_j, dv_j
+            del dk_j, dv_j
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
@@ -203,16 +244,22 @@ def usp_attention(q, k, v, call: AttentionCall, *, ulysses_group, ring_group) ->
     u = torch.distributed.get_world_size(ulysses_group)
     r = torch.distributed.get_world_size(ring_group)
     ring_rank = torch.distributed.get_rank(ring_group)
+    world = u * r
+    ring_runs = [call.runs(world, range(i * u, (i + 1) * u)) for i in range(r)]
+    spec = call.spec(ring_runs[ring_rank], ring_runs, group=ring_group)
+    if u == 1:
+        return block_attention(q, k, v, spec)
     rep = kv_head_replication(q.size(2), k.size(2), u)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    # [B, S/P, H, D] -> [B, S/R, H/U, D]: this ring rank's zigzag pair of chunks, H/U heads
-    if u > 1:
-        q, k, v = (seq_to_head(t, ulysses_group, call.stats) for t in (q, k, v))
-    world = u * r
-    ring_runs = [call.runs(world, range(i * u, (i + 1) * u)) for i in range(r)]
-    out = block_attention(q, k, v, call.spec(ring_runs[ring_rank], ring_runs, group=ring_group))
-    return head_to_seq(out, ulysses_group, call.stats) if u > 1 else out  # [B, S/P, H, D]
+
+    def attend(qg, kg, vg):  # one head group: [B, S/P, H', D] -> [B, S/R, H'/U, D] (this ring rank's
+        # zigzag pair of chunks) -> ring attention -> back to [B, S/P, H', D]
+        qh, kh, vh = (seq_to_head(t, ulysses_group, call.stats) for t in (qg, kg, vg))
+        return head_to_seq(block_attention(qh, kh, vh, spec), ulysses_group, call.stats)
+
+    groups = head_group_count(call.kv_pieces, k.size(2) // u, q.size(1))
+    return _in_head_groups(q, k, v, groups, attend)  # [B, S/P, H, D]
 
 
 def colossal(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:

@@ -6,8 +6,10 @@ calls, each with a mask the fast kernels understand:
 
 - ``FULL``: every query sees every key (keys strictly before the queries, or bidirectional);
 - ``CAUSAL``: a square diagonal block, key ``j`` visible to query ``i`` iff ``j <= i``;
-- ``DENSE``: anything else, as an explicit boolean mask (rare: queries straddling a document
-  boundary are split first, so it is only hit by unusual run boundaries).
+- ``DENSE``: anything else, as an explicit boolean mask. ``plan_blocks`` never needs it: queries
+  are split at document boundaries, and a diagonal whose keys cover only part of the queries (a
+  K/V piece, a query chunk) becomes a CAUSAL square plus a FULL rectangle below it (the queries
+  before the keys see none of them). The kernels still accept it.
 
 Blocks no query can see (keys after every query under a causal mask, other documents, padding) are
 never computed: this is how zigzag and causal rings skip fully masked work.
@@ -81,6 +83,11 @@ def _split_at_docs(run: Run, doc_bounds: list[int] | None) -> list[Run]:
     return pieces
 
 
+def _sub_run(run: Run, start: int, stop: int) -> Run:
+    """The part of ``run`` at global positions ``[start, stop)``."""
+    return Run(run.local_start + start - run.global_start, start, stop - start)
+
+
 def plan_blocks(
     q_runs: "list[Run] | tuple[Run, ...]",
     k_runs: "list[Run] | tuple[Run, ...]",
@@ -122,10 +129,11 @@ def _plan_blocks_cached(
                 if causal:
                     if a0 < qs:  # keys before every query: fully visible
                         pieces.append((a0, min(a1, qs), MaskKind.FULL, q))
-                    d0, d1 = max(a0, qs), a1  # keys inside the query range: the diagonal
-                    if d0 < d1:
-                        kind = MaskKind.CAUSAL if (d0, d1) == (qs, qe) else MaskKind.DENSE
-                        pieces.append((d0, d1, kind, q))
+                    d0, d1 = max(a0, qs), a1  # keys inside the query range (d1 <= qe): the diagonal
+                    if d0 < d1:  # queries before d0 see none of these keys: skipped
+                        pieces.append((d0, d1, MaskKind.CAUSAL, _sub_run(q, d0, d1)))
+                        if d1 < qe:  # queries after the keys see them all
+                            pieces.append((d0, d1, MaskKind.FULL, _sub_run(q, d1, qe)))
                 else:
                     pieces.append((a0, a1, MaskKind.FULL, q))
                 for k0, k1, kind, qq in pieces:

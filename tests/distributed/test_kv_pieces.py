@@ -1,7 +1,8 @@
 """K/V in pieces (``kv_pieces``, Note [K/V in pieces] in ``ops/ring_attention.py``): ``ring``,
 ``zigzag_ring``, ``usp`` (and ``allgather_kv``'s tiled backward) with pieces forced on tiny shapes
-(``MIN_PIECE_TOKENS = 1``) equal dense float64 attention, forward and backward, on 2 and 4 gloo
-ranks; they send the same K/V bytes as whole blocks; and ``kv_pieces`` is validated."""
+(``MIN_PIECE_TOKENS = 1``), and ``ulysses``/``usp`` in head groups (Note [Heads in groups] in
+``ops/backends.py``), equal dense float64 attention, forward and backward, on 2 and 4 gloo ranks;
+they send the same K/V bytes as whole blocks; and ``kv_pieces`` is validated."""
 
 from __future__ import annotations
 
@@ -21,13 +22,21 @@ CASES = {  # world -> [(backend, causal, (H, H_kv), docs, kv_pieces)]
         ("ring", True, (4, 4), False, 3),
         ("zigzag_ring", True, (4, 1), True, 5),
         ("allgather_kv", True, (4, 2), True, 3),  # tiles in its backward; no ring sends
+        ("ulysses", True, (8, 4), True, 2),  # 2 head groups (Note [Heads in groups])
+        ("ulysses", False, (8, 8), False, 4),  # 4 head groups
     ],
     4: [
         ("ring", False, (4, 2), True, 4),
         ("zigzag_ring", True, (4, 2), False, 2),
-        ("usp", True, (4, 2), False, 3),
+        ("usp", True, (4, 2), False, 3),  # 1 K/V head per Ulysses rank: one head group
+        ("usp", True, (8, 4), True, 4),  # 2 head groups, each a ring in pieces
+        ("ulysses", True, (8, 8), True, 3),  # 2 head groups (the largest divisor of 2 heads <= 3)
+        ("ulysses", False, (8, 2), True, 8),  # K/V heads replicated to 4: one per rank, one group
     ],
 }
+HEAD_GROUPS = {(2, "ulysses", 4): 2, (2, "ulysses", 8): 4, (4, "usp", 2): 1, (4, "usp", 4): 2,
+               (4, "ulysses", 8): 2, (4, "ulysses", 2): 1}
+"""(world, backend, H_kv) -> head groups the all-to-alls must run in (3 forward all-to-alls each)."""
 
 
 def _tensors(seed, h, h_kv):
@@ -48,7 +57,9 @@ def _worker(rank, world):
         cu = torch.tensor(DOCS, dtype=torch.int32) if docs else None
         attn = SequenceParallelAttention(causal=causal, backend=backend, group=group, kv_pieces=pieces)
         local = [shard_sequence(t, group, layout=attn.layout).requires_grad_(j < 3) for j, t in enumerate((q, k, v, dout))]
+        before = attn.comm_stats.calls_by_op.get("all_to_all", 0)
         out = attn(*local[:3], cu_seqlens=cu, seq_len=N)
+        forward_all_to_alls = attn.comm_stats.calls_by_op.get("all_to_all", 0) - before
         out.backward(local[3])
         got = [gather_sequence(t, group, layout=attn.layout, seq_len=N) for t in (out.detach(), *(x.grad for x in local[:3]))]
         qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
@@ -66,7 +77,7 @@ def _worker(rank, world):
             a(*x, cu_seqlens=cu, seq_len=N).backward(local[3])
             sent[p] = dict(a.comm_stats.snapshot())
         ring_world = world // attn.layout.ulysses_degree if backend == "usp" else world
-        errors[(backend, causal, h_kv, docs, pieces)] = (errs, control, sent, ring_world)
+        errors[(backend, causal, h_kv, docs, pieces)] = (errs, control, sent, ring_world, forward_all_to_alls)
     return errors
 
 
@@ -77,7 +88,7 @@ def results(request):
 
 def test_pieces_match_dense_fp64(results):
     world, per_rank = results
-    for key, (errs, control, _, _) in per_rank[0].items():
+    for key, (errs, control, *_) in per_rank[0].items():
         assert max(errs) < 1e-10, f"world={world} {key}: out/dq/dk/dv errors {errs}"
         assert control > 1e-3, f"world={world} {key}: negative control passed ({control})"
 
@@ -87,14 +98,25 @@ def test_pieces_send_the_same_kv_bytes_and_fewer_gradient_bytes(results):
     once, straight to its owner (the ring sends the partial sum P times, the last to its owner)."""
     world, per_rank = results
     for rank_result in per_rank:
-        for key, (_, _, sent, ring_world) in rank_result.items():
+        for key, (_, _, sent, ring_world, _) in rank_result.items():
             pieces, whole = sent[key[-1]], sent[1]
-            if key[0] == "allgather_kv":  # no ring: the same collectives either way
+            if key[0] in ("allgather_kv", "ulysses"):  # no ring: the same bytes either way
                 assert pieces == whole, (world, key)
                 continue
             assert pieces["ring_send"] == whole["ring_send"] > 0, (world, key)
             assert pieces["ring_send_grad"] * ring_world == whole["ring_send_grad"] * (ring_world - 1), (world, key)
             assert pieces.get("all_to_all", 0) == whole.get("all_to_all", 0)
+
+
+def test_ulysses_and_usp_run_in_head_groups(results):
+    """Each head group is one round of all-to-alls (q, k, v forward; the output's comes back): the
+    count shows the groups were used; the bytes (test above) show they add up to the whole."""
+    world, per_rank = results
+    for key, (*_, forward_all_to_alls) in per_rank[0].items():
+        backend, h_kv = key[0], key[2]
+        if backend in ("ulysses", "usp"):
+            groups = HEAD_GROUPS[(world, backend, h_kv)]
+            assert forward_all_to_alls == 4 * groups, (world, key, forward_all_to_alls)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "8"])

@@ -74,6 +74,32 @@ def test_plan_covers_each_visible_pair_exactly_once(causal, docs):
             assert torch.equal(seen, visible.long()), (r, s)
 
 
+@pytest.mark.parametrize("docs", [None, [0, 5, 6, 21, 32]])
+def test_plan_of_pieces_and_chunks_is_exact_and_never_dense(docs):
+    """K/V pieces and query chunks cut the causal diagonal anywhere: each cut diagonal becomes a
+    CAUSAL square plus a FULL rectangle (no [Sq, Sk] mask), and still covers each visible pair once."""
+    from lightning_sp.ops.ring_attention import piece_bounds, query_chunks, slice_runs
+
+    world, n = 4, 32
+    for r in range(world):
+        q_runs = runs_of(token_indices("zigzag", world, n, r))
+        for s in range(world):
+            k_runs = runs_of(token_indices("zigzag", world, n, s))
+            for parts in (2, 3, 5):
+                kb = piece_bounds(n // world, parts)
+                for q0, chunk in query_chunks(q_runs, n // world, parts):
+                    for j in range(parts):
+                        piece = slice_runs(k_runs, kb[j], kb[j + 1])
+                        calls = plan_blocks(chunk, piece, causal=True, doc_bounds=docs)
+                        assert all(c.kind is not MaskKind.DENSE for c in calls), (r, s, parts, calls)
+                        seen, visible = _covered(calls, True, docs, chunk, piece)
+                        assert torch.equal(seen, visible.long()), (r, s, parts, q0, j)
+    # control: a diagonal cut in the middle is a causal square and a full block, nothing above it
+    calls = plan_blocks([Run(0, 0, 8)], [Run(0, 2, 3)], causal=True)
+    assert [(c.q_start, c.q_len, c.k_start, c.k_len, c.kind) for c in calls] == [
+        (2, 3, 0, 3, MaskKind.CAUSAL), (5, 3, 0, 3, MaskKind.FULL)]
+
+
 def test_zigzag_plan_skips_masked_halves():
     # 4 ranks, N=32, chunk 4. Rank 1 holds chunks 1, 6; source rank 2 holds chunks 2, 5.
     q_runs = runs_of(token_indices("zigzag", 4, 32, 1))
