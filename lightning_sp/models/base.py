@@ -31,6 +31,7 @@ class TransformerLM(L.LightningModule):
         warmup_steps: int = 10,
         mlp_chunk_size: int | None = None,
         dense_attention: bool = False,
+        activation_checkpointing: bool = False,
     ) -> None:
         """``vocab_size=None``: the subclass's ``default_vocab_size`` (the CLI links it from the data)."""
         super().__init__()
@@ -41,6 +42,7 @@ class TransformerLM(L.LightningModule):
             vocab_size=vocab_size or self.default_vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
             n_kv_heads=n_kv_heads, mlp_ratio=mlp_ratio, causal=self.causal, attention_backend=attention_backend,
             mlp_chunk_size=mlp_chunk_size, dense_attention=dense_attention,
+            activation_checkpointing=activation_checkpointing,
         )
         self.net = Transformer(self.config)
 

@@ -60,6 +60,11 @@ class TransformerConfig:
     dense_attention: bool = False
     """Vanilla attention: materialise the ``[B, H, S, S]`` scores (matmul, softmax, matmul), as the memory
     baseline of Ring Attention's Table 3. Only where the attention is not sequence parallel."""
+    activation_checkpointing: bool = False
+    """Full activation checkpointing: each block keeps only its input for backward and runs its forward
+    again there (``torch.utils.checkpoint``, non-reentrant), so a layer's activations exist for one
+    layer at a time. Exact; the attention's collectives run again in the recomputation (same order on
+    every rank), so its forward traffic is paid twice."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -276,8 +281,12 @@ class Transformer(TensorParallelModule):
         if position_ids is None:  # unsharded use only: under the strategy positions come from the batch
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed(input_ids)  # [B, S_t, C]
+        recompute = self.cfg.activation_checkpointing and torch.is_grad_enabled()
         for blk in self.blocks:
-            x = blk(x, position_ids, cu_seqlens)
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(blk, x, position_ids, cu_seqlens, use_reentrant=False)
+            else:
+                x = blk(x, position_ids, cu_seqlens)
         # tied head: column-parallel over the vocabulary, [B, S_t, C] -> [B, S, V_r]
         return column_parallel_linear(self.ln_f(x), self.embed.weight, None, self.tp, seq_len=input_ids.size(1))
 

@@ -1,5 +1,6 @@
-"""The sequence-tiled MLP (``mlp_chunk_size``) and vanilla attention (``dense_attention``) of the demo models:
-exact against the plain model, and the tiled MLP keeps less for backward."""
+"""The sequence-tiled MLP (``mlp_chunk_size``), vanilla attention (``dense_attention``) and full activation
+checkpointing (``activation_checkpointing``) of the demo models: exact against the plain model, and the
+tiled MLP and checkpointing keep less for backward."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def _saved_bytes(model, ids) -> int:
 
 @pytest.mark.parametrize("model_cls", [ProteinEncoder, MultimodalDecoder])
 @pytest.mark.parametrize("variant", [{"mlp_chunk_size": 7}, {"mlp_chunk_size": 64}, {"dense_attention": True},
-                                     {"dense_attention": True, "mlp_chunk_size": 5}])
+                                     {"dense_attention": True, "mlp_chunk_size": 5}, {"activation_checkpointing": True},
+                                     {"activation_checkpointing": True, "mlp_chunk_size": 7}])
 def test_variants_are_exact(model_cls, variant):
     """Same outputs and gradients as the plain model (fp64: round-off only), tiles that do not divide S
     included; a perturbed model is the negative control."""
@@ -68,10 +70,15 @@ def test_chunked_mlp_saves_less_and_dense_attention_saves_more():
     plain = _saved_bytes(ProteinEncoder(**kw), ids)
     chunked = _saved_bytes(ProteinEncoder(**kw, mlp_chunk_size=32), ids)
     dense = _saved_bytes(ProteinEncoder(**kw, dense_attention=True), ids)
+    recomputed = _saved_bytes(ProteinEncoder(**kw, activation_checkpointing=True), ids)
     hidden = 4 * c * b * s * 4  # one [B, S, 4C] fp32 activation
     # fc1's output and GELU's output (fc2's input) per layer; the tiles' input is LayerNorm's output, saved anyway
     assert plain - chunked >= layers * 2 * hidden * 0.95, (plain, chunked)
     assert dense - plain >= 0.9 * layers * h * s * s * 4, (dense, plain)  # less the kernel's lse and copies
+    # checkpointing: each block keeps its input [B, S, C]; then the final norm and the head (logits [B, S, V])
+    block_inputs = layers * b * s * c * 4
+    assert recomputed <= block_inputs + 3 * b * s * c * 4 + b * s * 31 * 4, (recomputed, plain)
+    assert recomputed < plain / 4, (recomputed, plain)
 
 
 def test_config_errors():
