@@ -178,12 +178,10 @@ class SequenceParallelMonitor(Callback):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         write_tensorboard_layout(trainer)
-
-    @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if self.peak_flops == "measure" and stage == "fit":
+        if self.peak_flops == "measure":  # here, not in setup: the module is on its device, in its final dtype
             dtype = next((p.dtype for p in pl_module.parameters()), torch.float32)
             self._measured_peak = self.measure_matmul_flops(pl_module.device, dtype)
+            self._measured_dtype = dtype
 
     def _peak(self, device: torch.device) -> float | None:
         if self.peak_flops == "measure":

@@ -36,7 +36,7 @@ Sections (``--sections``, comma-separated; default all):
   from the allocator events (address, bytes, running total) it reports the peak of tensor bytes allocated during the call and the
   tensors alive at that moment, grouped by the aten op that allocated them and its autograd node.
   Sees only the PyTorch allocator (not gloo's own buffers, which the RSS peak includes).
-- ``gpu``: only with CUDA; skipped (and reported as skipped) otherwise. TODO, see ``_gpu_section``.
+- ``gpu``: points at ``scripts/bench_gpu.py``, which holds the GPU measurements (issue 8).
 
 Results go to ``<out>/attention_<date>_<host kind>.json`` and ``.csv`` (device, torch version,
 date, exact command included).
@@ -398,12 +398,11 @@ def _worker(rank, world, cfg):
 
 
 def _gpu_section(cfg):
+    """The GPU measurements live in ``scripts/bench_gpu.py`` (per-rank schedule vs one kernel call with
+    simulated ranks, kernels, longest context, MFU); this section only says so."""
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device in this session (torch.cuda.is_available() is False)"}
-    # TODO(gpu): per-rank compute schedule of every backend at P = 4 and 8 with transfers replaced by
-    # local copies, vs one single-device kernel call on the same work, bf16, N = 8K..128K per rank;
-    # report the fraction of kernel throughput kept. Not implemented yet: needs a GPU session.
-    return {"skipped": "CUDA is available but the GPU section is not implemented yet (TODO in scripts/bench_attention.py)"}
+    return {"skipped": "run scripts/bench_gpu.py for the GPU measurements"}
 
 
 # ----------------------------------------------------------------------------------------------
