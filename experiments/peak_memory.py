@@ -13,6 +13,10 @@ the work the heap is trimmed (``malloc_trim(0)``) and the kernel's high-water ma
 the current ``VmRSS`` by writing ``5`` to ``/proc/self/clear_refs``; after it, ``VmHWM - VmRSS(before)`` is
 the peak of what the work added: every byte it touched and still held at its peak (tensors, the
 allocator's and gloo's own buffers, code pages first faulted in). Granularity: one 4 KiB page, read in KiB.
+
+``AllocatorPeak`` is the deterministic alternative for tests: the peak of PyTorch's CPU allocator events
+(``torch.profiler``), without page, malloc or gloo effects; ``grad_seed`` starts a backward without the
+caller holding the output.
 """
 
 from __future__ import annotations

@@ -181,7 +181,6 @@ class SequenceParallelMonitor(Callback):
         if self.peak_flops == "measure":  # here, not in setup: the module is on its device, in its final dtype
             dtype = next((p.dtype for p in pl_module.parameters()), torch.float32)
             self._measured_peak = self.measure_matmul_flops(pl_module.device, dtype)
-            self._measured_dtype = dtype
 
     def _peak(self, device: torch.device) -> float | None:
         if self.peak_flops == "measure":

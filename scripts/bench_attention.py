@@ -26,15 +26,16 @@ Sections (``--sections``, comma-separated; default all):
   so they live on only if the backend saved them (local attention and the rings save them; Ulysses
   saves its head-split copies instead), plus ``dout``. (b) charges a backend for copies of its
   inputs but not for the inputs themselves, (c) for both; (d) for what a model would hold. The
-  backward is seeded through a
-  function that does not keep the attention output alive (``experiments.peak_memory.grad_seed``),
-  as in a model, where the next layer's backward has released it before attention's backward runs;
-  an output that the backend itself saves for backward still counts. ``allgather_kv`` is also shown
-  without its gathered K/V (``2 N h_kv``), which it keeps by design.
+  backward is seeded through a function that does not keep the attention output alive
+  (``experiments.peak_memory.grad_seed``), as in a model, where the next layer's backward has
+  released it before attention's backward runs; an output that the backend itself saves for
+  backward still counts. ``allgather_kv`` is also shown without its gathered K/V (``2 N h_kv``),
+  which it keeps by design.
 - ``memtrace`` (not in the default run): where each backend's peak comes from. One fwd+bwd per
   backend under ``experiments.peak_memory.AllocatorPeak`` (``torch.profiler``, ``profile_memory``);
-  from the allocator events (address, bytes, running total) it reports the peak of tensor bytes allocated during the call and the
-  tensors alive at that moment, grouped by the aten op that allocated them and its autograd node.
+  from the allocator events (address, bytes, running total) it reports the peak of tensor bytes
+  allocated during the call and the tensors alive at that moment, grouped by the aten op that
+  allocated them and its autograd node.
   Sees only the PyTorch allocator (not gloo's own buffers, which the RSS peak includes).
 - ``gpu``: points at ``scripts/bench_gpu.py``, which holds the GPU measurements (issue 8).
 
