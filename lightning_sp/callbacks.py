@@ -160,8 +160,12 @@ class SequenceParallelMonitor(Callback):
         return lambda b, s: megatron_flops_per_iteration(batch=b, seq_len=s, num_layers=n_l, hidden=h, vocab=v)
 
     @staticmethod
-    def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.5) -> float:
-        """Achieved FLOP/s of repeated ``[size, size] @ [size, size]`` matmuls on ``device``."""
+    def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int | None = None,
+                             seconds: float = 0.5) -> float:
+        """Achieved FLOP/s of repeated ``[size, size] @ [size, size]`` matmuls on ``device``. ``size=None``:
+        8192 on a GPU (smaller matmuls stay well below the peak there), 1024 on CPU."""
+        if size is None:
+            size = 8192 if device.type == "cuda" else 1024
         a = torch.randn(size, size, device=device, dtype=dtype)
         b = torch.randn(size, size, device=device, dtype=dtype)
         a @ b  # warm-up

@@ -32,16 +32,26 @@ CASES = {  # world -> [(backend, causal, (H, H_kv), docs, kv_pieces)]
         ("usp", True, (8, 4), True, 4),  # 2 head groups, each a ring in pieces
         ("ulysses", True, (8, 8), True, 3),  # 2 head groups (the largest divisor of 2 heads <= 3)
         ("ulysses", False, (8, 2), True, 8),  # K/V heads replicated to 4: one per rank, one group
+        ("auto->ulysses", True, (8, 8), True, 2),  # Ulysses on auto's zigzag layout: 2 head groups, reordered
     ],
 }
 HEAD_GROUPS = {(2, "ulysses", 4): 2, (2, "ulysses", 8): 4, (4, "usp", 2): 1, (4, "usp", 4): 2,
-               (4, "ulysses", 8): 2, (4, "ulysses", 2): 1}
+               (4, "ulysses", 8): 2, (4, "ulysses", 2): 1, (4, "auto->ulysses", 8): 2}
 """(world, backend, H_kv) -> head groups the all-to-alls must run in (3 forward all-to-alls each)."""
 
 
 def _tensors(seed, h, h_kv):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(1, N, hh, 8, generator=g, dtype=torch.float64) for hh in (h, h_kv, h_kv, h)]
+
+
+def _attention(backend, causal, group, pieces):
+    """The module for a case; ``"auto->ulysses"``: ``backend="auto"`` (zigzag layout) made to choose Ulysses."""
+    if backend != "auto->ulysses":
+        return SequenceParallelAttention(causal=causal, backend=backend, group=group, kv_pieces=pieces)
+    attn = SequenceParallelAttention(causal=causal, backend="auto", group=group, kv_pieces=pieces)
+    attn._resolve_auto = lambda *args: ("ulysses", None)
+    return attn
 
 
 def _worker(rank, world):
@@ -55,7 +65,7 @@ def _worker(rank, world):
     for i, (backend, causal, (h, h_kv), docs, pieces) in enumerate(CASES[world]):
         q, k, v, dout = _tensors(i, h, h_kv)
         cu = torch.tensor(DOCS, dtype=torch.int32) if docs else None
-        attn = SequenceParallelAttention(causal=causal, backend=backend, group=group, kv_pieces=pieces)
+        attn = _attention(backend, causal, group, pieces)
         local = [shard_sequence(t, group, layout=attn.layout).requires_grad_(j < 3) for j, t in enumerate((q, k, v, dout))]
         before = attn.comm_stats.calls_by_op.get("all_to_all", 0)
         out = attn(*local[:3], cu_seqlens=cu, seq_len=N)
@@ -70,7 +80,7 @@ def _worker(rank, world):
         # bytes: forward and backward of pieces vs whole blocks (kv_pieces=1), same shards
         sent = {}
         for p in (pieces, 1):
-            a = SequenceParallelAttention(causal=causal, backend=backend, group=group, kv_pieces=p)
+            a = _attention(backend, causal, group, p)
             x = [t.detach().clone().requires_grad_() for t in local[:3]]
             a(*x, cu_seqlens=cu, seq_len=N)  # warm-up (usp sub-groups)
             a.comm_stats.reset()
@@ -100,7 +110,7 @@ def test_pieces_send_the_same_kv_bytes_and_fewer_gradient_bytes(results):
     for rank_result in per_rank:
         for key, (_, _, sent, ring_world, _) in rank_result.items():
             pieces, whole = sent[key[-1]], sent[1]
-            if key[0] in ("allgather_kv", "ulysses"):  # no ring: the same bytes either way
+            if key[0] in ("allgather_kv", "ulysses", "auto->ulysses"):  # no ring: the same bytes either way
                 assert pieces == whole, (world, key)
                 continue
             assert pieces["ring_send"] == whole["ring_send"] > 0, (world, key)
@@ -114,7 +124,7 @@ def test_ulysses_and_usp_run_in_head_groups(results):
     world, per_rank = results
     for key, (*_, forward_all_to_alls) in per_rank[0].items():
         backend, h_kv = key[0], key[2]
-        if backend in ("ulysses", "usp"):
+        if backend in ("ulysses", "usp", "auto->ulysses"):
             groups = HEAD_GROUPS[(world, backend, h_kv)]
             assert forward_all_to_alls == 4 * groups, (world, key, forward_all_to_alls)
 
