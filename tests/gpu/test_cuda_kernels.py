@@ -85,7 +85,7 @@ def test_cuda_kernel_matches_dense(kernel, dtype):
                     assert g.shape == r.shape and _rel(g, r) < tol, case
                 control = _dense(qd, kd, vd, causal=not causal, cu_seqlens=cu, scale=d**-0.5)
                 assert _rel(out, control) > 10 * tol, case  # control: the other mask is caught
-                op = chain.choose(q, MaskKind.CAUSAL if causal else MaskKind.FULL)
+                op = chain.choose(q, k, MaskKind.CAUSAL if causal else MaskKind.FULL)
                 expected = {"sdpa": ("flash", "efficient"), "efficient": ("efficient",),
                             "cudnn": ("cudnn", "efficient"), "flash_attn": ("flash_attn", "efficient")}[kernel]
                 assert op in expected, (case, op)  # a fused op ran, not the Python fallback
@@ -103,7 +103,7 @@ def test_dense_mask_blocks_with_empty_rows(kernel, dtype):
     q = torch.randn(1, sq, h, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=dtype) for _ in range(2))
     kern = K.make_kernel(kernel)
-    assert kern.choose(q, MaskKind.DENSE) == "efficient"
+    assert kern.choose(q, k, MaskKind.DENSE) == "efficient"
     out, lse = kern.forward(q, k, v, scale=0.125, kind=MaskKind.DENSE, mask=mask)
     dout = torch.randn_like(q)
     grads = kern.backward(dout, q, k, v, out.to(dtype), lse, scale=0.125, kind=MaskKind.DENSE, mask=mask)

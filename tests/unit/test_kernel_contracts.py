@@ -52,22 +52,60 @@ def _cuda(cls, **kw):
     ],
 )
 def test_eligibility_rules(op, dtype, d, kind, cap, reason):
-    got = K.why_not(op, dtype=dtype, head_dim=d, kind=kind, capability=cap)
+    got = K.why_not(op, dtype=dtype, head_dim=d, kind=kind, capability=cap, **_BLOCK)
     assert got is None if reason is None else reason in got
 
 
-def test_each_kernel_chooses_its_ops_in_order():
-    meta = lambda dtype, d=64: torch.empty(1, 4, 2, d, dtype=dtype, device="meta")  # noqa: E731
+_BLOCK = dict(batch=2, heads=8, seq_len_q=64, seq_len_k=64, deterministic=False)
+
+
+@pytest.mark.parametrize(
+    "op, block, reason",
+    [
+        ("cudnn", {}, None),
+        ("cudnn", {"seq_len_k": 1}, "S_k == 1"),  # a one-token document, a causal piece with one key
+        ("cudnn", {"seq_len_q": 1, "seq_len_k": 2}, None),
+        ("cudnn", {"batch": 65536}, "<= 65535"),
+        ("cudnn", {"heads": 65536}, "<= 65535"),
+        ("cudnn", {"deterministic": True}, "use_deterministic_algorithms"),
+        ("flash", {"seq_len_k": 1}, None),  # flash, efficient and flash-attn take a single key
+        ("efficient", {"seq_len_k": 1}, None),
+        ("flash_attn", {"seq_len_k": 1}, None),
+        ("flash", {"deterministic": True}, None),  # deterministic backward under the flag
+        ("efficient", {"deterministic": True}, None),
+        ("flash_attn", {"deterministic": True}, None),
+        ("flash", {"seq_len_k": 0}, "empty block"),
+        ("efficient", {"seq_len_q": 0}, "empty block"),
+        ("flash_attn", {"batch": 0}, "empty block"),
+    ],
+)
+def test_eligibility_depends_on_the_block(op, block, reason):
+    got = K.why_not(op, dtype=torch.bfloat16, head_dim=64, kind=MaskKind.CAUSAL, capability=H100, **{**_BLOCK, **block})
+    assert got is None if reason is None else reason in got
+
+
+def test_each_kernel_chooses_its_ops_in_order(monkeypatch):
+    meta = lambda dtype, d=64, s=4: torch.empty(1, s, 2, d, dtype=dtype, device="meta")  # noqa: E731
     sdpa, cudnn, eff = _cuda(K.SDPAKernel), _cuda(K.CudnnKernel), _cuda(K.EfficientKernel)
-    assert sdpa.choose(meta(torch.bfloat16), MaskKind.CAUSAL) == "flash"
-    assert sdpa.choose(meta(torch.float16), MaskKind.DENSE) == "efficient"
-    assert sdpa.choose(meta(torch.float32), MaskKind.FULL) == "efficient"
-    assert sdpa.choose(meta(torch.float64), MaskKind.FULL) == "torch"
-    assert cudnn.choose(meta(torch.float16), MaskKind.FULL) == "cudnn"
-    assert cudnn.choose(meta(torch.float16, 256), MaskKind.FULL) == "efficient"
-    assert eff.choose(meta(torch.bfloat16), MaskKind.CAUSAL) == "efficient"
-    assert eff.choose(meta(torch.float32, 12), MaskKind.FULL) == "efficient"
-    assert eff.choose(meta(torch.float16, 12), MaskKind.FULL) == "torch"
+    q = meta(torch.bfloat16)
+    assert sdpa.choose(q, q, MaskKind.CAUSAL) == "flash"
+    assert sdpa.choose(meta(torch.float16), meta(torch.float16), MaskKind.DENSE) == "efficient"
+    assert sdpa.choose(meta(torch.float32), meta(torch.float32), MaskKind.FULL) == "efficient"
+    assert sdpa.choose(meta(torch.float64), meta(torch.float64), MaskKind.FULL) == "torch"
+    assert cudnn.choose(meta(torch.float16), meta(torch.float16), MaskKind.FULL) == "cudnn"
+    assert cudnn.choose(meta(torch.float16, 256), meta(torch.float16, 256), MaskKind.FULL) == "efficient"
+    assert cudnn.choose(meta(torch.float16), meta(torch.float16, s=1), MaskKind.FULL) == "efficient"  # one key
+    assert cudnn.choose(meta(torch.float16, s=1), meta(torch.float16, s=1), MaskKind.CAUSAL) == "efficient"
+    assert cudnn.choose(meta(torch.float16, s=1), meta(torch.float16, s=2), MaskKind.FULL) == "cudnn"  # one query
+    assert eff.choose(q, q, MaskKind.CAUSAL) == "efficient"
+    assert eff.choose(meta(torch.float32, 12), meta(torch.float32, 12), MaskKind.FULL) == "efficient"
+    assert eff.choose(meta(torch.float16, 12), meta(torch.float16, 12), MaskKind.FULL) == "torch"
+    assert eff.choose(q, meta(torch.bfloat16, s=0), MaskKind.FULL) == "torch"  # empty block
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    monkeypatch.setattr(torch, "is_deterministic_algorithms_warn_only_enabled", lambda: False)
+    assert cudnn.choose(q, q, MaskKind.CAUSAL) == "efficient" and sdpa.choose(q, q, MaskKind.CAUSAL) == "flash"
+    monkeypatch.setattr(torch, "is_deterministic_algorithms_warn_only_enabled", lambda: True)
+    assert cudnn.choose(q, q, MaskKind.CAUSAL) == "cudnn"  # warn_only: PyTorch's own dispatcher's choice
 
 
 # -- exact argument lists, meta tensors ------------------------------------------------------------
@@ -95,7 +133,7 @@ def test_cuda_argument_lists_on_meta_tensors(name):
                 for h_kv in (8, 1):
                     q, k, v = _meta_block(b, s, h, h_kv, d, dtype)
                     mask = torch.empty(s, s, dtype=torch.bool, device="meta") if kind is MaskKind.DENSE else None
-                    op = kernel.choose(q, kind)
+                    op = kernel.choose(q, k, kind)
                     with CudaSdpaStandIn() as mode:
                         out, lse = kernel.forward(q, k, v, scale=0.1, kind=kind, mask=mask)
                         dq, dk, dv = kernel.backward(
@@ -126,12 +164,12 @@ def test_stand_in_rejects_the_old_argument_lists():
             q, q, q, q, q, lse, empty, empty, 16, 16, 0.0, False, empty, empty, scale=0.1
         )
     seed = torch.zeros((), dtype=torch.int64, device="meta")
+    q_ok = torch.empty(1, 16, 2, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)  # [B, S, H, D] rows
     with CudaSdpaStandIn(), pytest.raises(ContractError, match="logsumexp shape"):  # unpadded efficient lse
         torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            q, q, q, q, None, q, lse, seed, seed, 0.0, [True, True, True, False], False, scale=0.1
+            q_ok, q_ok, q_ok, q_ok, None, q_ok, lse, seed, seed, 0.0, [True, True, True, False], False, scale=0.1
         )
     contiguous_bhsd = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="meta")
-    q_ok = torch.empty(1, 16, 2, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
     with CudaSdpaStandIn(), pytest.raises(ContractError, match="strides"):
         torch.ops.aten._scaled_dot_product_cudnn_attention(q_ok, contiguous_bhsd, q_ok, None, True, scale=0.1)
     with CudaSdpaStandIn() as mode:  # control of the control: the right layout passes
@@ -187,8 +225,20 @@ def _check_against_dense(kernel, dtype, *, causal, tol, h=4, h_kv=2, d=16):
 )
 @pytest.mark.parametrize("causal", [True, False])
 def test_cuda_paths_match_dense_attention(cls, dtype, op, tol, causal):
+    """Packed documents, one of them a single token: every block through the kernel's fused op,
+    except the one-token document's ``1 x 1`` block under ``cudnn`` (cuDNN takes no ``S_k == 1``),
+    which goes to the efficient op."""
     mode = _check_against_dense(_cuda(cls), dtype, causal=causal, tol=tol)
-    assert set(mode.names()) == {FWD[op], FWD[op] + "_backward"}
+    key_len = {name: set() for name in mode.names()}
+    for name, args, _ in mode.calls:
+        key_len[name].add(args[2].size(2))  # value [B, H_kv, Sk, D]
+    if op == "cudnn":
+        assert key_len.keys() == {FWD[op], FWD[op] + "_backward", FWD["efficient"], FWD["efficient"] + "_backward"}
+        assert 1 not in key_len[FWD[op]] | key_len[FWD[op] + "_backward"]
+        assert key_len[FWD["efficient"]] == key_len[FWD["efficient"] + "_backward"] == {1}
+    else:
+        assert key_len.keys() == {FWD[op], FWD[op] + "_backward"}
+        assert 1 in key_len[FWD[op]]  # the one-token document's block, through the same op
     assert len(mode.names()) >= 8  # several document blocks, each forward and backward
 
 
@@ -277,7 +327,7 @@ def test_flash_attn_stand_in_refuses_missing_arguments():
     ``(*args, **kwargs)`` from 2.7 on) misses required arguments and fails."""
     q = torch.randn(1, 8, 2, 16, dtype=torch.float16)
     fwd = make_flash_attn("2.7.4").flash_attn_interface._flash_attn_forward
-    with pytest.raises(TypeError, match="window_size_left"):
+    with pytest.raises(RuntimeError, match="missing value for argument 'window_size_left'"):  # the dispatcher's
         fwd(q, q, q, dropout_p=0.0, softmax_scale=0.25, causal=False)
     with pytest.raises(TypeError, match="window_size"):
         make_flash_attn("2.6.3").flash_attn_interface._flash_attn_forward(q, q, q, 0.0, 0.25, False)
