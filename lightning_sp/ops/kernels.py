@@ -570,7 +570,8 @@ class FlashAttnKernel(_CudaChainKernel):
 
     backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, softmax_scale, causal, <window>,
     softcap, alibi_slopes, deterministic, rng_state) fills ``dq, dk, dv`` (``k``'s ``H_kv`` heads)
-    and returns ``(dq, dk, dv, softmax_d)`` in 2.6, ``softmax_d`` in 2.7/2.8."""
+    and returns ``(dq, dk, dv, softmax_d)`` in 2.6, ``softmax_d`` in 2.7/2.8. ``deterministic`` is
+    ``torch.are_deterministic_algorithms_enabled()`` (flash-attn does not read PyTorch's flag)."""
 
     name = "flash_attn"
     ops = ("flash_attn", "efficient")
@@ -603,11 +604,11 @@ class FlashAttnKernel(_CudaChainKernel):
             return super()._run_backward(op, dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
         q, k, v = _fused_input(q), _fused_input(k), _fused_input(v)
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))  # filled in place
-        # deterministic: ordered dQ accumulation (mha_bwd's ``deterministic``), in either deterministic mode
+        # ordered dQ accumulation (mha_bwd's ``deterministic``) in either deterministic mode
+        deterministic = torch.are_deterministic_algorithms_enabled()
         self._bwd(
             _fused_input(dout), q, k, v, _fused_input(out), _lse_for_backward(lse), dq, dk, dv,
-            0.0, scale, kind is MaskKind.CAUSAL, *self._window(), 0.0, None, torch.are_deterministic_algorithms_enabled(),
-            None,
+            0.0, scale, kind is MaskKind.CAUSAL, *self._window(), 0.0, None, deterministic, None,
         )
         return dq, dk, dv
 
