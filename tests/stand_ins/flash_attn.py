@@ -33,9 +33,9 @@ that version's tuple shape; ``calls`` records each call's bound arguments.
 """
 
 import inspect
-import itertools
 import math
 import types
+import uuid
 from typing import Optional, Tuple
 
 import torch
@@ -43,7 +43,6 @@ import torch
 from tests.stand_ins.cuda_sdpa import ContractError, _ref_backward, _ref_forward, check_aligned
 
 _T = inspect.Parameter.POSITIONAL_OR_KEYWORD
-_registrations = itertools.count()
 
 
 def _sig(names: str, defaults: dict | None = None) -> inspect.Signature:
@@ -168,7 +167,7 @@ def _backward_impl(a, minor, calls):
 def _custom_ops(minor, calls):
     """flash-attn 2.7/2.8's ``_flash_attn_forward/_backward``: ``torch.library.custom_op`` with the
     release's annotations (flash_attn_interface.py), registered under a fresh name."""
-    n = next(_registrations)
+    n = uuid.uuid4().hex  # unique even if this module is imported twice in one process
     fwd_sig, bwd_sig = SIGNATURES[minor]
 
     @torch.library.custom_op(f"lightning_sp_stand_ins::flash_attn_forward_{n}", mutates_args=())
