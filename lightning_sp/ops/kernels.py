@@ -411,7 +411,8 @@ class _CudaChainKernel:
 
     def choose(self, q, k, kind: MaskKind) -> str:
         """The op this kernel runs a block ``q [B, Sq, H, D]``, ``k [B, Sk, H_kv, D]`` of mask ``kind``
-        with (CUDA); reads the deterministic mode now, so forward and backward agree within a step."""
+        with (CUDA). Reads the deterministic mode at each call (the forward and the backward of a block
+        may differ if it is switched in between; both are exact)."""
         b, sq, h, d = q.shape
         block = dict(dtype=q.dtype, head_dim=d, kind=kind, capability=self._capability(q), batch=b, heads=h,
                      seq_len_q=sq, seq_len_k=k.size(1), deterministic=deterministic_required())
