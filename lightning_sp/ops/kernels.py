@@ -43,6 +43,30 @@ bf16 needs sm80+ for every fused op. fp64 always runs ``torch``. "native": K/V g
 ``expand_kv`` repeats them per query head (the efficient op's GQA support differs between PyTorch
 builds, so it is not relied on).
 
+Rules that depend on the block, not only on the model (the checks PyTorch's dispatcher makes in
+``sdp_utils.cpp`` and that a direct op call skips):
+
+- every fused op needs ``B >= 1``, ``S_q >= 1`` and ``S_k >= 1`` (``check_nonzero_sequence_lengths_dense``;
+  flash-attn's ``mha_fwd``: "batch size must be positive");
+- cuDNN needs ``S_k != 1`` ("cudnn SDPA does not support key/value sequence length 1",
+  ``check_cudnn_tensor_shapes``, pytorch#138529) and ``B, H <= 65535``: a one-token document, or a
+  causal piece with one key, goes to the efficient op;
+- deterministic mode (``torch.use_deterministic_algorithms(True)``, not ``warn_only``) never runs
+  cuDNN: PyTorch's dispatcher drops it (``check_cudnn_deterministic``) but the op called directly
+  does not check and runs a non-deterministic backward. The flash op's and the efficient op's
+  backward read the same flag themselves and run deterministically (one key split, ordered dQ
+  accumulation), and flash-attn gets ``deterministic=True``, so those stay eligible; ``torch`` is
+  deterministic, so some op is always eligible. With ``warn_only=True`` the ops run as PyTorch's own
+  dispatcher would run them (cuDNN included), and warn themselves.
+
+What every fused call gets, whatever the caller passed (a slice, a view with an odd storage offset,
+a non-contiguous last dim, an fp32 merged ``out``): ``_fused_input`` tensors, contiguous ``[B, S, H, D]``
+with a 16-byte aligned start (the efficient op's ``check_supported``, flash-attn's 128-bit loads,
+cuDNN), ``out`` and ``dout`` in the query's dtype (flash-attn's ``mha_bwd`` checks it; the efficient
+and cuDNN backward reinterpret the memory silently), a contiguous fp32 lse, and a float
+``softmax_scale`` (flash-attn 2.7+ registers its functions as ``torch.library`` custom ops, whose
+schema checks every argument's type).
+
 Note [Calling the SDPA ops directly]: the backward ops are called with exactly what the forward
 op would have returned for a dense (not varlen), dropout-free call, because forward residuals are
 not kept: ``cum_seq_q = cum_seq_k = None`` (an *undefined* tensor; a 0-element tensor is
@@ -99,10 +123,26 @@ class LocalKernel(Protocol):
 CUDA_OPS = ("flash", "flash_attn", "cudnn", "efficient")
 
 
-def why_not(op: str, *, dtype: torch.dtype, head_dim: int, kind: MaskKind, capability: tuple[int, int]) -> str | None:
-    """``None`` if the CUDA ``op`` can run this block, else the reason it cannot."""
+def why_not(
+    op: str,
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
+    kind: MaskKind,
+    capability: tuple[int, int],
+    batch: int,
+    heads: int,
+    seq_len_q: int,
+    seq_len_k: int,
+    deterministic: bool,
+) -> str | None:
+    """``None`` if the CUDA ``op`` can run this block (``q [batch, seq_len_q, heads, head_dim]``
+    against ``seq_len_k`` keys), else the reason it cannot. ``deterministic``: strict deterministic
+    mode is on (``deterministic_required()``). Note [CUDA kernel eligibility]."""
     if op not in CUDA_OPS:
         raise ValueError(f"op must be one of {CUDA_OPS}, got {op!r}")
+    if min(batch, seq_len_q, seq_len_k) < 1:
+        return f"empty block (B={batch}, S_q={seq_len_q}, S_k={seq_len_k})"
     major, minor = capability
     if op == "efficient":
         if dtype not in (*_HALF, torch.float32):
@@ -128,6 +168,12 @@ def why_not(op: str, *, dtype: torch.dtype, head_dim: int, kind: MaskKind, capab
             return f"sm{major}{minor} (cuDNN attention covers sm80-sm121)"
         if head_dim > 128:
             return f"head dim {head_dim} (needs <= 128)"
+        if seq_len_k == 1:
+            return "one key (cuDNN attention does not support S_k == 1)"
+        if max(batch, heads) > _CUDNN_MAX_DIM:
+            return f"B={batch}, H={heads} (cuDNN attention needs both <= {_CUDNN_MAX_DIM})"
+        if deterministic:
+            return "torch.use_deterministic_algorithms(True) is on and cuDNN attention is not deterministic"
         return None
     if head_dim > 256:
         return f"head dim {head_dim} (needs <= 256)"
@@ -136,11 +182,35 @@ def why_not(op: str, *, dtype: torch.dtype, head_dim: int, kind: MaskKind, capab
     return None
 
 
-def _bhsd(x: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
-    """``[B, S, H, D]`` -> a ``[B, H, S, D]`` view of a contiguous ``[B, S, H, D]`` tensor (the SDPA
-    ops' layout). ``exact``: also the canonical batch stride ``S*H*D``, which cuDNN checks even
-    for ``B = 1`` (a sequence slice of a longer tensor is contiguous but has a larger one)."""
+_CUDNN_MAX_DIM = 65535
+"""cuDNN attention's largest batch size and head count (``check_cudnn_tensor_shapes``)."""
+
+
+def deterministic_required() -> bool:
+    """``torch.use_deterministic_algorithms(True)`` without ``warn_only``: only deterministic ops run."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+_ALIGN_BYTES = 16
+
+
+def _fused_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous, starting at a 16-byte aligned address (CUDA allocations are 256-byte
+    aligned, so the storage offset decides). A contiguous slice or view keeps its storage offset,
+    which can be odd (a view into a flat buffer); the fused ops then read misaligned (the efficient
+    op refuses, flash-attn faults with a misaligned address), so such a tensor is copied."""
     x = x.contiguous()
+    if (x.storage_offset() * x.element_size()) % _ALIGN_BYTES:
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
+def _bhsd(x: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+    """``[B, S, H, D]`` -> a ``[B, H, S, D]`` view of a contiguous, 16-byte aligned ``[B, S, H, D]``
+    tensor (the SDPA ops' layout; ``_fused_input``). ``exact``: also the canonical batch stride
+    ``S*H*D``, which cuDNN checks even for ``B = 1`` (a sequence slice of a longer tensor is
+    contiguous but has a larger one)."""
+    x = _fused_input(x)
     if exact and x.stride(0) != x[0].numel():
         x = x.clone(memory_format=torch.contiguous_format)
     return x.transpose(1, 2)
@@ -339,11 +409,15 @@ class _CudaChainKernel:
     def _capability(self, q) -> tuple[int, int]:
         return self.capability or torch.cuda.get_device_capability(q.device)
 
-    def choose(self, q, kind: MaskKind) -> str:
-        """The op this kernel runs a block ``q [B, Sq, H, D]`` of mask ``kind`` with (CUDA)."""
-        cap = self._capability(q)
+    def choose(self, q, k, kind: MaskKind) -> str:
+        """The op this kernel runs a block ``q [B, Sq, H, D]``, ``k [B, Sk, H_kv, D]`` of mask ``kind``
+        with (CUDA). Reads the deterministic mode at each call (the forward and the backward of a block
+        may differ if it is switched in between; both are exact)."""
+        b, sq, h, d = q.shape
+        block = dict(dtype=q.dtype, head_dim=d, kind=kind, capability=self._capability(q), batch=b, heads=h,
+                     seq_len_q=sq, seq_len_k=k.size(1), deterministic=deterministic_required())
         for op in self.ops:
-            if self._op_available(op) and why_not(op, dtype=q.dtype, head_dim=q.size(-1), kind=kind, capability=cap) is None:
+            if self._op_available(op) and why_not(op, **block) is None:
                 return op
         return "torch"
 
@@ -368,20 +442,20 @@ class _CudaChainKernel:
     def forward(self, q, k, v, *, scale, kind, mask):
         if self._device_type(q) != "cuda":
             return self._cpu_forward(q, k, v, scale=scale, kind=kind, mask=mask)
-        op = self.choose(q, kind)
+        op = self.choose(q, k, kind)
         if op == "torch":
             return self._fallback.forward(q, k, v, scale=scale, kind=kind, mask=mask)
-        out, lse = self._run_forward(op, q, k, v, scale=scale, kind=kind, mask=mask)
+        out, lse = self._run_forward(op, q, k, v, scale=float(scale), kind=kind, mask=mask)
         return _empty_rows_to_convention(out, lse, kind, mask)
 
     def backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
         if self._device_type(q) != "cuda":
             return self._cpu_backward(dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
-        op = self.choose(q, kind)
+        op = self.choose(q, k, kind)
         if op == "torch":
             return self._fallback.backward(dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
-        dout, out = dout.to(q.dtype), out.to(q.dtype)
-        return self._run_backward(op, dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
+        dout, out = dout.to(q.dtype), out.to(q.dtype)  # the fused ops read them as the query's dtype
+        return self._run_backward(op, dout, q, k, v, out, lse, scale=float(scale), kind=kind, mask=mask)
 
 
 class SDPAKernel(_CudaChainKernel):
@@ -497,7 +571,8 @@ class FlashAttnKernel(_CudaChainKernel):
 
     backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, softmax_scale, causal, <window>,
     softcap, alibi_slopes, deterministic, rng_state) fills ``dq, dk, dv`` (``k``'s ``H_kv`` heads)
-    and returns ``(dq, dk, dv, softmax_d)`` in 2.6, ``softmax_d`` in 2.7/2.8."""
+    and returns ``(dq, dk, dv, softmax_d)`` in 2.6, ``softmax_d`` in 2.7/2.8. ``deterministic`` is
+    ``torch.are_deterministic_algorithms_enabled()`` (flash-attn does not read PyTorch's flag)."""
 
     name = "flash_attn"
     ops = ("flash_attn", "efficient")
@@ -519,7 +594,7 @@ class FlashAttnKernel(_CudaChainKernel):
         if op != "flash_attn":
             return super()._run_forward(op, q, k, v, scale=scale, kind=kind, mask=mask)
         res = self._fwd(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, scale, kind is MaskKind.CAUSAL,
+            _fused_input(q), _fused_input(k), _fused_input(v), 0.0, scale, kind is MaskKind.CAUSAL,
             *self._window(), 0.0, None, False,
         )
         lse = res[5] if self.version == "2.6" else res[1]  # [B, H, Sq] fp32
@@ -528,11 +603,13 @@ class FlashAttnKernel(_CudaChainKernel):
     def _run_backward(self, op, dout, q, k, v, out, lse, *, scale, kind, mask):
         if op != "flash_attn":
             return super()._run_backward(op, dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # filled in place
+        q, k, v = _fused_input(q), _fused_input(k), _fused_input(v)
+        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))  # filled in place
+        # ordered dQ accumulation (mha_bwd's ``deterministic``) in either deterministic mode
+        deterministic = torch.are_deterministic_algorithms_enabled()
         self._bwd(
-            dout.contiguous(), q, k, v, out.contiguous(), _lse_for_backward(lse), dq, dk, dv,
-            0.0, scale, kind is MaskKind.CAUSAL, *self._window(), 0.0, None, False, None,
+            _fused_input(dout), q, k, v, _fused_input(out), _lse_for_backward(lse), dq, dk, dv,
+            0.0, scale, kind is MaskKind.CAUSAL, *self._window(), 0.0, None, deterministic, None,
         )
         return dq, dk, dv
 

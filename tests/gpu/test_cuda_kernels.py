@@ -5,7 +5,9 @@ in tests/unit/test_kernel_contracts.py); run `make test-gpu` on a GPU machine an
 Grid (one small case each, < 2 minutes on one GPU): kernel x dtype (bf16, fp16; fp32 for the paths
 that take it) x causal x head dim 64/80/128/256 x {one sequence, packed documents}, GQA 8:1, through
 ``SequenceParallelAttention`` (per-document blocks merged, then each block's backward against the
-merged out/lse, as the ring backends do), plus DENSE-mask blocks with rows that see no key.
+merged out/lse, as the ring backends do), plus DENSE-mask blocks with rows that see no key, blocks
+PyTorch's own dispatcher never sends (one key, misaligned or strided inputs, fp32 out/dout), and
+bitwise reproducibility under ``torch.use_deterministic_algorithms(True)``.
 """
 
 import math
@@ -85,7 +87,7 @@ def test_cuda_kernel_matches_dense(kernel, dtype):
                     assert g.shape == r.shape and _rel(g, r) < tol, case
                 control = _dense(qd, kd, vd, causal=not causal, cu_seqlens=cu, scale=d**-0.5)
                 assert _rel(out, control) > 10 * tol, case  # control: the other mask is caught
-                op = chain.choose(q, MaskKind.CAUSAL if causal else MaskKind.FULL)
+                op = chain.choose(q, k, MaskKind.CAUSAL if causal else MaskKind.FULL)
                 expected = {"sdpa": ("flash", "efficient"), "efficient": ("efficient",),
                             "cudnn": ("cudnn", "efficient"), "flash_attn": ("flash_attn", "efficient")}[kernel]
                 assert op in expected, (case, op)  # a fused op ran, not the Python fallback
@@ -103,7 +105,7 @@ def test_dense_mask_blocks_with_empty_rows(kernel, dtype):
     q = torch.randn(1, sq, h, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=dtype) for _ in range(2))
     kern = K.make_kernel(kernel)
-    assert kern.choose(q, MaskKind.DENSE) == "efficient"
+    assert kern.choose(q, k, MaskKind.DENSE) == "efficient"
     out, lse = kern.forward(q, k, v, scale=0.125, kind=MaskKind.DENSE, mask=mask)
     dout = torch.randn_like(q)
     grads = kern.backward(dout, q, k, v, out.to(dtype), lse, scale=0.125, kind=MaskKind.DENSE, mask=mask)
@@ -117,3 +119,66 @@ def test_dense_mask_blocks_with_empty_rows(kernel, dtype):
         assert torch.isfinite(g).all() and _rel(g, r) < tol
     wrong = ref.forward(*args, scale=0.125, kind=MaskKind.FULL, mask=None)[0]
     assert _rel(out, wrong) > 10 * tol  # control: ignoring the mask is caught
+
+
+def _misaligned(shape, dtype, *, seed):
+    """A ``[B, S, H, D]`` tensor starting one element into its buffer (not 16-byte aligned)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = math.prod(shape)
+    return torch.randn(n + 1, device="cuda", generator=g).to(dtype)[1:].view(shape)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "efficient", "cudnn", "flash_attn"])
+def test_blocks_the_dispatcher_never_sends(kernel):
+    """Blocks PyTorch's own SDPA dispatcher would never hand these ops, called directly: one key (cuDNN
+    takes no ``S_k == 1``: the block goes to the efficient op), q/k/v one element off 16-byte alignment
+    and with last-dim stride 2, fp32 ``out``/``dout`` as the merge hands them; exact vs fp64."""
+    _skip_unavailable(kernel)
+    dtype, h, h_kv, d = torch.bfloat16, 8, 2, 64
+    kern = K.make_kernel(kernel)
+    ref = K.TorchBlockwiseKernel()
+    for sq, sk, kind in ((64, 1, MaskKind.FULL), (1, 1, MaskKind.CAUSAL), (64, 77, MaskKind.FULL), (64, 64, MaskKind.CAUSAL)):
+        case = (kernel, sq, sk, kind)
+        q = _misaligned((1, sq, h, d), dtype, seed=sq)
+        k = torch.randn(1, sk, h_kv, 2 * d, device="cuda", dtype=dtype)[..., ::2]
+        v = _misaligned((1, sk, h_kv, d), dtype, seed=sk + 1)
+        op = kern.choose(q, k, kind)
+        if kernel == "cudnn":
+            assert op == ("efficient" if sk == 1 else "cudnn"), case
+        assert op != "torch", case
+        out, lse = kern.forward(q, k, v, scale=0.125, kind=kind, mask=None)
+        dout = torch.randn(out.shape, device="cuda")
+        grads = kern.backward(dout, q, k, v, out.float(), lse, scale=0.125, kind=kind, mask=None)
+        args = [t.double() for t in (q, k, v)]
+        ref_out, ref_lse = ref.forward(*args, scale=0.125, kind=kind, mask=None)
+        ref_grads = ref.backward(dout.double(), *args, ref_out, ref_lse, scale=0.125, kind=kind, mask=None)
+        assert _rel(out, ref_out) < TOL[dtype], case
+        for g, r in zip(grads, ref_grads):
+            assert torch.isfinite(g).all() and _rel(g, r) < TOL[dtype], case
+        wrong = ref.forward(*args, scale=0.25, kind=kind, mask=None)[0]
+        assert sk == 1 or _rel(out, wrong) > 10 * TOL[dtype], case  # control (one key: out = v whatever the scale)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "efficient", "cudnn", "flash_attn"])
+def test_deterministic_mode_is_bitwise_reproducible(kernel):
+    """Under ``torch.use_deterministic_algorithms(True)`` no block reaches cuDNN (its backward is not
+    deterministic and the op does not check), and two identical fwd+bwd runs agree bit for bit."""
+    _skip_unavailable(kernel)
+    torch.manual_seed(0)
+    n, h, h_kv, d = 2048, 16, 4, 128
+    q = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, n, h_kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    kern = K.make_kernel(kernel)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert kern.choose(q, k, MaskKind.CAUSAL) != "cudnn"
+        runs = []
+        for _ in range(2):
+            out, lse = kern.forward(q, k, v, scale=d**-0.5, kind=MaskKind.CAUSAL, mask=None)
+            runs.append((out, *kern.backward(dout, q, k, v, out, lse, scale=d**-0.5, kind=MaskKind.CAUSAL, mask=None)))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), kernel

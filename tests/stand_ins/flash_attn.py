@@ -3,22 +3,44 @@
 ``make_flash_attn(version)`` returns a module object with ``__version__`` and a
 ``flash_attn_interface`` whose ``_flash_attn_forward/_backward`` take exactly the parameters of
 that release's ``flash_attn/flash_attn_interface.py`` (read from the v2.6.3, v2.7.0, v2.7.4,
-v2.8.0 and v2.8.3 tags): every parameter without a default must be passed, and none other
-exists. From 2.7 the real functions are ``torch.library.custom_op`` objects, whose Python
-signature is ``(*args, **kwargs)``; the stand-in mimics that too, so introspection learns nothing.
+v2.8.0 and v2.8.3 tags): every parameter without a default must be passed, and none other exists.
+
+- 2.6: plain Python functions (``__signature__`` as in 2.6.3; a missing argument is a
+  ``TypeError``), with the types its pybind11 extension accepts checked by hand.
+- 2.7, 2.8: real ``torch.library.custom_op`` objects registered with flash-attn's own annotations
+  (``dropout_p: float``, ``window_size_left: int``, ``alibi_slopes: Optional[Tensor]``, ...; the
+  backward declares ``mutates_args=("dq", "dk", "dv")``), so PyTorch's dispatcher checks every
+  argument's type and count exactly as it does for the real package, and introspection sees only
+  ``(*args, **kwargs)``. Each ``make_flash_attn`` call registers its own pair under a fresh name.
+
+Both then apply flash-attn's Python wrapper (``maybe_contiguous`` on q, k, v; on dout, q, k, v, out
+in the backward; never on dq, dk, dv) and refuse what ``csrc/flash_attn/flash_api.cpp``
+``mha_fwd/mha_bwd`` refuse, or what they accept and then compute wrongly on:
+
+- dtypes fp16/bf16, all of q, k, v, out, dout, dq, dk, dv the query's ("query and out must have
+  the same dtype", "dq must have the same dtype as q");
+- ``head_size % 8 == 0`` and ``<= 256`` (2.7+; 2.6 padded inside ``mha_fwd`` but its ``mha_bwd``
+  checks ``% 8`` too), ``num_heads % num_heads_k == 0``, batch and sequences non-empty, shapes;
+- last-dim stride 1 for dq, dk, dv ("dq must have contiguous last dimension");
+- a contiguous fp32 ``[B, H, Sq]`` ``softmax_lse`` (read through ``data_ptr`` without strides or a
+  dtype check), with no ``-inf`` (``exp(s - lse)`` overflows);
+- 16-byte aligned starts and strides of every tensor (128-bit loads: a misaligned address faults);
+- ``deterministic=True`` under ``torch.use_deterministic_algorithms(True)`` (``mha_bwd`` otherwise
+  accumulates dQ with atomics, in no fixed order).
+
 Results are computed in float64 (``cuda_sdpa._ref_*``; layout ``[B, S, H, D]``) and returned in
 that version's tuple shape; ``calls`` records each call's bound arguments.
 """
 
-from __future__ import annotations
-
 import inspect
 import math
 import types
+import uuid
+from typing import Optional, Tuple
 
 import torch
 
-from tests.stand_ins.cuda_sdpa import ContractError, _ref_backward, _ref_forward
+from tests.stand_ins.cuda_sdpa import ContractError, _ref_backward, _ref_forward, check_aligned
 
 _T = inspect.Parameter.POSITIONAL_OR_KEYWORD
 
@@ -51,70 +73,171 @@ def _check(cond, msg):
         raise ContractError(msg)
 
 
+def _maybe_contiguous(x):  # flash_attn_interface.maybe_contiguous
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+def _window(a, minor) -> tuple:
+    return tuple(a["window_size"]) if minor == "2.6" else (a["window_size_left"], a["window_size_right"])
+
+
+def _check_common(a, op, minor):
+    _check(a["dropout_p"] == 0.0 and a["softcap"] == 0.0 and a["alibi_slopes"] is None, f"{op}: extras")
+    _check(_window(a, minor) == (-1, -1), f"{op}: window {_window(a, minor)}")
+    q, k, v = a["q"], a["k"], a["v"]
+    for n in ("q", "k", "v"):
+        t = a[n]
+        _check(t.dtype in (torch.float16, torch.bfloat16), f"{op}: {n} dtype {t.dtype}")
+        _check(t.dtype == q.dtype, f"{op}: query and {n} must have the same dtype")
+        _check(t.dim() == 4 and t.stride(-1) == 1, f"{op}: {n} must be [B, S, H, D] with contiguous last dimension")
+    b, sq, h, d = q.shape
+    _check(b > 0 and sq > 0 and k.size(1) > 0, f"{op}: batch size and sequence lengths must be positive")
+    _check(d <= 256 and d % 8 == 0, f"{op}: head_size {d} must be a multiple of 8 and at most 256")
+    _check(k.shape == v.shape and k.shape[0] == b and k.size(3) == d, f"{op}: key/value shapes")
+    _check(h % k.size(2) == 0, f"{op}: number of heads in key/value must divide number of heads in query")
+    check_aligned(op, q=q, k=k, v=v)
+
+
+def _check_pybind_types_26(a, op):
+    """flash-attn 2.6 calls its pybind11 extension: ints, floats, bools and tensors, nothing else."""
+    for n in ("dropout_p", "softmax_scale", "softcap"):
+        _check(isinstance(a[n], (int, float)) and not isinstance(a[n], bool), f"{op}: {n} must be a float, got {a[n]!r}")
+    for n in ("causal", "return_softmax", "deterministic"):
+        _check(isinstance(a.get(n, False), bool), f"{op}: {n} must be a bool, got {a.get(n)!r}")
+    w = a["window_size"]
+    _check(len(w) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in w), f"{op}: window_size {w!r}")
+
+
+def _forward_impl(a, minor, calls):
+    op = "_flash_attn_forward"
+    calls.append(("forward", a))
+    a["q"], a["k"], a["v"] = (_maybe_contiguous(a[n]) for n in ("q", "k", "v"))
+    _check_common(a, op, minor)
+    _check(a["return_softmax"] is False, "return_softmax")
+    q, k, v = a["q"], a["k"], a["v"]  # [B, S, H, D]
+    b, sq, h, _ = q.shape
+    if q.device.type == "meta":  # shapes only
+        out, lse = torch.empty_like(q), torch.empty(b, h, sq, device="meta")
+        rng, s_dmask = torch.empty(2, dtype=torch.int64, device="meta"), torch.empty(0, dtype=q.dtype, device="meta")
+    else:
+        out, lse = _ref_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, a["causal"], a["softmax_scale"])
+        out = out.transpose(1, 2).to(q.dtype).contiguous()
+        lse = lse.masked_fill(torch.isneginf(lse), math.inf).float()  # flash-attn: +inf for no key
+        rng, s_dmask = torch.zeros(2, dtype=torch.int64), torch.empty(0, dtype=q.dtype)
+    if minor == "2.6":
+        return out, q, k, v, out, lse, s_dmask, rng
+    return out, lse, s_dmask, rng
+
+
+def _backward_impl(a, minor, calls):
+    op = "_flash_attn_backward"
+    calls.append(("backward", a))
+    for n in ("dout", "q", "k", "v", "out"):
+        a[n] = _maybe_contiguous(a[n])
+    _check_common(a, op, minor)
+    q, k, v, lse = a["q"], a["k"], a["v"], a["softmax_lse"]
+    b, sq, h, _ = q.shape
+    for n in ("dout", "out"):
+        _check(a[n].dtype == q.dtype, f"{op}: query and {n} must have the same dtype")
+        _check(a[n].shape == q.shape, f"{op}: {n} shape {tuple(a[n].shape)} != {tuple(q.shape)}")
+    for n, like in (("dq", q), ("dk", k), ("dv", v)):
+        t = a[n]
+        _check(t is not None and t.shape == like.shape, f"{op}: {n} buffer shape")
+        _check(t.dtype == q.dtype, f"{op}: {n} must have the same dtype as q")
+        _check(t.stride(-1) == 1, f"{op}: {n} must have contiguous last dimension")
+    check_aligned(op, dout=a["dout"], out=a["out"], dq=a["dq"], dk=a["dk"], dv=a["dv"])
+    _check(lse.dtype == torch.float32 and tuple(lse.shape) == (b, h, sq), f"{op}: softmax_lse must be [B, H, Sq] fp32")
+    _check(lse.is_contiguous(), f"{op}: softmax_lse must be contiguous (read without strides)")
+    strict = torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    _check(a["deterministic"] or not strict,
+           f"{op}: deterministic=False under torch.use_deterministic_algorithms(True) (dQ accumulated with atomics)")
+    if q.device.type == "meta":
+        softmax_d = torch.empty(b, h, sq, device="meta")
+    else:
+        _check(not torch.isneginf(lse).any(), f"{op}: -inf lse overflows exp(s - lse)")
+        grads = _ref_backward(*(a[n].transpose(1, 2) for n in ("dout", "q", "k", "v", "out")), lse, None, a["causal"], a["softmax_scale"])
+        for n, g in zip(("dq", "dk", "dv"), grads):
+            a[n].copy_(g.transpose(1, 2))
+        softmax_d = torch.zeros(b, h, sq, dtype=torch.float32)
+    if minor == "2.6":
+        return a["dq"], a["dk"], a["dv"], softmax_d
+    return softmax_d
+
+
+def _custom_ops(minor, calls):
+    """flash-attn 2.7/2.8's ``_flash_attn_forward/_backward``: ``torch.library.custom_op`` with the
+    release's annotations (flash_attn_interface.py), registered under a fresh name."""
+    n = uuid.uuid4().hex  # unique even if this module is imported twice in one process
+    fwd_sig, bwd_sig = SIGNATURES[minor]
+
+    @torch.library.custom_op(f"lightning_sp_stand_ins::flash_attn_forward_{n}", mutates_args=())
+    def _flash_attn_forward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dropout_p: float,
+        softmax_scale: float,
+        causal: bool,
+        window_size_left: int,
+        window_size_right: int,
+        softcap: float,
+        alibi_slopes: Optional[torch.Tensor],
+        return_softmax: bool,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        a = fwd_sig.bind(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                         alibi_slopes, return_softmax).arguments
+        return _forward_impl(a, minor, calls)
+
+    @torch.library.custom_op(f"lightning_sp_stand_ins::flash_attn_backward_{n}", mutates_args=("dq", "dk", "dv"))
+    def _flash_attn_backward(
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        softmax_lse: torch.Tensor,
+        dq: Optional[torch.Tensor],
+        dk: Optional[torch.Tensor],
+        dv: Optional[torch.Tensor],
+        dropout_p: float,
+        softmax_scale: float,
+        causal: bool,
+        window_size_left: int,
+        window_size_right: int,
+        softcap: float,
+        alibi_slopes: Optional[torch.Tensor],
+        deterministic: bool,
+        rng_state: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        a = bwd_sig.bind(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                         window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state).arguments
+        return _backward_impl(a, minor, calls)
+
+    # meta tensors dispatch to the fake impl: the same checks, shapes only
+    _flash_attn_forward.register_fake(lambda *args: _forward_impl(fwd_sig.bind(*args).arguments, minor, calls))
+    _flash_attn_backward.register_fake(lambda *args: _backward_impl(bwd_sig.bind(*args).arguments, minor, calls))
+    return _flash_attn_forward, _flash_attn_backward
+
+
 def make_flash_attn(version: str):
     minor = ".".join(version.split(".")[:2])
     fwd_sig, bwd_sig = SIGNATURES[minor]
     calls: list[tuple[str, dict]] = []
 
-    def window(a) -> tuple[int, int]:
-        return tuple(a["window_size"]) if minor == "2.6" else (a["window_size_left"], a["window_size_right"])
+    if minor == "2.6":
+        def forward(*args, **kwargs):
+            a = fwd_sig.bind(*args, **kwargs).arguments  # TypeError, like the real function, on a missing argument
+            _check_pybind_types_26(a, "_flash_attn_forward")
+            return _forward_impl(a, minor, calls)
 
-    def check_common(a, op):
-        _check(a["dropout_p"] == 0.0 and a["softcap"] == 0.0 and a["alibi_slopes"] is None, f"{op}: extras")
-        _check(window(a) == (-1, -1), f"{op}: window {window(a)}")
-        for n in ("q", "k", "v"):
-            t = a[n]
-            _check(t.dtype in (torch.float16, torch.bfloat16), f"{op}: {n} dtype {t.dtype}")
-            _check(t.stride(-1) == 1, f"{op}: {n} last stride")
-        _check(a["q"].size(2) % a["k"].size(2) == 0, f"{op}: heads")
+        def backward(*args, **kwargs):
+            a = bwd_sig.bind(*args, **kwargs).arguments
+            _check_pybind_types_26(a, "_flash_attn_backward")
+            return _backward_impl(a, minor, calls)
 
-    def forward(*args, **kwargs):
-        a = fwd_sig.bind(*args, **kwargs).arguments  # TypeError, like the real op, on a missing argument
-        calls.append(("forward", a))
-        check_common(a, "_flash_attn_forward")
-        _check(a["return_softmax"] is False, "return_softmax")
-        q, k, v = a["q"], a["k"], a["v"]  # [B, S, H, D]
-        if q.device.type == "meta":  # shapes only
-            out, lse = torch.empty_like(q), torch.empty(q.size(0), q.size(2), q.size(1), device="meta")
-            rng, s_dmask = torch.empty(2, dtype=torch.int64, device="meta"), torch.empty(0, dtype=q.dtype, device="meta")
-            return (out, q, k, v, out, lse, s_dmask, rng) if minor == "2.6" else (out, lse, s_dmask, rng)
-        out, lse = _ref_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, a["causal"], a["softmax_scale"])
-        out = out.transpose(1, 2).to(q.dtype).contiguous()
-        lse = lse.masked_fill(torch.isneginf(lse), math.inf).float()  # flash-attn: +inf for no key
-        rng, s_dmask = torch.zeros(2, dtype=torch.int64), torch.empty(0, dtype=q.dtype)
-        if minor == "2.6":
-            return out, q, k, v, out, lse, s_dmask, rng
-        return out, lse, s_dmask, rng
-
-    def backward(*args, **kwargs):
-        a = bwd_sig.bind(*args, **kwargs).arguments
-        calls.append(("backward", a))
-        check_common(a, "_flash_attn_backward")
-        q, k, v, lse = a["q"], a["k"], a["v"], a["softmax_lse"]
-        _check(lse.dtype == torch.float32 and tuple(lse.shape) == (q.size(0), q.size(2), q.size(1)), "lse [B, H, Sq] fp32")
-        for n, like in (("dq", q), ("dk", k), ("dv", v)):
-            _check(a[n].shape == like.shape and a[n].dtype == like.dtype, f"{n} buffer")
-        if q.device.type == "meta":
-            softmax_d = torch.empty(q.size(0), q.size(2), q.size(1), device="meta")
-            return (a["dq"], a["dk"], a["dv"], softmax_d) if minor == "2.6" else softmax_d
-        _check(not torch.isneginf(lse).any(), "-inf lse overflows exp(s - lse)")
-        grads = _ref_backward(*(a[n].transpose(1, 2) for n in ("dout", "q", "k", "v", "out")), lse, None, a["causal"], a["softmax_scale"])
-        for n, g in zip(("dq", "dk", "dv"), grads):
-            a[n].copy_(g.transpose(1, 2))
-        softmax_d = torch.zeros(q.size(0), q.size(2), q.size(1), dtype=torch.float32)
-        if minor == "2.6":
-            return a["dq"], a["dk"], a["dv"], softmax_d
-        return softmax_d
-
-    if minor != "2.6":  # torch.library.custom_op objects: introspection sees (*args, **kwargs)
-        def opaque(fn):
-            def op(*args, **kwargs):
-                return fn(*args, **kwargs)
-            return op
-
-        forward, backward = opaque(forward), opaque(backward)
-    else:
         forward.__signature__, backward.__signature__ = fwd_sig, bwd_sig
+    else:
+        forward, backward = _custom_ops(minor, calls)
     interface = types.SimpleNamespace(_flash_attn_forward=forward, _flash_attn_backward=backward)
     module = types.ModuleType("flash_attn")
     module.__version__ = version

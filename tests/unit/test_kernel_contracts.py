@@ -3,6 +3,7 @@ through stand-ins of PyTorch's CUDA attention ops (``tests/stand_ins/cuda_sdpa.p
 flash-attn 2.6 / 2.7 / 2.8 (``tests/stand_ins/flash_attn.py``), eligibility rules, and the
 ``(out, lse)`` conventions of every kernel x dtype path. ``tests/gpu`` runs the same paths for real."""
 
+import contextlib
 import math
 import sys
 
@@ -52,22 +53,60 @@ def _cuda(cls, **kw):
     ],
 )
 def test_eligibility_rules(op, dtype, d, kind, cap, reason):
-    got = K.why_not(op, dtype=dtype, head_dim=d, kind=kind, capability=cap)
+    got = K.why_not(op, dtype=dtype, head_dim=d, kind=kind, capability=cap, **_BLOCK)
     assert got is None if reason is None else reason in got
 
 
-def test_each_kernel_chooses_its_ops_in_order():
-    meta = lambda dtype, d=64: torch.empty(1, 4, 2, d, dtype=dtype, device="meta")  # noqa: E731
+_BLOCK = dict(batch=2, heads=8, seq_len_q=64, seq_len_k=64, deterministic=False)
+
+
+@pytest.mark.parametrize(
+    "op, block, reason",
+    [
+        ("cudnn", {}, None),
+        ("cudnn", {"seq_len_k": 1}, "S_k == 1"),  # a one-token document, a causal piece with one key
+        ("cudnn", {"seq_len_q": 1, "seq_len_k": 2}, None),
+        ("cudnn", {"batch": 65536}, "<= 65535"),
+        ("cudnn", {"heads": 65536}, "<= 65535"),
+        ("cudnn", {"deterministic": True}, "use_deterministic_algorithms"),
+        ("flash", {"seq_len_k": 1}, None),  # flash, efficient and flash-attn take a single key
+        ("efficient", {"seq_len_k": 1}, None),
+        ("flash_attn", {"seq_len_k": 1}, None),
+        ("flash", {"deterministic": True}, None),  # deterministic backward under the flag
+        ("efficient", {"deterministic": True}, None),
+        ("flash_attn", {"deterministic": True}, None),
+        ("flash", {"seq_len_k": 0}, "empty block"),
+        ("efficient", {"seq_len_q": 0}, "empty block"),
+        ("flash_attn", {"batch": 0}, "empty block"),
+    ],
+)
+def test_eligibility_depends_on_the_block(op, block, reason):
+    got = K.why_not(op, dtype=torch.bfloat16, head_dim=64, kind=MaskKind.CAUSAL, capability=H100, **{**_BLOCK, **block})
+    assert got is None if reason is None else reason in got
+
+
+def test_each_kernel_chooses_its_ops_in_order(monkeypatch):
+    meta = lambda dtype, d=64, s=4: torch.empty(1, s, 2, d, dtype=dtype, device="meta")  # noqa: E731
     sdpa, cudnn, eff = _cuda(K.SDPAKernel), _cuda(K.CudnnKernel), _cuda(K.EfficientKernel)
-    assert sdpa.choose(meta(torch.bfloat16), MaskKind.CAUSAL) == "flash"
-    assert sdpa.choose(meta(torch.float16), MaskKind.DENSE) == "efficient"
-    assert sdpa.choose(meta(torch.float32), MaskKind.FULL) == "efficient"
-    assert sdpa.choose(meta(torch.float64), MaskKind.FULL) == "torch"
-    assert cudnn.choose(meta(torch.float16), MaskKind.FULL) == "cudnn"
-    assert cudnn.choose(meta(torch.float16, 256), MaskKind.FULL) == "efficient"
-    assert eff.choose(meta(torch.bfloat16), MaskKind.CAUSAL) == "efficient"
-    assert eff.choose(meta(torch.float32, 12), MaskKind.FULL) == "efficient"
-    assert eff.choose(meta(torch.float16, 12), MaskKind.FULL) == "torch"
+    q = meta(torch.bfloat16)
+    assert sdpa.choose(q, q, MaskKind.CAUSAL) == "flash"
+    assert sdpa.choose(meta(torch.float16), meta(torch.float16), MaskKind.DENSE) == "efficient"
+    assert sdpa.choose(meta(torch.float32), meta(torch.float32), MaskKind.FULL) == "efficient"
+    assert sdpa.choose(meta(torch.float64), meta(torch.float64), MaskKind.FULL) == "torch"
+    assert cudnn.choose(meta(torch.float16), meta(torch.float16), MaskKind.FULL) == "cudnn"
+    assert cudnn.choose(meta(torch.float16, 256), meta(torch.float16, 256), MaskKind.FULL) == "efficient"
+    assert cudnn.choose(meta(torch.float16), meta(torch.float16, s=1), MaskKind.FULL) == "efficient"  # one key
+    assert cudnn.choose(meta(torch.float16, s=1), meta(torch.float16, s=1), MaskKind.CAUSAL) == "efficient"
+    assert cudnn.choose(meta(torch.float16, s=1), meta(torch.float16, s=2), MaskKind.FULL) == "cudnn"  # one query
+    assert eff.choose(q, q, MaskKind.CAUSAL) == "efficient"
+    assert eff.choose(meta(torch.float32, 12), meta(torch.float32, 12), MaskKind.FULL) == "efficient"
+    assert eff.choose(meta(torch.float16, 12), meta(torch.float16, 12), MaskKind.FULL) == "torch"
+    assert eff.choose(q, meta(torch.bfloat16, s=0), MaskKind.FULL) == "torch"  # empty block
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    monkeypatch.setattr(torch, "is_deterministic_algorithms_warn_only_enabled", lambda: False)
+    assert cudnn.choose(q, q, MaskKind.CAUSAL) == "efficient" and sdpa.choose(q, q, MaskKind.CAUSAL) == "flash"
+    monkeypatch.setattr(torch, "is_deterministic_algorithms_warn_only_enabled", lambda: True)
+    assert cudnn.choose(q, q, MaskKind.CAUSAL) == "cudnn"  # warn_only: PyTorch's own dispatcher's choice
 
 
 # -- exact argument lists, meta tensors ------------------------------------------------------------
@@ -95,7 +134,7 @@ def test_cuda_argument_lists_on_meta_tensors(name):
                 for h_kv in (8, 1):
                     q, k, v = _meta_block(b, s, h, h_kv, d, dtype)
                     mask = torch.empty(s, s, dtype=torch.bool, device="meta") if kind is MaskKind.DENSE else None
-                    op = kernel.choose(q, kind)
+                    op = kernel.choose(q, k, kind)
                     with CudaSdpaStandIn() as mode:
                         out, lse = kernel.forward(q, k, v, scale=0.1, kind=kind, mask=mask)
                         dq, dk, dv = kernel.backward(
@@ -126,17 +165,288 @@ def test_stand_in_rejects_the_old_argument_lists():
             q, q, q, q, q, lse, empty, empty, 16, 16, 0.0, False, empty, empty, scale=0.1
         )
     seed = torch.zeros((), dtype=torch.int64, device="meta")
+    q_ok = torch.empty(1, 16, 2, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)  # [B, S, H, D] rows
     with CudaSdpaStandIn(), pytest.raises(ContractError, match="logsumexp shape"):  # unpadded efficient lse
         torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            q, q, q, q, None, q, lse, seed, seed, 0.0, [True, True, True, False], False, scale=0.1
+            q_ok, q_ok, q_ok, q_ok, None, q_ok, lse, seed, seed, 0.0, [True, True, True, False], False, scale=0.1
         )
     contiguous_bhsd = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="meta")
-    q_ok = torch.empty(1, 16, 2, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
     with CudaSdpaStandIn(), pytest.raises(ContractError, match="strides"):
         torch.ops.aten._scaled_dot_product_cudnn_attention(q_ok, contiguous_bhsd, q_ok, None, True, scale=0.1)
     with CudaSdpaStandIn() as mode:  # control of the control: the right layout passes
         torch.ops.aten._scaled_dot_product_cudnn_attention(q_ok, q_ok, q_ok, None, True, scale=0.1)
     assert mode.names() == [FWD["cudnn"]]
+
+
+# -- the stand-ins refuse what the real ops refuse (each rule: the real check it mirrors is cited
+#    in tests/stand_ins/cuda_sdpa.py and flash_attn.py) ---------------------------------------------
+
+
+@contextlib.contextmanager
+def _deterministic(warn_only=False):
+    """``torch.use_deterministic_algorithms(True)`` inside, the previous setting restored after."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _rows(b, s, h, d, dtype=torch.bfloat16, *, offset=0, last_stride=1):
+    """A ``[B, H, S, D]`` view of ``[B, S, H, D]`` rows on ``meta``, starting ``offset`` elements into its
+    buffer, with last-dim stride ``last_stride``."""
+    n = b * s * h * d * last_stride
+    flat = torch.empty(n + offset, dtype=dtype, device="meta")[offset:]
+    return flat.view(b, s, h, d * last_stride)[..., ::last_stride].transpose(1, 2)
+
+
+_SDPA_OPS = ("flash", "flash_backward", "cudnn", "cudnn_backward", "efficient", "efficient_backward")
+
+
+def _sdpa_call(op, *, d=64, sk=16, dtype=torch.bfloat16, causal=False, **given):
+    """One valid call of the CUDA SDPA op ``op`` (``_SDPA_OPS``) on meta tensors (B=1, Sq=16, H=2),
+    with any of ``q, k, v, out, dout, lse`` replaced by ``given``."""
+    b, sq, h = 1, 16, 2
+    t = dict(q=_rows(b, sq, h, d, dtype), k=_rows(b, sk, h, d, dtype), v=_rows(b, sk, h, d, dtype),
+             out=_rows(b, sq, h, d, dtype), dout=_rows(b, sq, h, d, dtype))
+    lse_len = {"flash_backward": (sq,), "cudnn_backward": (sq, 1), "efficient_backward": (-(-sq // 32) * 32,)}
+    if op in lse_len:
+        t["lse"] = torch.empty(b, h, *lse_len[op], device="meta")
+    t.update(given)
+    q, k, v, out, dout, lse = (t.get(n) for n in ("q", "k", "v", "out", "dout", "lse"))
+    aten = torch.ops.aten
+    seed = torch.zeros((), dtype=torch.int64, device="meta")
+    if op == "flash":
+        return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=0.1)
+    if op == "flash_backward":
+        philox = torch.empty(2, dtype=torch.uint64, device="meta"), torch.empty((), dtype=torch.uint64, device="meta")
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, *philox, scale=0.1)
+    if op == "cudnn":
+        return aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=0.1)
+    if op == "cudnn_backward":
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, seed.clone(), None, None, None, sq, sk, 0.0, causal, scale=0.1)
+    if op == "efficient":
+        return aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=0.1)
+    return aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse, seed, seed.clone(), 0.0, [True, True, True, False], causal, scale=0.1)
+
+
+_FP16_D12 = dict(d=12, dtype=torch.float16)
+
+
+@pytest.mark.parametrize(
+    "op, given, match",
+    [
+        *((op, dict(sk=1), "sequence length 1") for op in ("cudnn", "cudnn_backward")),
+        *((op, dict(sk=0), "empty") for op in _SDPA_OPS),
+        *((op, _FP16_D12, "multiple of 8") for op in _SDPA_OPS),
+        *((op, {"out": _rows(1, 16, 2, 64, torch.float32)}, "query's") for op in _SDPA_OPS[1::2]),
+        *((op, {"dout": _rows(1, 16, 2, 64, torch.float32)}, "query's") for op in _SDPA_OPS[1::2]),
+        ("flash_backward", {"lse": torch.empty(1, 2, 32, device="meta")[..., ::2]}, "contiguous"),
+        ("cudnn_backward", {"lse": torch.empty(1, 2, 32, 1, device="meta")[:, :, ::2]}, "contiguous"),
+        ("efficient_backward", {"lse": torch.empty(1, 2, 64, device="meta")[..., ::2]}, "contiguous"),
+        *((op, {"q": _rows(1, 16, 2, 64, offset=1)}, "aligned") for op in _SDPA_OPS),
+        *((op, {"k": _rows(1, 16, 2, 64, offset=4)}, "aligned") for op in _SDPA_OPS),  # 8 bytes: still not 16
+        *((op, {"dout": _rows(1, 16, 2, 64, offset=1)}, "aligned") for op in _SDPA_OPS[1::2]),
+        *((op, {"v": _rows(1, 16, 2, 64, last_stride=2)}, "stride 1") for op in _SDPA_OPS),
+    ],
+)
+def test_sdpa_stand_in_rejects_what_the_real_op_rejects(op, given, match):
+    with CudaSdpaStandIn(), pytest.raises(ContractError, match=match):
+        _sdpa_call(op, **given)
+
+
+@pytest.mark.parametrize("op", _SDPA_OPS)
+def test_sdpa_stand_in_controls_pass(op):
+    """Controls of the rejections above: the valid call, a 16-byte offset, two keys (cuDNN), fp32 with
+    head dim 12 (efficient), deterministic mode (except cuDNN) and ``warn_only`` all pass."""
+    with CudaSdpaStandIn() as mode:
+        _sdpa_call(op)
+        _sdpa_call(op, q=_rows(1, 16, 2, 64, offset=8), k=_rows(1, 16, 2, 64, offset=64))  # 16 / 128 bytes
+        if op.startswith("cudnn"):
+            _sdpa_call(op, sk=2)
+        if op.startswith("efficient"):
+            _sdpa_call(op, d=12, dtype=torch.float32)
+        if not op.startswith("cudnn"):
+            with _deterministic():
+                _sdpa_call(op)
+        with _deterministic(warn_only=True):  # PyTorch's dispatcher runs every op under warn_only
+            _sdpa_call(op)
+    assert len(mode.calls) == (5 if op.startswith("efficient") else 4)
+
+
+@pytest.mark.parametrize("op", ["cudnn", "cudnn_backward"])
+def test_cudnn_stand_in_refuses_deterministic_mode(op):
+    """The real cuDNN op called directly runs (a non-deterministic backward) under
+    ``use_deterministic_algorithms(True)``: only PyTorch's dispatcher drops it. The stand-in refuses."""
+    with CudaSdpaStandIn(), _deterministic(), pytest.raises(ContractError, match="not deterministic"):
+        _sdpa_call(op)
+
+
+def _fa_call(fa, which, *, d=16, dtype=torch.bfloat16, **given):
+    """One valid call of the stand-in flash-attn ``which`` ("forward"/"backward") on meta tensors
+    ``[B=1, S=8, H=2, D]``, in that version's positional argument list, with ``given`` replacing any."""
+    t = lambda: torch.empty(1, 8, 2, d, dtype=dtype, device="meta")  # noqa: E731
+    fai = fa.flash_attn_interface
+    window = [(-1, -1)] if fa.__version__.startswith("2.6") else [-1, -1]
+    a = dict(q=t(), k=t(), v=t(), dout=t(), out=t(), softmax_lse=torch.empty(1, 2, 8, device="meta"),
+             dq=t(), dk=t(), dv=t(), window=window, alibi_slopes=None, deterministic=False)
+    a.update(given)
+    if which == "forward":
+        return fai._flash_attn_forward(a["q"], a["k"], a["v"], 0.0, 0.25, False, *a["window"], 0.0, a["alibi_slopes"], False)
+    return fai._flash_attn_backward(
+        a["dout"], a["q"], a["k"], a["v"], a["out"], a["softmax_lse"], a["dq"], a["dk"], a["dv"], 0.0, 0.25, False,
+        *a["window"], 0.0, a["alibi_slopes"], a["deterministic"], None)
+
+
+_FA_VERSIONS = ["2.6.3", "2.7.4", "2.8.3"]
+
+
+@pytest.mark.parametrize("version", _FA_VERSIONS)
+def test_flash_attn_stand_in_rejects_what_the_real_op_rejects(version):
+    fa = make_flash_attn(version)
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    fp32 = meta(1, 8, 2, 16, dtype=torch.float32)
+    cases = [  # (which, given, match): mha_fwd / mha_bwd checks, flash_api.cpp
+        ("forward", dict(d=12, dtype=torch.float16), "multiple of 8"),
+        ("backward", dict(d=12, dtype=torch.float16), "multiple of 8"),
+        ("forward", dict(dtype=torch.float32), "dtype"),
+        ("backward", dict(dout=fp32), "query and dout must have the same dtype"),
+        ("backward", dict(out=fp32), "query and out must have the same dtype"),
+        ("backward", dict(dq=meta(1, 8, 2, 32)[..., ::2]), "dq must have contiguous last dimension"),
+        ("backward", dict(dk=fp32), "dk must have the same dtype as q"),
+        ("backward", dict(softmax_lse=meta(1, 8, 2, dtype=torch.float32).transpose(1, 2)), "softmax_lse must be contiguous"),
+        ("backward", dict(softmax_lse=meta(1, 2, 8)), r"softmax_lse must be \[B, H, Sq\] fp32"),
+        ("forward", dict(q=meta(1 * 8 * 2 * 16 + 1)[1:].view(1, 8, 2, 16)), "aligned"),
+        ("backward", dict(dv=meta(1 * 8 * 2 * 16 + 4)[4:].view(1, 8, 2, 16)), "aligned"),
+        ("forward", dict(k=meta(1, 0, 2, 16), v=meta(1, 0, 2, 16)), "positive"),
+    ]
+    for which, given, match in cases:
+        with pytest.raises(ContractError, match=match):
+            _fa_call(fa, which, **given)
+    with _deterministic(), pytest.raises(ContractError, match="deterministic=False"):
+        _fa_call(fa, "backward")
+    # the argument types the real functions accept: a custom op's schema (2.7+), pybind11 (2.6)
+    bad_window = [(-1.0, -1)] if version.startswith("2.6") else [-1.0, -1]
+    with pytest.raises(RuntimeError if not version.startswith("2.6") else ContractError, match="int|window_size"):
+        _fa_call(fa, "forward", window=bad_window)
+    if not version.startswith("2.6"):
+        with pytest.raises(RuntimeError, match=r"Optional\[Tensor\]"):
+            _fa_call(fa, "forward", alibi_slopes=0.0)
+        with pytest.raises(RuntimeError, match="Expected a value of type 'int'"):  # 2.6's window tuple
+            _fa_call(fa, "forward", window=[(-1, -1), -1])
+    # controls: the valid calls, a 16-byte offset, deterministic=True in deterministic mode
+    _fa_call(fa, "forward")
+    _fa_call(fa, "forward", q=meta(1 * 8 * 2 * 16 + 8)[8:].view(1, 8, 2, 16))
+    _fa_call(fa, "backward")
+    with _deterministic():
+        _fa_call(fa, "backward", deterministic=True)
+    assert [c[0] for c in fa.calls[-4:]] == ["forward", "forward", "backward", "backward"]
+
+
+# -- ... and kernels.py never sends it ------------------------------------------------------------
+
+
+def _hostile_inputs(dtype, d, *, h=4, h_kv=2, n=24, seed=0):
+    """q, k, v as views the fused ops refuse as given: q and v start one element into a flat buffer
+    (misaligned), k has last-dim stride 2."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n * h * d + 1, generator=g).to(dtype)[1:].view(1, n, h, d)
+    k = torch.randn(1, n, h_kv, 2 * d, generator=g).to(dtype)[..., ::2]
+    v = torch.randn(n * h_kv * d + 1, generator=g).to(dtype)[1:].view(1, n, h_kv, d)
+    assert q.storage_offset() == 1 and k.stride(-1) == 2 and v.storage_offset() == 1
+    return q, k, v
+
+
+_KERNEL_PATHS = [  # (kernel factory, dtype, head dim, op it must run, tolerance)
+    (lambda: _cuda(K.SDPAKernel), torch.float16, 16, "flash", 3e-3),
+    (lambda: _cuda(K.SDPAKernel), torch.float32, 12, "efficient", 1e-5),
+    (lambda: _cuda(K.EfficientKernel), torch.bfloat16, 16, "efficient", 2e-2),
+    (lambda: _cuda(K.CudnnKernel), torch.bfloat16, 16, "cudnn", 2e-2),
+    *((lambda v=v: _cuda(K.FlashAttnKernel, module=make_flash_attn(v)), torch.bfloat16, 16, "flash_attn", 2e-2)
+      for v in _FA_VERSIONS),
+    (lambda: _cuda(K.SDPAKernel), torch.float16, 12, "torch", 3e-3),  # head dim % 8: no fused op
+    (lambda: _cuda(K.CudnnKernel), torch.float16, 12, "torch", 3e-3),
+    (lambda: _cuda(K.FlashAttnKernel, module=make_flash_attn("2.8.3")), torch.bfloat16, 12, "torch", 2e-2),
+]
+
+
+@pytest.mark.parametrize("make, dtype, d, op, tol", _KERNEL_PATHS)
+@pytest.mark.parametrize("kind", [MaskKind.FULL, MaskKind.CAUSAL])
+def test_kernels_never_send_what_the_ops_reject(make, dtype, d, op, tol, kind):
+    """Every CUDA path given what the ring loop or a user can hand it: misaligned and last-dim-strided
+    q/k/v, an fp32 non-contiguous ``out`` and ``dout`` (the merged result), a non-contiguous lse, a
+    0-dim tensor as the scale. The stand-ins (as strict as the real ops) accept every call, the op
+    the rules pick runs, and forward and dQ/dK/dV equal dense fp64 attention."""
+    kernel = make()
+    q, k, v = _hostile_inputs(dtype, d)
+    scale = torch.tensor(d**-0.5, dtype=torch.float64)
+    assert kernel.choose(q, k, kind) == op
+    causal = kind is MaskKind.CAUSAL
+    with CudaSdpaStandIn() as mode:
+        out, lse = kernel.forward(q, k, v, scale=scale, kind=kind, mask=None)
+        out32 = out.float().transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D], strides of [B, H, S, D]
+        lse_nc = lse.transpose(1, 2).contiguous().transpose(1, 2)  # [B, H, S], not contiguous
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).transpose(1, 2).contiguous().transpose(1, 2)
+        assert not (out32.is_contiguous() or lse_nc.is_contiguous() or dout.is_contiguous())
+        grads = kernel.backward(dout, q, k, v, out32, lse_nc, scale=scale, kind=kind, mask=None)
+    fused = [c[0] for c in mode.calls]
+    if op in ("flash", "efficient", "cudnn"):
+        assert fused == [FWD[op], FWD[op] + "_backward"]
+    else:
+        assert fused == []  # flash-attn's calls are recorded by its stand-in module; torch runs no op
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dense_attention(qd, kd, vd, causal=causal, scale=float(scale))
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.double())
+    rel = lambda a, b: ((a.double() - b).abs().max() / b.abs().max()).item()  # noqa: E731
+    assert out.dtype == (K.accumulation_dtype(dtype) if op == "torch" else dtype) and rel(out, ref) < tol
+    for g, r in zip(grads, ref_grads):
+        assert g.shape == r.shape and rel(g, r) < tol
+    other = dense_attention(qd, kd, vd, causal=not causal, scale=float(scale))
+    assert rel(out, other) > 10 * tol  # control: the other mask is caught
+
+
+def test_flash_attn_kernel_calls_reach_the_stand_in():
+    """The flash-attn rows above really ran flash-attn (not the fallback): its stand-in saw each
+    call, with 16-byte aligned, contiguous inputs and a float scale."""
+    fa = make_flash_attn("2.7.4")
+    kernel = _cuda(K.FlashAttnKernel, module=fa)
+    q, k, v = _hostile_inputs(torch.bfloat16, 16)
+    out, lse = kernel.forward(q, k, v, scale=torch.tensor(0.25), kind=MaskKind.CAUSAL, mask=None)
+    kernel.backward(out.float(), q, k, v, out.float(), lse, scale=torch.tensor(0.25), kind=MaskKind.CAUSAL, mask=None)
+    assert [c[0] for c in fa.calls] == ["forward", "backward"]
+    for _, a in fa.calls:
+        assert isinstance(a["softmax_scale"], float) and a["q"].storage_offset() == 0 and a["k"].is_contiguous()
+
+
+# -- deterministic mode -----------------------------------------------------------------------------
+
+
+def test_deterministic_mode_reaches_only_deterministic_ops():
+    """Under ``torch.use_deterministic_algorithms(True)``: ``cudnn`` runs every block with the
+    efficient op (cuDNN's backward is not deterministic, and the op does not check), ``sdpa`` keeps
+    the flash op and flash-attn gets ``deterministic=True`` (both deterministic under the flag); the
+    results stay exact. With ``warn_only=True`` cuDNN runs, as PyTorch's own dispatcher runs it."""
+    with _deterministic():
+        mode = _check_against_dense(_cuda(K.CudnnKernel), torch.bfloat16, causal=True, tol=2e-2)
+        assert set(mode.names()) == {FWD["efficient"], FWD["efficient"] + "_backward"}
+        mode = _check_against_dense(_cuda(K.SDPAKernel), torch.float16, causal=True, tol=3e-3)
+        assert set(mode.names()) == {FWD["flash"], FWD["flash"] + "_backward"}
+        for version in _FA_VERSIONS:
+            fa = make_flash_attn(version)
+            _check_against_dense(_cuda(K.FlashAttnKernel, module=fa), torch.bfloat16, causal=False, tol=2e-2)
+            backward = [c[1] for c in fa.calls if c[0] == "backward"]
+            assert backward and all(a["deterministic"] is True for a in backward)
+    with _deterministic(warn_only=True):
+        mode = _check_against_dense(_cuda(K.CudnnKernel), torch.bfloat16, causal=True, tol=2e-2)
+        assert FWD["cudnn"] in mode.names()
+    assert not torch.are_deterministic_algorithms_enabled()  # restored
+    fa = make_flash_attn("2.8.3")  # control: outside the mode, flash-attn's faster backward
+    _check_against_dense(_cuda(K.FlashAttnKernel, module=fa), torch.bfloat16, causal=False, tol=2e-2)
+    assert all(c[1]["deterministic"] is False for c in fa.calls if c[0] == "backward")
 
 
 # -- numerics through the stand-ins ----------------------------------------------------------------
@@ -187,8 +497,20 @@ def _check_against_dense(kernel, dtype, *, causal, tol, h=4, h_kv=2, d=16):
 )
 @pytest.mark.parametrize("causal", [True, False])
 def test_cuda_paths_match_dense_attention(cls, dtype, op, tol, causal):
+    """Packed documents, one of them a single token: every block through the kernel's fused op,
+    except the one-token document's ``1 x 1`` block under ``cudnn`` (cuDNN takes no ``S_k == 1``),
+    which goes to the efficient op."""
     mode = _check_against_dense(_cuda(cls), dtype, causal=causal, tol=tol)
-    assert set(mode.names()) == {FWD[op], FWD[op] + "_backward"}
+    key_len = {name: set() for name in mode.names()}
+    for name, args, _ in mode.calls:
+        key_len[name].add(args[2].size(2))  # value [B, H_kv, Sk, D]
+    if op == "cudnn":
+        assert key_len.keys() == {FWD[op], FWD[op] + "_backward", FWD["efficient"], FWD["efficient"] + "_backward"}
+        assert 1 not in key_len[FWD[op]] | key_len[FWD[op] + "_backward"]
+        assert key_len[FWD["efficient"]] == key_len[FWD["efficient"] + "_backward"] == {1}
+    else:
+        assert key_len.keys() == {FWD[op], FWD[op] + "_backward"}
+        assert 1 in key_len[FWD[op]]  # the one-token document's block, through the same op
     assert len(mode.names()) >= 8  # several document blocks, each forward and backward
 
 
@@ -277,7 +599,7 @@ def test_flash_attn_stand_in_refuses_missing_arguments():
     ``(*args, **kwargs)`` from 2.7 on) misses required arguments and fails."""
     q = torch.randn(1, 8, 2, 16, dtype=torch.float16)
     fwd = make_flash_attn("2.7.4").flash_attn_interface._flash_attn_forward
-    with pytest.raises(TypeError, match="window_size_left"):
+    with pytest.raises(RuntimeError, match="missing value for argument 'window_size_left'"):  # the dispatcher's
         fwd(q, q, q, dropout_p=0.0, softmax_scale=0.25, causal=False)
     with pytest.raises(TypeError, match="window_size"):
         make_flash_attn("2.6.3").flash_attn_interface._flash_attn_forward(q, q, q, 0.0, 0.25, False)
