@@ -66,7 +66,10 @@ class LogLocation(L.Callback):
         if tb is None:
             print(template.split("TensorBoard")[0].strip() or "no TensorBoard logger configured", flush=True)
             return
-        print(template.format(log_dir=os.path.abspath(tb.log_dir), save_dir=os.path.relpath(tb.save_dir)), flush=True)
+        log_dir = os.path.abspath(tb.log_dir)
+        if log_dir.startswith(os.path.join(os.getcwd(), "")):  # under the working directory: say it short
+            log_dir = os.path.relpath(log_dir)
+        print(template.format(log_dir=log_dir, save_dir=os.path.relpath(tb.save_dir)), flush=True)
 
 
 class SequenceParallelCLI(LightningCLI):
