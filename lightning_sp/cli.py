@@ -36,7 +36,7 @@ class LogLocation(L.Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._t0 = time.perf_counter()
-        n_params = sum(p.numel() for p in pl_module.parameters())  # DTensor (FSDP2/TP): the global count
+        n_params = sum(p.numel() for p in pl_module.parameters())  # FSDP2 DTensors: global; tp slices: this rank
         self._say(trainer, f"model: {type(pl_module).__name__}, {get_human_readable_count(n_params)} parameters\n"
                            "TensorBoard event files: {log_dir}\n  view them with:  tensorboard --logdir {save_dir}"
                            "  (Custom Scalars tab: http://localhost:6006/#custom_scalars)")
