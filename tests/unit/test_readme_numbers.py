@@ -131,7 +131,9 @@ def test_committed_run_is_what_the_current_code_trains(marker, tmp_path):
     acc.Reload()
     now = [e.value for e in sorted(acc.Scalars("Loss/train"), key=lambda e: e.step)]
     committed = _series(data)["Loss/train"][:STEPS]
-    assert len(now) == STEPS and max(abs(a - b) for a, b in zip(now, committed)) < LOSS_TOL, (now, committed)
+    assert len(now) == STEPS and max(abs(a - b) for a, b in zip(now, committed)) < LOSS_TOL, (
+        f"the current code trains differently from the committed run {data.name} (now {now}, committed {committed}):"
+        f" rerun the demo, redraw with scripts/plot_demo_loss.py and update the README's quoted numbers")
     assert abs(now[0] - now[-1]) > 100 * LOSS_TOL, now  # negative control: the loss moves far more than the tolerance
 
     # the README's quoted lines: verbatim where they do not depend on the run, as a template where they do
