@@ -15,10 +15,13 @@ zigzag_ring-P4-N2048``, says the backend, so runs overlay in one chart per tag):
   per operation (byte convention: ``lightning_sp.comm.stats``). Data-parallel gradient traffic
   (DDP/FSDP) is not counted.
 
-TensorBoard lists tag groups alphabetically, so at fit start the monitor also writes a Custom Scalars
-layout (``TENSORBOARD_LAYOUT``) with the categories in a fixed order: Loss (the module's
-``train``/``val`` loss tags), Throughput, Memory, Communication. Open it with
-``tensorboard --logdir runs/<experiment>`` and the *Custom Scalars* tab (``http://localhost:6006/#custom_scalars``).
+TensorBoard's default tab (Time Series) groups tags by their first path component, sorts the groups
+(digits, then upper case, then lower case) and expands the first two. The project's modules therefore
+log their loss as ``Loss/train`` and ``Loss/val`` (capital ``L``: the group sorts before every lower-case
+one, Lightning's ``epoch`` included), so a run opens on the loss; the monitor's groups follow. At fit start
+the monitor also writes a Custom Scalars layout (``TENSORBOARD_LAYOUT``) with the categories in a fixed
+order: Loss, Throughput, Memory, Communication (``tensorboard --logdir runs/<experiment>``, *Custom
+Scalars* tab).
 
 Model FLOPs follow Megatron (Korthikanti et al. 2022), per iteration of a decoder with ``L`` layers,
 hidden ``h``, vocabulary ``V``, batch ``B`` and sequence ``s``:
@@ -43,8 +46,8 @@ __all__ = ["TENSORBOARD_LAYOUT", "SequenceParallelMonitor", "megatron_flops_per_
 # Custom Scalars layout: category -> chart title -> ["Multiline", [tag regexes]]; categories in this order.
 TENSORBOARD_LAYOUT: dict[str, dict[str, list]] = {
     "Loss": {
-        "train loss": ["Multiline", [r"^train.*loss"]],
-        "validation loss": ["Multiline", [r"^val.*loss"]],
+        "train loss": ["Multiline", [r"^Loss/train$", r"^train.*loss"]],  # the project's tag, then the usual ones
+        "validation loss": ["Multiline", [r"^Loss/val$", r"^val.*loss"]],
     },
     "Throughput": {
         "tokens/s (global)": ["Multiline", [r"^throughput/tokens_per_s$"]],

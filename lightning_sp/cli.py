@@ -3,8 +3,9 @@
 Any model / data module / strategy is picked by ``class_path`` in the YAML; ``model.vocab_size`` is
 linked to the data module's tokenizer. TensorBoard logging is the default (without Lightning's
 empty ``hp_metric`` card; every experiment YAML sets ``default_hp_metric: false`` too), and rank zero
-prints where the event files are and how to open them on the ordered Custom Scalars view that
-``SequenceParallelMonitor`` writes (Loss, Throughput, Memory, Communication).
+prints the model's size, where the event files are and how to open them, and at the end the loss trend.
+Lightning's model-summary table is off by default (``--trainer.enable_model_summary true`` brings it
+back): it cannot count FLOPs without an ``example_input_array`` and would print ``Total FLOPs: 0``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,18 @@ import time
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from lightning_sp.dependency_noise import silence_dependency_noise
+
 
 class LogLocation(L.Callback):
-    """Prints the TensorBoard location at the start, and the loss trend and wall time at the end."""
+    """Prints the model size and the TensorBoard location at the start, and the loss trend and wall time at
+    the end."""
 
-    def __init__(self, monitor: str = "train/loss", window: int = 10) -> None:
+    def __init__(self, monitor: str = "Loss/train", window: int = 10) -> None:
         self.monitor, self.window = monitor, window
         self.losses: list[float] = []
         self._t0 = 0.0
@@ -31,7 +36,9 @@ class LogLocation(L.Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._t0 = time.perf_counter()
-        self._say(trainer, "TensorBoard event files: {log_dir}\n  view them with:  tensorboard --logdir {save_dir}"
+        n_params = sum(p.numel() for p in pl_module.parameters())  # FSDP2 DTensors: global; tp slices: this rank
+        self._say(trainer, f"model: {type(pl_module).__name__}, {get_human_readable_count(n_params)} parameters\n"
+                           "TensorBoard event files: {log_dir}\n  view them with:  tensorboard --logdir {save_dir}"
                            "  (Custom Scalars tab: http://localhost:6006/#custom_scalars)")
 
     @override
@@ -59,7 +66,10 @@ class LogLocation(L.Callback):
         if tb is None:
             print(template.split("TensorBoard")[0].strip() or "no TensorBoard logger configured", flush=True)
             return
-        print(template.format(log_dir=os.path.abspath(tb.log_dir), save_dir=os.path.relpath(tb.save_dir)), flush=True)
+        log_dir = os.path.abspath(tb.log_dir)
+        if log_dir.startswith(os.path.join(os.getcwd(), "")):  # under the working directory: say it short
+            log_dir = os.path.relpath(log_dir)
+        print(template.format(log_dir=log_dir, save_dir=os.path.relpath(tb.save_dir)), flush=True)
 
 
 class SequenceParallelCLI(LightningCLI):
@@ -69,6 +79,7 @@ class SequenceParallelCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
         parser.set_defaults({
+            "trainer.enable_model_summary": False,  # LogLocation prints the parameter count instead
             "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                                "init_args": {"save_dir": "runs", "name": "default", "default_hp_metric": False}},
         })
@@ -95,6 +106,7 @@ def expand_short_names(args: list[str]) -> list[str]:
 
 def main(args: list[str] | None = None, *, run: bool = True) -> SequenceParallelCLI:
     """Entry point of ``lightning-sp``; ``args`` defaults to ``sys.argv[1:]``."""
+    silence_dependency_noise()  # also when the config's strategy is not SequenceParallelStrategy
     if args is None:  # LightningCLI reads sys.argv itself (and warns if it is also passed as `args`)
         sys.argv[1:] = expand_short_names(sys.argv[1:])
     return SequenceParallelCLI(

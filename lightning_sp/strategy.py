@@ -52,6 +52,7 @@ from typing_extensions import override
 
 from lightning_sp.attention import default_ulysses_degree
 from lightning_sp.context import SequenceParallelContext
+from lightning_sp.dependency_noise import silence_dependency_noise
 from lightning_sp.mesh import ParallelMesh, build_parallel_mesh
 from lightning_sp.ops.backends import BACKENDS
 from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel
@@ -154,6 +155,7 @@ class SequenceParallelStrategy(DDPStrategy):
         if process_group_timeout.total_seconds() <= 0:
             raise ValueError(f"process_group_timeout must be positive, got {process_group_timeout}")
         super().__init__(timeout=process_group_timeout, **kwargs)
+        silence_dependency_noise()  # Lightning's per-rank LeafSpec deprecation and its product tips
         if sequence_parallel_size is not None and (
             not isinstance(sequence_parallel_size, int) or isinstance(sequence_parallel_size, bool) or sequence_parallel_size < 1
         ):

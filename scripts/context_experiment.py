@@ -49,10 +49,10 @@ def run_arm(*, truncate: int | None, seed: int, steps: int, log_root: Path) -> d
     runs = sorted((log_root / f"{name}_seed{seed}").iterdir(), key=lambda p: p.stat().st_mtime)
     acc = EventAccumulator(str(runs[-1]))
     acc.Reload()
-    last = {tag: acc.Scalars(tag)[-1].value for tag in ("val/answer_acc", "val/loss", "train/loss")}
+    last = {tag: acc.Scalars(tag)[-1].value for tag in ("answer_acc/val", "Loss/val", "Loss/train")}
     return {"arm": name, "context_tokens": FULL_LEN if truncate is None else truncate, "sequence_parallel": truncate is None,
-            "seed": seed, "steps": steps, "val_answer_acc": last["val/answer_acc"], "val_loss": last["val/loss"],
-            "train_loss_last": last["train/loss"], "wall_s": round(secs, 1)}
+            "seed": seed, "steps": steps, "val_answer_acc": last["answer_acc/val"], "val_loss": last["Loss/val"],
+            "train_loss_last": last["Loss/train"], "wall_s": round(secs, 1)}
 
 
 def main(argv: list[str] | None = None) -> None:

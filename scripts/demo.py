@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
 
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"demo: lightning-sp fit --config {config} {' '.join(extra)}".rstrip(), flush=True)
+        shown = os.path.relpath(config) if config.resolve().is_relative_to(Path.cwd().resolve()) else config
+        print(f"demo: lightning-sp fit --config {shown} {' '.join(extra)}".rstrip(), flush=True)
     cli_main(["fit", "--config", str(config), *extra])
 
 

@@ -1,8 +1,11 @@
 """Plot a demo run's TensorBoard scalars (reads event files; never trains).
 
     python scripts/plot_demo_loss.py runs/protein_demo/version_0 [--out paper_figures/demo_protein_loss.png]
+    python scripts/plot_demo_loss.py runs/multimodal_demo/version_0 --out paper_figures/demo_multimodal_loss.png
 
-Writes the PNG and a CSV of the scalars next to it.
+Writes the PNG and a CSV of the scalars next to it: ``Loss/train``, ``Loss/val`` and, for the multimodal
+decoder, ``answer_acc/val`` (in the CSV only). ``tests/unit/test_readme_numbers.py`` checks the README's
+demo numbers against these CSVs and the CSVs' first steps against the current code.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ def main(argv: list[str] | None = None) -> None:
 
     acc = EventAccumulator(str(run))
     acc.Reload()
-    tags = [t for t in ("train/loss", "val/loss") if t in acc.Tags()["scalars"]]
-    if not tags:
-        raise SystemExit(f"{run} has no train/loss or val/loss scalars; found {acc.Tags()['scalars']}")
+    loss_tags = [t for t in ("Loss/train", "Loss/val") if t in acc.Tags()["scalars"]]
+    if not loss_tags:
+        raise SystemExit(f"{run} has no Loss/train or Loss/val scalars; found {acc.Tags()['scalars']}")
+    tags = loss_tags + [t for t in ("answer_acc/val",) if t in acc.Tags()["scalars"]]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,7 +48,9 @@ def main(argv: list[str] | None = None) -> None:
         for tag in tags:
             ev = acc.Scalars(tag)
             w.writerows([tag, e.step, e.value] for e in ev)
-            ax.plot([e.step for e in ev], [e.value for e in ev], marker="o" if tag.startswith("val") else None, label=tag)
+            if tag not in loss_tags:
+                continue
+            ax.plot([e.step for e in ev], [e.value for e in ev], marker="o" if tag.endswith("val") else None, label=tag)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats)")
     ax.set_title(a.title, fontsize=9)

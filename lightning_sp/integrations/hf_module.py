@@ -124,12 +124,12 @@ class HFSequenceParallelModule(L.LightningModule):
     @override
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=1)
+        self.log("Loss/train", loss, prog_bar=True, on_step=True, batch_size=1)
         return loss
 
     @override
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True, batch_size=1)
+        self.log("Loss/val", self._loss(batch), prog_bar=True, sync_dist=True, batch_size=1)
 
     @override
     def configure_optimizers(self):

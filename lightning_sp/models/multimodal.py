@@ -12,7 +12,7 @@ class MultimodalDecoder(TransformerLM):
     """Next-token decoder; labels come pre-shifted from the data (``labels[t]`` = target after token ``t``).
 
     Batch: ``input_ids, labels, position_ids [B, S]``; optional ``answer_mask [B, S]`` (bool) marks the
-    long-range answer target, whose accuracy is logged as ``*/answer_acc``.
+    long-range answer target, whose accuracy is logged as ``answer_acc/{train,val}``.
     """
 
     causal = True
@@ -23,7 +23,7 @@ class MultimodalDecoder(TransformerLM):
         group = self.net.sequence_parallel_group()
         loss = self.net.cross_entropy(logits, batch["labels"])
         bsz = batch["input_ids"].shape[0]
-        self.log(f"{stage}/loss", loss, prog_bar=True, on_step=stage == "train", on_epoch=stage != "train", sync_dist=stage != "train", batch_size=bsz)
+        self.log(f"Loss/{stage}", loss, prog_bar=True, on_step=stage == "train", on_epoch=stage != "train", sync_dist=stage != "train", batch_size=bsz)
         if "answer_mask" in batch:
             m = batch["answer_mask"].bool()  # [B, S]: exactly one position per sample, on one rank
             correct = (self.net.argmax(logits) == batch["labels"]) & m
@@ -31,7 +31,7 @@ class MultimodalDecoder(TransformerLM):
             if group is not None:
                 torch.distributed.all_reduce(stats, group=group)
             if stats[1] > 0:
-                self.log(f"{stage}/answer_acc", stats[0] / stats[1], prog_bar=stage == "val", on_step=stage == "train",
+                self.log(f"answer_acc/{stage}", stats[0] / stats[1], prog_bar=stage == "val", on_step=stage == "train",
                          on_epoch=stage != "train", sync_dist=stage != "train", batch_size=bsz)
         return loss
 

@@ -26,11 +26,11 @@ class ProteinEncoder(TransformerLM):
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _ = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=1)
-        self.log("train/perplexity", loss.detach().exp(), on_step=True, batch_size=1)
+        self.log("Loss/train", loss, prog_bar=True, on_step=True, batch_size=1)
+        self.log("perplexity/train", loss.detach().exp(), on_step=True, batch_size=1)
         return loss
 
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, _ = self._loss(batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=1)
+        self.log("Loss/val", loss, prog_bar=True, sync_dist=True, batch_size=1)

@@ -34,7 +34,7 @@ def _losses(log_dir: Path, strategy_args: list[str]) -> tuple[list[float], str]:
     (events,) = list((log_dir / "run").iterdir())
     acc = EventAccumulator(str(events))
     acc.Reload()
-    return [e.value for e in sorted(acc.Scalars("train/loss"), key=lambda e: e.step)], proc.stdout + proc.stderr
+    return [e.value for e in sorted(acc.Scalars("Loss/train"), key=lambda e: e.step)], proc.stdout + proc.stderr
 
 
 def test_protein_demo_tp2_sp2_matches_one_process(tmp_path):

@@ -164,7 +164,7 @@ def _fit(cfg: dict, model, data, val_data, probe):
     if val_data is not None:
         # a second Trainer stage on the same (FSDP-sharded, tp-split) model: used to crash re-broadcasting
         metrics = trainer.validate(model, DataLoader(val_data, batch_size=cfg["b"], shuffle=False), verbose=False)
-        val = metrics[0]["val/loss"]
+        val = metrics[0]["Loss/val"]
     return trainer, val
 
 

@@ -61,13 +61,13 @@ def test_quick_run_matches_one_process(tmp_path):
         worst = max(abs(r[c] - r["one_process_loss"]) for c in columns)
         assert r["max_abs_diff"] == pytest.approx(worst, abs=2e-8) and r["max_rel_diff"] < goal
 
-    # TensorBoard: each run under <log_dir>/<run_name>, its train/loss the losses of the result file
+    # TensorBoard: each run under <log_dir>/<run_name>, its Loss/train the losses of the result file
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     name = exp.run_name("zigzag_ring", P=2, mode="ddp", model="protein")
     acc = EventAccumulator(str(tmp_path / "runs" / name))
     acc.Reload()
-    logged = [e.value for e in sorted(acc.Scalars("train/loss"), key=lambda e: e.step)]
+    logged = [e.value for e in sorted(acc.Scalars("Loss/train"), key=lambda e: e.step)]
     ours = [r[exp.loss_column("zigzag_ring", 2, "ddp")] for r in rows]
     assert logged == pytest.approx(ours, rel=1e-6, abs=0)
     assert len(acc.Scalars("convergence/rel_loss_diff_vs_one_process")) == steps
