@@ -107,18 +107,21 @@ def test_protein_datamodule_real_data_is_deterministic():
     dm = ProteinDataModule(context_len=512, samples_per_epoch=4, val_samples=2)
     dm.setup("fit")
     # 2,100 real proteins from pyhmmer's genome file, minus the held-out 10%
-    assert len(dm.train_set.protein_ids) == 2100 - 210
-    assert [len(f) for f in dm.train_set.family_ids] == [12, 10]
-    a, b = dm.train_set[0], dm.train_set[0]
+    assert dm.n_train_records == 2100 - 210 and len(dm.dataset.proteins) == 2100
+    assert [len(f) for f in dm.dataset.family_ids] == [12, 10]
+    specs = list(dm.train_sampler())
+    assert [s.kind for s in specs] == ["single", "family", "single", "family"] and specs == list(dm.train_sampler())
+    a, b = dm.dataset[specs[0]], dm.dataset[specs[0]]
     for k in a:
         assert torch.equal(a[k], b[k])
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == batch["labels"].shape == batch["position_ids"].shape == (1, 512)
     cu = batch["cu_seqlens"]
     assert cu.dim() == 1 and cu[0] == 0 and cu[-1] == 512 and (cu.diff() > 0).all()
-    fam = dm.train_set[1]  # odd index: family context, one document, global positions
+    fam = dm.dataset[specs[1]]  # family context, one document, global positions
     assert fam["cu_seqlens"].tolist() == [0, 512] and fam["position_ids"].tolist() == list(range(512))
-    assert len(dm.val_set) == 2
+    val = list(dm.val_sampler())
+    assert len(val) == 2 and all(r >= dm.n_train_records for s in val for r, _, _ in s.pieces)
 
 
 def test_protein_datamodule_bad_fasta_path_is_reported(tmp_path):
