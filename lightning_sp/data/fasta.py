@@ -21,12 +21,13 @@ Note [FASTA index]
         <index_dir>/<name>.lsp-index.json      manifest: the data file's fingerprint; written LAST
         <index_dir>/<name>.lsp-index.lines.npy  int64 [n]  1-based line of each record's header
         <index_dir>/<name>.lsp-index.lengths.npy uint32 [n] residues per record (trailing '*' dropped)
-        <index_dir>/<name>.lsp-index.fxi        pyfastx's index: byte offsets, and for .gz the zran
+        <index_dir>/<name>.lsp-index.data       a symbolic link to the data file, which pyfastx opens
+        <index_dir>/<name>.lsp-index.data.fxi   pyfastx's index: byte offsets, and for .gz the zran
                                                  checkpoints that make random access into gzip possible
 
     The fingerprint is the file's size, mtime and a CRC of its first and last 64 KiB; any mismatch
-    (file replaced or appended to), a missing or unreadable part, or another alphabet rebuilds all
-    four. Every part is written to a temporary name and renamed into place, manifest last, so
+    (file replaced or appended to), a missing or unreadable part, a link that no longer leads to the
+    data file, or another alphabet rebuilds them all. Every part is written to a temporary name and renamed into place, manifest last, so
     concurrent builders (several ranks) and a build killed half way never leave an index that is
     trusted but wrong. The ``.npy`` arrays are memory-mapped, not loaded.
 
@@ -245,7 +246,10 @@ class IndexedFasta:
         base = self.index_dir / f"{self.path.name}.lsp-index"
         self.manifest_path = Path(f"{base}.json")
         self.lines_path, self.lengths_path = Path(f"{base}.lines.npy"), Path(f"{base}.lengths.npy")
-        self.fxi_path = Path(f"{base}.fxi")
+        # pyfastx names its index "<data path>.fxi"; a link to the data in index_dir puts it there.
+        # (Its index_file= argument writes one byte past a heap buffer in pyfastx 2.3.1: not used.)
+        self.link_path = Path(f"{base}.data")
+        self.fxi_path = Path(f"{base}.data.fxi")
         self.built_now = False
         """True when this object built the index (False: an existing one was reused)."""
         fingerprint = _fingerprint(self.path, alphabet)
@@ -262,6 +266,8 @@ class IndexedFasta:
         try:
             manifest = json.loads(self.manifest_path.read_text())
             if manifest.get("fingerprint") != fingerprint or not self.fxi_path.is_file():
+                return False
+            if not os.path.samefile(self.link_path, self.path):  # data moved, or a foreign link
                 return False
             lines = np.load(self.lines_path, mmap_mode="r")
             lengths = np.load(self.lengths_path, mmap_mode="r")
@@ -303,13 +309,16 @@ class IndexedFasta:
             raise FastaFormatError(self.path, 1, "no FASTA records found (expected lines starting with '>')")
         if int(lengths.array().max()) >= 2**32 - 2:
             raise FastaFormatError(self.path, 1, "a record holds 2^32 residues or more; not a protein file")
-        tmp = {p: Path(f"{p}{tag}") for p in (self.lines_path, self.lengths_path, self.fxi_path, self.manifest_path)}
+        parts = (self.lines_path, self.lengths_path, self.link_path, self.fxi_path, self.manifest_path)
+        tmp = {p: Path(f"{p}{tag}") for p in parts}
+        tmp[self.fxi_path] = Path(f"{tmp[self.link_path]}.fxi")  # where pyfastx writes for the temporary link
         try:
             for final, arr in ((self.lines_path, lines.array()), (self.lengths_path, lengths.array())):
                 with open(tmp[final], "wb") as out:
                     np.save(out, arr)
-            # 2. pyfastx's offset (and gzip checkpoint) index, under a temporary name.
-            fasta = _pyfastx().Fasta(str(self.path), index_file=str(tmp[self.fxi_path]))
+            # 2. pyfastx's offset (and gzip checkpoint) index, through a temporary link to the data.
+            os.symlink(self.path.resolve(), tmp[self.link_path])
+            fasta = _pyfastx().Fasta(str(tmp[self.link_path]))
             if len(fasta) != len(lines):
                 raise FastaFormatError(
                     self.path, 1,
@@ -318,7 +327,7 @@ class IndexedFasta:
                 )
             del fasta
             tmp[self.manifest_path].write_text(json.dumps({"fingerprint": fingerprint, "records": len(lines)}))
-            for final in (self.lines_path, self.lengths_path, self.fxi_path, self.manifest_path):  # manifest last
+            for final in parts:  # manifest last
                 _replace_atomically(tmp[final], final)
         finally:
             for t in tmp.values():
@@ -330,7 +339,7 @@ class IndexedFasta:
 
     def _fasta(self):
         if self._handle is None or self._handle_pid != os.getpid():  # one handle per process (DataLoader workers)
-            self._handle = _pyfastx().Fasta(str(self.path), index_file=str(self.fxi_path))
+            self._handle = _pyfastx().Fasta(str(self.link_path))  # reads the index at link_path + ".fxi"
             self._handle_pid = os.getpid()
         return self._handle
 
