@@ -99,8 +99,10 @@ class ProteinDataModule(L.LightningDataModule):
         lengths = proteins.lengths if proteins is not None else np.zeros(0, dtype=np.uint32)
         self.train_lengths, self.val_lengths = lengths[: self.n_train_records], lengths[self.n_train_records:]
         # Validation: held-out proteins only (families are too few to split), the same contexts every epoch.
+        # (every replica needs a whole context of held-out tokens; R * (context_len + 1): slack for the split)
         val_tokens = int(np.sum(np.minimum(self.val_lengths.astype(np.int64) + 2, self.config.context_len)))
-        self.has_val = bool(self.val_samples) and val_tokens >= self.config.context_len
+        replicas = data_parallel_kwargs(self)["num_replicas"]
+        self.has_val = bool(self.val_samples) and val_tokens >= replicas * (self.config.context_len + 1) + self.config.context_len
 
     @property
     def train_set(self) -> ProteinContextDataset:

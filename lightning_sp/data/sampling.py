@@ -178,19 +178,31 @@ class PackedContextSampler(DistributedSampler):
         self.max_contexts, self.record_offset = max_contexts, record_offset
         self.epoch = 0
         self.drop_last = True
+        self._length_cache: tuple[int, int] | None = None  # (plan epoch, len): len is O(n) to compute
 
     def _plan_epoch(self) -> int:
         return self.epoch if self.shuffle else 0  # unshuffled (validation): the same contexts every epoch
 
     def __len__(self) -> int:
+        epoch = self._plan_epoch()
+        if self._length_cache is not None and self._length_cache[0] == epoch:
+            return self._length_cache[1]
         cap = math.inf if self.max_contexts is None else -(-self.max_contexts // self.num_replicas)
         if "single" not in self.kinds:
-            return int(cap)
-        singles = min(contexts_per_replica(
-            self.lengths, self.context_len, replicas=self.num_replicas, shuffle=self.shuffle, seed=self.seed,
-            epoch=self._plan_epoch(),
-        ))
-        return int(min(cap, singles * len(self.kinds)))
+            length = int(cap)
+        else:
+            per_replica = contexts_per_replica(
+                self.lengths, self.context_len, replicas=self.num_replicas, shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+            )
+            if min(per_replica) == 0:
+                raise ValueError(
+                    f"a data-parallel replica gets fewer than context_len={self.context_len} tokens this epoch "
+                    f"({len(self.lengths)} proteins over {self.num_replicas} replicas): use more data, a shorter "
+                    "context or fewer data-parallel replicas"
+                )
+            length = int(min(cap, min(per_replica) * len(self.kinds)))
+        self._length_cache = (epoch, length)
+        return length
 
     def __iter__(self) -> Iterator[ContextSpec]:
         epoch, total = self._plan_epoch(), len(self)

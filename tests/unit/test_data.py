@@ -389,3 +389,25 @@ def test_protein_datamodule_reads_user_gz_only_own_records_and_exact_tokens(tmp_
     twin = list(module(2, 0).train_dataloader())
     assert all(torch.equal(x[k], y[k]) for x, y in zip(twin, batches[0]) for k in x)
     assert not all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(batches[0], batches[1]))
+
+
+def test_indexed_fasta_concurrent_builders_agree(tmp_path):
+    # Several ranks opening a new file at once (no prepare_data): every build is atomic, all agree.
+    import multiprocessing as mp
+
+    path = _write(tmp_path, "shared.faa.gz", _ragged_fasta(200, seed=4), gz=True)
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=IndexedFasta, args=(path,), kwargs={"index_dir": tmp_path / "idx"}) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    f = IndexedFasta(path, index_dir=tmp_path / "idx")
+    assert not f.built_now and [f.record(i) for i in range(len(f))] == read_fasta(path)
+    assert not list((tmp_path / "idx").glob("*.tmp-*"))
+
+
+def test_sampler_refuses_a_replica_without_a_context():
+    with pytest.raises(ValueError, match="fewer than context_len=512 tokens .* fewer data-parallel replicas"):
+        len(PackedContextSampler(np.full(10, 100, dtype=np.uint32), context_len=512, num_replicas=4, rank=0))
