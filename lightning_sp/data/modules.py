@@ -59,6 +59,8 @@ class ProteinDataModule(L.LightningDataModule):
         single_fasta: list[str] | str | None = None,
         family_fasta: list[str] | None = None,
         index_dir: str | None = None,
+        packing: str = "split",
+        bucket_records: int = 256,
         mask_prob: float = 0.15,
         samples_per_epoch: int | None = 64,
         val_samples: int = 8,
@@ -71,7 +73,8 @@ class ProteinDataModule(L.LightningDataModule):
             single_fasta = [single_fasta]
         self.config = ProteinDataConfig(
             context_len=context_len, kinds=tuple(kinds), single_fasta=[os.fspath(p) for p in single_fasta or []],
-            family_fasta=list(family_fasta or []), index_dir=index_dir, mask_prob=mask_prob,
+            family_fasta=list(family_fasta or []), index_dir=index_dir, packing=packing, bucket_records=bucket_records,
+            mask_prob=mask_prob,
             samples_per_epoch=samples_per_epoch, val_fraction=val_fraction, seed=seed,
         )
         if val_samples < 0:
@@ -113,12 +116,14 @@ class ProteinDataModule(L.LightningDataModule):
         return PackedContextSampler(
             self.train_lengths, context_len=self.config.context_len, **data_parallel_kwargs(self), shuffle=True,
             seed=self.config.seed, kinds=kinds, max_contexts=self.config.samples_per_epoch,
+            packing=self.config.packing, bucket_records=self.config.bucket_records,
         )
 
     def val_sampler(self) -> PackedContextSampler:
         return PackedContextSampler(
             self.val_lengths, context_len=self.config.context_len, **data_parallel_kwargs(self), shuffle=False,
             seed=self.config.seed + 1, kinds=("single",), max_contexts=self.val_samples, record_offset=self.n_train_records,
+            packing=self.config.packing, bucket_records=self.config.bucket_records,
         )
 
     @override

@@ -36,7 +36,7 @@ from torch.utils.data import Dataset
 
 from lightning_sp.data.fasta import FastaRecord, IndexedFasta, read_fasta
 from lightning_sp.data.packing import pack_documents
-from lightning_sp.data.sampling import ContextSpec
+from lightning_sp.data.sampling import PAD_RECORD, ContextSpec
 from lightning_sp.data.tokenizer import ResidueTokenizer
 
 IGNORE_INDEX = -100
@@ -79,6 +79,11 @@ class ProteinDataConfig:
     read-only; always the cache for the pyhmmer defaults)."""
     family_fasta: list[str] = field(default_factory=list)
     """FASTA files, one homolog family each; empty: pyhmmer's LuxC and PKSI families."""
+    packing: str = "split"
+    """How proteins fill a context: ``"split"`` (in order, a protein that does not fit continues in the next
+    context; no padding) or ``"whole"`` (never split: length buckets, first-fit-decreasing, the rest padded)."""
+    bucket_records: int = 256
+    """Proteins per length bucket for ``packing="whole"``."""
     mask_prob: float = 0.15
     """Fraction of residues selected for the masked-residue objective (80% <mask>, 10% random, 10% kept)."""
     samples_per_epoch: int | None = 64
@@ -97,6 +102,10 @@ class ProteinDataConfig:
         bad = [k for k in self.kinds if k not in ("single", "family")]
         if not self.kinds or bad:
             raise ValueError(f"kinds must be a non-empty subset of ('single', 'family'), got {self.kinds}")
+        if self.packing not in ("split", "whole"):
+            raise ValueError(f"packing must be 'split' or 'whole', got {self.packing!r}")
+        if self.bucket_records < 1:
+            raise ValueError(f"bucket_records must be >= 1, got {self.bucket_records}")
         if not 0.0 < self.mask_prob < 1.0:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
         if self.samples_per_epoch is not None and self.samples_per_epoch < 1:
@@ -180,7 +189,11 @@ class ProteinContextDataset(Dataset):
 
     def _single(self, pieces: tuple[tuple[int, int, int], ...]) -> dict[str, torch.Tensor]:
         # Each piece is tokens [start, stop) of <cls> residues <eos>: a crop window or a split part.
-        docs = [self.tok.encode(self.proteins.record(rec).sequence)[start:stop] for rec, start, stop in pieces]
+        docs = [
+            torch.full((stop - start,), self.tok.pad_id) if rec == PAD_RECORD  # "whole" packing's padding segment
+            else self.tok.encode(self.proteins.record(rec).sequence)[start:stop]
+            for rec, start, stop in pieces
+        ]
         if sum(d.numel() for d in docs) != self.cfg.context_len:
             raise ValueError(f"pieces {pieces} do not fill context_len={self.cfg.context_len}: the FASTA index is stale")
         return pack_documents(docs)

@@ -8,11 +8,16 @@ Note [Packed-context plan]
         replica r takes positions r, r+R, r+2R, ...       (R = data-parallel replicas)
         each record -> one document  <cls> residues <eos>   (L + 2 tokens)
             longer than the context: a seeded random window of context_len tokens (ESM-style crop)
-        documents, in that order, fill contexts of exactly context_len tokens (the token budget);
-            a document that does not fit is split: its head ends one context, its tail starts the next
+        documents fill contexts of exactly context_len tokens (the token budget), either
+          packing="split" (default): in order; a document that does not fit is split: its head ends
+            one context, its tail starts the next (no padding at all), or
+          packing="whole": never split; each bucket of `bucket_records` consecutive documents is
+            sorted by length (the length bucket) and placed first-fit-decreasing into contexts, whose
+            remaining room is one padding segment (PAD_RECORD: <pad> tokens, no loss)
         every replica yields the same number of contexts: min over replicas of
             floor(replica tokens / context_len), computed by every rank from the shared lengths (no
-            collective: every rank derives the same number from the same index)
+            collective: every rank derives the same number from the same index); "whole" packing
+            makes at least that many (padding only adds contexts), so the rule holds for both
 
     The permutation is a keyed Feistel bijection of ``[0, n)`` evaluated only where needed (cycle
     walking keeps it inside ``[0, n)``), so a 100M-record epoch costs no 800 MB index array. Ranks of
@@ -29,6 +34,8 @@ import numpy as np
 from torch.utils.data import DistributedSampler
 
 _CHUNK = 1 << 16  # positions evaluated per vectorised step
+PAD_RECORD = -1
+"""Record number of a padding piece ``(PAD_RECORD, 0, n)``: ``n`` ``<pad>`` tokens ("whole" packing)."""
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -75,7 +82,8 @@ class ContextSpec:
     sample_seed: int
     """Seeds masking (and, for ``family``, the family, member order and window)."""
     pieces: tuple[tuple[int, int, int], ...] = ()
-    """``single``: ``(record, start, stop)`` token ranges of ``<cls> residues <eos>``, in order."""
+    """``single``: ``(record, start, stop)`` token ranges of ``<cls> residues <eos>``, in order
+    (``record == PAD_RECORD``: ``stop - start`` padding tokens)."""
 
 
 def _document_tokens(lengths: np.ndarray, context_len: int) -> np.ndarray:
@@ -116,28 +124,68 @@ def crop_start(record: int, length: int, context_len: int, *, seed: int, epoch: 
 
 def packed_contexts(
     lengths: np.ndarray, context_len: int, *, replicas: int, rank: int, shuffle: bool, seed: int, epoch: int,
-    record_offset: int = 0,
+    record_offset: int = 0, packing: str = "split", bucket_records: int = 256,
 ) -> Iterator[tuple[tuple[int, int, int], ...]]:
     """This replica's contexts, in order, as ``(record + record_offset, start, stop)`` pieces.
 
-    Streams: memory is one chunk of positions plus one context.
+    Streams: memory is one chunk of positions plus one context (one bucket for ``"whole"``).
     """
     n = int(lengths.shape[0])
+
+    def documents() -> Iterator[tuple[int, int, int]]:  # (record, first token, end token) after the crop
+        for pos in _replica_positions(n, replicas, rank):
+            for rec in _record_order(pos, n, shuffle=shuffle, seed=seed, epoch=epoch).tolist():
+                length = int(lengths[rec])
+                begin = crop_start(rec, length, context_len, seed=seed, epoch=epoch)
+                yield rec + record_offset, begin, begin + min(length + 2, context_len)
+
+    if packing == "whole":
+        yield from _first_fit_buckets(documents(), context_len, bucket_records)
+        return
+    if packing != "split":
+        raise ValueError(f"packing must be 'split' or 'whole', got {packing!r}")
     pieces: list[tuple[int, int, int]] = []
     room = context_len
-    for pos in _replica_positions(n, replicas, rank):
-        for rec in _record_order(pos, n, shuffle=shuffle, seed=seed, epoch=epoch).tolist():
-            length = int(lengths[rec])
-            begin = crop_start(rec, length, context_len, seed=seed, epoch=epoch)
-            end = begin + min(length + 2, context_len)
-            while begin < end:
-                take = min(room, end - begin)
-                pieces.append((rec + record_offset, begin, begin + take))
-                begin += take
-                room -= take
-                if room == 0:
-                    yield tuple(pieces)
-                    pieces, room = [], context_len
+    for rec, begin, end in documents():
+        while begin < end:
+            take = min(room, end - begin)
+            pieces.append((rec, begin, begin + take))
+            begin += take
+            room -= take
+            if room == 0:
+                yield tuple(pieces)
+                pieces, room = [], context_len
+
+
+def _first_fit_buckets(
+    documents: Iterator[tuple[int, int, int]], context_len: int, bucket_records: int
+) -> Iterator[tuple[tuple[int, int, int], ...]]:
+    """Whole documents, first-fit-decreasing within buckets of ``bucket_records``, padded to the budget."""
+    if bucket_records < 1:
+        raise ValueError(f"bucket_records must be >= 1, got {bucket_records}")
+    bucket: list[tuple[int, int, int]] = []
+
+    def flush() -> Iterator[tuple[tuple[int, int, int], ...]]:
+        bins: list[list[tuple[int, int, int]]] = []
+        rooms: list[int] = []
+        for doc in sorted(bucket, key=lambda d: d[1] - d[2]):  # longest first
+            size = doc[2] - doc[1]
+            k = next((k for k, room in enumerate(rooms) if room >= size), None)
+            if k is None:
+                bins.append([])
+                rooms.append(context_len)
+                k = len(bins) - 1
+            bins[k].append(doc)
+            rooms[k] -= size
+        for pieces, room in zip(bins, rooms):
+            yield tuple(pieces) + (((PAD_RECORD, 0, room),) if room else ())
+        bucket.clear()
+
+    for doc in documents:
+        bucket.append(doc)
+        if len(bucket) == bucket_records:
+            yield from flush()
+    yield from flush()
 
 
 class PackedContextSampler(DistributedSampler):
@@ -146,7 +194,8 @@ class PackedContextSampler(DistributedSampler):
     A ``DistributedSampler`` subclass so that Lightning, which would otherwise wrap a custom sampler
     in a second distributed split, leaves it alone; ``set_epoch`` (called by Lightning every epoch)
     reshuffles. ``kinds`` cycle per context (``("single", "family")``: single, family, single, ...);
-    ``max_contexts`` caps the contexts of all replicas together (split evenly, rounded up).
+    ``max_contexts`` caps the contexts of all replicas together (split evenly, rounded up);
+    ``packing`` / ``bucket_records``: see the Note.
     """
 
     def __init__(
@@ -161,6 +210,8 @@ class PackedContextSampler(DistributedSampler):
         kinds: Sequence[str] = ("single",),
         max_contexts: int | None = None,
         record_offset: int = 0,
+        packing: str = "split",
+        bucket_records: int = 256,
     ) -> None:  # DistributedSampler.__init__ is not called: it needs a dataset length and a process group
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"need 0 <= rank < num_replicas, got rank={rank}, num_replicas={num_replicas}")
@@ -176,6 +227,11 @@ class PackedContextSampler(DistributedSampler):
         self.lengths, self.context_len, self.kinds = lengths, context_len, kinds
         self.num_replicas, self.rank, self.shuffle, self.seed = num_replicas, rank, shuffle, seed
         self.max_contexts, self.record_offset = max_contexts, record_offset
+        if packing not in ("split", "whole"):
+            raise ValueError(f"packing must be 'split' or 'whole', got {packing!r}")
+        if bucket_records < 1:
+            raise ValueError(f"bucket_records must be >= 1, got {bucket_records}")
+        self.packing, self.bucket_records = packing, bucket_records
         self.epoch = 0
         self.drop_last = True
         self._length_cache: tuple[int, int] | None = None  # (plan epoch, len): len is O(n) to compute
@@ -208,7 +264,8 @@ class PackedContextSampler(DistributedSampler):
         epoch, total = self._plan_epoch(), len(self)
         singles = packed_contexts(
             self.lengths, self.context_len, replicas=self.num_replicas, rank=self.rank, shuffle=self.shuffle,
-            seed=self.seed, epoch=epoch, record_offset=self.record_offset,
+            seed=self.seed, epoch=epoch, record_offset=self.record_offset, packing=self.packing,
+            bucket_records=self.bucket_records,
         ) if "single" in self.kinds else iter(())
         seeds = np.random.SeedSequence([self.seed, epoch, self.rank]).generate_state(max(total, 1), np.uint32)
         for j in range(total):

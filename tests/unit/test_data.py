@@ -411,3 +411,43 @@ def test_indexed_fasta_concurrent_builders_agree(tmp_path):
 def test_sampler_refuses_a_replica_without_a_context():
     with pytest.raises(ValueError, match="fewer than context_len=512 tokens .* fewer data-parallel replicas"):
         len(PackedContextSampler(np.full(10, 100, dtype=np.uint32), context_len=512, num_replicas=4, rank=0))
+
+
+def test_whole_packing_length_buckets_never_split_and_pad_to_the_budget(tmp_path):
+    from lightning_sp.data.sampling import PAD_RECORD
+
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(5, 300, size=600).astype(np.uint32)
+    C, R = 256, 2
+    split = _plans(lengths, C, R)
+    whole = _plans(lengths, C, R, packing="whole", bucket_records=64)
+    assert [len(p) for p in whole] == [len(p) for p in split]  # the same equalising rule holds
+    docs = np.minimum(lengths.astype(np.int64) + 2, C)
+    pad = 0
+    seen = set()
+    for plan in whole:
+        for spec in plan:
+            assert sum(b - a for _, a, b in spec.pieces) == C
+            for rec, a, b in spec.pieces:
+                if rec == PAD_RECORD:
+                    pad += b - a
+                    continue
+                assert b - a == docs[rec] and rec not in seen  # whole (or the cropped window), once
+                seen.add(rec)
+    assert any(r == PAD_RECORD for s in whole[0] for r, _, _ in s.pieces)  # negative control: padding exists
+    assert pad < 0.05 * len(whole[0]) * C * R  # length buckets keep padding small
+    # through the dataset: padding is <pad>, never a target, and its own cu_seqlens segment
+    path = _write(tmp_path, "w.faa", _ragged_fasta(80, seed=5, max_len=60), gz=False)
+    dm = ProteinDataModule(context_len=128, kinds=("single",), single_fasta=[str(path)], index_dir=str(tmp_path / "i"),
+                           samples_per_epoch=None, val_samples=0, packing="whole", bucket_records=16)
+    dm.setup("fit")
+    tok = ResidueTokenizer()
+    for spec in dm.train_sampler():
+        s = dm.dataset[spec]
+        ends = np.cumsum([b - a for _, a, b in spec.pieces]).tolist()
+        assert s["cu_seqlens"].tolist() == [0, *ends]
+        if spec.pieces[-1][0] == PAD_RECORD:
+            tail = slice(ends[-2] if len(ends) > 1 else 0, ends[-1])
+            assert (s["input_ids"][tail] == tok.pad_id).all() and (s["labels"][tail] == -100).all()
+    with pytest.raises(ValueError, match="packing must be 'split' or 'whole'"):
+        ProteinDataModule(packing="bucket")
