@@ -329,8 +329,8 @@ class IndexedFasta:
             tmp[self.manifest_path].write_text(json.dumps({"fingerprint": fingerprint, "records": len(lines)}))
             for final in parts:  # manifest last
                 _replace_atomically(tmp[final], final)
-        finally:
-            for t in tmp.values():
+        finally:  # (a build killed outright leaves these behind: harmless, never read)
+            for t in (*tmp.values(), Path(f"{tmp[self.fxi_path]}-journal")):
                 t.unlink(missing_ok=True)
 
     # --- records ------------------------------------------------------------------------------
