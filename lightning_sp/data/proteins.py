@@ -15,20 +15,28 @@ Contexts:
   (``cu_seqlens``; attention stays inside a protein; positions restart per protein); a protein longer
   than the context contributes a random window of it.
 - ``family``: one family context cropped to a random ``context_len`` window (positions global).
+
+Single proteins may come from the user's own FASTA / FASTA.gz files of any size (UniRef50/90, BFD):
+they are read through ``IndexedFasta`` (random access, bounded memory) and an epoch is planned from
+their lengths alone (``data/sampling.py``, Note [Packed-context plan]): each data-parallel replica
+reads only the records of its own contexts. Family files are small and read whole.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_sp.data.fasta import FastaRecord, read_fasta
-from lightning_sp.data.packing import greedy_pack, pack_documents
+from lightning_sp.data.fasta import FastaRecord, IndexedFasta, read_fasta
+from lightning_sp.data.packing import pack_documents
+from lightning_sp.data.sampling import PAD_RECORD, ContextSpec
 from lightning_sp.data.tokenizer import ResidueTokenizer
 
 IGNORE_INDEX = -100
@@ -64,17 +72,28 @@ class ProteinDataConfig:
     kinds: tuple[str, ...] = ("single", "family")
     """Which contexts to draw: ``single`` (packed proteins), ``family`` (concatenated homologs)."""
     single_fasta: list[str] = field(default_factory=list)
-    """FASTA files of single proteins; empty: pyhmmer's 2,100-protein genome file."""
+    """FASTA / FASTA.gz files of single proteins, any size (indexed once, see ``IndexedFasta``);
+    empty: pyhmmer's 2,100-protein genome file."""
+    index_dir: str | None = None
+    """Where the FASTA indexes go; ``None``: next to each file (the user cache when its folder is
+    read-only; always the cache for the pyhmmer defaults)."""
     family_fasta: list[str] = field(default_factory=list)
     """FASTA files, one homolog family each; empty: pyhmmer's LuxC and PKSI families."""
+    packing: str = "split"
+    """How proteins fill a context: ``"split"`` (in order, a protein that does not fit continues in the next
+    context; no padding) or ``"whole"`` (never split: length buckets, first-fit-decreasing, the rest padded)."""
+    bucket_records: int = 256
+    """Proteins per length bucket for ``packing="whole"``."""
     mask_prob: float = 0.15
     """Fraction of residues selected for the masked-residue objective (80% <mask>, 10% random, 10% kept)."""
-    samples_per_epoch: int = 64
-    """Contexts per epoch (family windows and packed-protein contexts are re-drawn per index)."""
+    samples_per_epoch: int | None = 64
+    """Cap on contexts per epoch, all data-parallel replicas together; ``None``: one pass over the
+    training proteins (kinds alternate, so with ``family`` too an epoch is twice that)."""
     val_fraction: float = 0.1
-    """Fraction of single proteins held out for validation."""
+    """Fraction of single proteins held out for validation (the last ones in file order)."""
     seed: int = 0
-    """Seeds masking, family order and crops: sample ``i`` is the same tensor on every rank."""
+    """Seeds the epoch's shuffle, crops, masking and family windows: a context is the same tensor on
+    every rank of a sequence-parallel group."""
 
     def __post_init__(self) -> None:
         self.kinds = tuple(self.kinds)
@@ -83,10 +102,14 @@ class ProteinDataConfig:
         bad = [k for k in self.kinds if k not in ("single", "family")]
         if not self.kinds or bad:
             raise ValueError(f"kinds must be a non-empty subset of ('single', 'family'), got {self.kinds}")
+        if self.packing not in ("split", "whole"):
+            raise ValueError(f"packing must be 'split' or 'whole', got {self.packing!r}")
+        if self.bucket_records < 1:
+            raise ValueError(f"bucket_records must be >= 1, got {self.bucket_records}")
         if not 0.0 < self.mask_prob < 1.0:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
-        if self.samples_per_epoch < 1:
-            raise ValueError(f"samples_per_epoch must be >= 1, got {self.samples_per_epoch}")
+        if self.samples_per_epoch is not None and self.samples_per_epoch < 1:
+            raise ValueError(f"samples_per_epoch must be >= 1 or None (one pass over the data), got {self.samples_per_epoch}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
 
@@ -113,49 +136,67 @@ def mask_residues(
     return masked, labels
 
 
-class ProteinContextDataset(Dataset):
-    """Sample ``i``: dict ``input_ids, labels, position_ids [context_len]``, ``cu_seqlens [n_docs + 1]``.
+class ProteinRecords:
+    """Single proteins of one or more FASTA files behind one record numbering (file order).
 
-    Deterministic in ``(seed, i)``, so every rank of a sequence-parallel group builds the same sample.
+    ``lengths`` uint32 ``[n]`` residues per record (memory-mapped for one file); ``record(i)``.
+    """
+
+    def __init__(self, files: Sequence[IndexedFasta]) -> None:
+        if not files:
+            raise ValueError("ProteinRecords needs at least one FASTA file")
+        self.files = list(files)
+        self.starts = np.cumsum([0] + [len(f) for f in self.files])  # [n_files + 1]
+        self.lengths = self.files[0].lengths if len(self.files) == 1 else np.concatenate([f.lengths for f in self.files])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def record(self, i: int) -> FastaRecord:
+        f = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.files[f].record(i - int(self.starts[f]))
+
+
+class ProteinContextDataset(Dataset):
+    """``dataset[spec]`` for a ``ContextSpec`` from ``PackedContextSampler``: dict ``input_ids, labels,
+    position_ids [context_len]``, ``cu_seqlens [n_docs + 1]``.
+
+    Deterministic in the spec, so every rank of a sequence-parallel group builds the same sample;
+    a ``single`` spec reads only the records it names.
     """
 
     def __init__(
         self,
         *,
-        proteins: list[FastaRecord],
+        proteins: ProteinRecords | None,
         families: list[list[FastaRecord]],
         config: ProteinDataConfig,
         tokenizer: ResidueTokenizer,
-        length: int,
     ) -> None:
-        self.cfg, self.tok, self.length = config, tokenizer, length
-        self.kinds = [k for k in config.kinds if (k == "single" and proteins) or (k == "family" and families)]
+        self.cfg, self.tok, self.proteins = config, tokenizer, proteins
+        self.kinds = tuple(k for k in config.kinds if (k == "single" and proteins is not None and len(proteins)) or (k == "family" and families))
         if not self.kinds:
-            raise ValueError(f"no data for kinds {config.kinds}: {len(proteins)} proteins, {len(families)} families")
-        self.protein_ids = [tokenizer.encode(r.sequence) for r in proteins]
+            n = 0 if proteins is None else len(proteins)
+            raise ValueError(f"no data for kinds {config.kinds}: {n} proteins, {len(families)} families")
         self.family_ids = [[tokenizer.encode(r.sequence) for r in fam] for fam in families]
-        total = sum(t.numel() for t in self.protein_ids)
-        if "single" in self.kinds and total < config.context_len:
-            raise ValueError(f"single proteins hold {total} tokens, fewer than context_len={config.context_len}")
+        if "single" in self.kinds:
+            total = int(np.sum(proteins.lengths, dtype=np.int64)) + 2 * len(proteins)
+            if total < config.context_len:
+                raise ValueError(f"single proteins hold {total} tokens, fewer than context_len={config.context_len}")
 
     def __len__(self) -> int:
-        return self.length
+        return 0 if self.proteins is None else len(self.proteins)  # records; the sampler decides the epoch
 
-    def _single(self, g: torch.Generator) -> dict[str, torch.Tensor]:
-        # Proteins in a random order from a random start; greedily packed; take the first full context.
-        order = torch.randperm(len(self.protein_ids), generator=g).tolist()
-        docs, n = [], 0
-        for j in order:
-            ids = self.protein_ids[j]
-            if ids.numel() > self.cfg.context_len:  # a protein longer than the context: random window (ESM-style crop)
-                start = int(torch.randint(ids.numel() - self.cfg.context_len + 1, (1,), generator=g))
-                ids = ids[start:start + self.cfg.context_len]
-            docs.append(ids)
-            n += ids.numel()
-            if n >= self.cfg.context_len:
-                break
-        ctx = greedy_pack(docs, self.cfg.context_len)[0]
-        return pack_documents(ctx)
+    def _single(self, pieces: tuple[tuple[int, int, int], ...]) -> dict[str, torch.Tensor]:
+        # Each piece is tokens [start, stop) of <cls> residues <eos>: a crop window or a split part.
+        docs = [
+            torch.full((stop - start,), self.tok.pad_id) if rec == PAD_RECORD  # "whole" packing's padding segment
+            else self.tok.encode(self.proteins.record(rec).sequence)[start:stop]
+            for rec, start, stop in pieces
+        ]
+        if sum(d.numel() for d in docs) != self.cfg.context_len:
+            raise ValueError(f"pieces {pieces} do not fill context_len={self.cfg.context_len}: the FASTA index is stale")
+        return pack_documents(docs)
 
     def _family(self, g: torch.Generator) -> dict[str, torch.Tensor]:
         fam = self.family_ids[int(torch.randint(len(self.family_ids), (1,), generator=g))]
@@ -167,10 +208,13 @@ class ProteinContextDataset(Dataset):
         start = int(torch.randint(ids.numel() - self.cfg.context_len + 1, (1,), generator=g))
         return pack_documents([ids[start:start + self.cfg.context_len]], restart_positions=False)
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + i)
-        kind = self.kinds[i % len(self.kinds)]
-        sample = self._single(g) if kind == "single" else self._family(g)
+    def __getitem__(self, spec: ContextSpec) -> dict[str, torch.Tensor]:
+        if not isinstance(spec, ContextSpec):
+            raise TypeError(f"ProteinContextDataset is indexed by the ContextSpecs of PackedContextSampler, got {spec!r}")
+        if spec.kind not in self.kinds:
+            raise ValueError(f"no data for a {spec.kind!r} context (this dataset has {self.kinds})")
+        g = torch.Generator().manual_seed(spec.sample_seed)
+        sample = self._single(spec.pieces) if spec.kind == "single" else self._family(g)
         masked, labels = mask_residues(sample["input_ids"], self.tok, self.cfg.mask_prob, g)
         return {**sample, "input_ids": masked, "labels": labels}
 
@@ -183,7 +227,19 @@ def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
     return {k: (v if k == "cu_seqlens" else v.unsqueeze(0)) for k, v in s.items()}
 
 
-def load_protein_records(config: ProteinDataConfig) -> tuple[list[FastaRecord], list[list[FastaRecord]]]:
-    singles = [r for p in (config.single_fasta or default_single_fasta()) for r in read_fasta(os.fspath(p))]
+def load_protein_records(config: ProteinDataConfig) -> tuple[ProteinRecords | None, list[list[FastaRecord]]]:
+    """Indexed single proteins (built or reused) and the family files, read whole."""
+    proteins = None
+    if "single" in config.kinds:
+        if config.single_fasta:
+            files = [IndexedFasta(p, index_dir=config.index_dir) for p in config.single_fasta]
+        else:  # never write into site-packages
+            files = [IndexedFasta(p, index_dir=config.index_dir or default_cache_index_dir()) for p in default_single_fasta()]
+        proteins = ProteinRecords(files)
     families = [read_fasta(os.fspath(p)) for p in (config.family_fasta or default_family_fastas())] if "family" in config.kinds else []
-    return singles, families
+    return proteins, families
+
+
+def default_cache_index_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "lightning_sp" / "fasta_index" / "pyhmmer"
