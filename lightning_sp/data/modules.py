@@ -26,7 +26,7 @@ def data_parallel_sampler(module: L.LightningDataModule, dataset: Dataset, *, sh
     batches with and without sequence parallelism. Replicas/rank come from the strategy's
     ``distributed_sampler_kwargs`` (the data-parallel axis only, for ``SequenceParallelStrategy``).
     """
-    trainer = getattr(module, "_trainer", None)
+    trainer = getattr(module, "trainer", None)  # LightningDataModule.trainer: set by the Trainer, else None
     kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
     kwargs = kwargs or {"num_replicas": 1, "rank": 0}
     return DistributedSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"], shuffle=shuffle, seed=seed)

@@ -167,3 +167,24 @@ def test_digit_datamodule_batches():
     b = next(iter(dm.train_dataloader()))
     assert b["input_ids"].shape == (4, 51) and b["answer_mask"].dtype == torch.bool
     assert len(dm.val_set) == 4 and dm.vocab_size == 279
+
+
+def test_data_modules_split_samples_over_the_data_parallel_axis():
+    """Each data-parallel replica reads its own samples (the strategy's ``distributed_sampler_kwargs``);
+    together the replicas read what one process reads. Regression: the sampler once looked for
+    ``module._trainer``, which a ``LightningDataModule`` does not have, so every replica read the same."""
+    from types import SimpleNamespace
+
+    def first_ids(replicas: int, rank: int) -> list[int]:
+        dm = DigitSequenceDataModule(n_images=2, batch_size=1, samples_per_epoch=8, val_samples=0)
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(
+            distributed_sampler_kwargs={"num_replicas": replicas, "rank": rank}))
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        assert (loader.sampler.num_replicas, loader.sampler.rank) == (replicas, rank)
+        return list(loader.sampler)
+
+    one = first_ids(1, 0)
+    r0, r1 = first_ids(2, 0), first_ids(2, 1)
+    assert r0 != r1  # negative control: the replicas differ
+    assert sorted(r0 + r1) == sorted(one) and [i for pair in zip(r0, r1) for i in pair] == one
