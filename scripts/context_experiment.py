@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import add_output_arguments, output_dir, run_metadata, write_results  # noqa: E402
+from experiments.common import RUNS, add_output_arguments, output_dir, run_metadata, write_results  # noqa: E402
 
 NAME = "context_matters"
 EXP = ROOT / "experiments" / NAME
@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK['steps']} steps, seed 0, truncate 48, full arm on {QUICK['full_ranks']} "
                         "ranks, one validation batch (not the published setup)")
-    p.add_argument("--log-root", default=None, help="TensorBoard runs (default: the result directory)")
+    p.add_argument("--log-root", default=None, help="TensorBoard runs and arm logs (default: runs/context_matters/, "
+                   "or --out's directory)")
     add_output_arguments(p, NAME)
     a = p.parse_args(argv)
     full_ranks, val_batches = 4, None
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> Path:
     if bad or a.steps < 1:
         p.error(f"--truncate values must be in [8, {FULL_LEN}) and --steps >= 1; got truncate={a.truncate}, steps={a.steps}")
     out = output_dir(a, NAME)
-    log_root = Path(a.log_root) if a.log_root else out
+    log_root = Path(a.log_root) if a.log_root else (out if a.out else RUNS / NAME)  # never into paper_figures/
     # provenance taken before training: the commit and tree state the arms run from
     meta = run_metadata(__file__, argv, kind="measured",
                         task="8 digit images + captions; question: label of the first image (chance ~0.1)",
