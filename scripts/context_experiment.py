@@ -48,7 +48,9 @@ def arm_command(*, truncate: int | None, seed: int, steps: int, log_root: Path, 
     name = arm_name(truncate, full_ranks)
     cmd = [sys.executable, "-m", "lightning_sp.cli", "fit", "--config", str(EXP / "base.yaml")]
     if truncate is None:
-        cmd += ["--config", str(EXP / "full_context_sp.yaml")]
+        cmd += ["--config", str(EXP / "full_context_sp.yaml"),
+                # ranks start slowly on a loaded machine: the rendezvous waits this long (no effect on results)
+                "--trainer.strategy.init_args.process_group_timeout", "900"]
         if full_ranks != 4:
             cmd += ["--trainer.devices", str(full_ranks),
                     "--trainer.strategy.init_args.sequence_parallel_size", str(full_ranks)]
