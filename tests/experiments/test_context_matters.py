@@ -30,6 +30,7 @@ def _run(out: Path, *extra: str) -> tuple[dict, str]:
     return json.loads((out / "context_matters.json").read_text()), proc.stdout
 
 
+@pytest.mark.timeout(900)  # three Lightning start-ups; far less on a quiet machine (see the report)
 def test_quick_run_has_provenance_progress_and_reruns_bit_for_bit(tmp_path):
     meta, stdout = _run(tmp_path / "a")
     for key in ("command", "date", "hardware", "git_commit", "git_dirty", "kind"):
