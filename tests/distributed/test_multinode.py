@@ -39,6 +39,29 @@ DEADLINE_S = 480  # the launch under heavy load (2 shared cores); a hang fails h
 TOL = 1e-10  # float64: same math, different reduction order
 
 
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Stop a torchrun agent and its ranks. The ranks run in sessions of their own (torch's
+    ``start_new_session``), so killing the agent's group would orphan them: SIGTERM the agent (it stops
+    its ranks), then SIGKILL whatever of the tree is left."""
+    ranks = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [proc.pid, *ranks]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
 def _wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
     """Wait for every process; on a failure or past the deadline kill them all (whole sessions: torchrun
     and its ranks) and fail with their logs. Never hangs."""
@@ -52,8 +75,7 @@ def _wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None
     finally:
         for p in procs.values():
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+                _kill_tree(p)
     bad = {n: p.returncode for n, p in procs.items() if p.returncode != 0}
     tails = "\n".join(f"--- {n} (rc {procs[n].returncode}):\n{logs[n].read_text()[-4000:]}" for n in procs)
     assert not bad, f"failed or timed out after {DEADLINE_S} s: {bad}\n{tails}"
