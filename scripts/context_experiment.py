@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--truncate", type=int, nargs="+", default=[48, 96, 144])
+    p.add_argument("--jobs", type=int, default=1,
+                   help="arms trained at the same time (default 1; the numbers do not depend on it)")
     p.add_argument("--skip-full", action="store_true", help="only the truncated arms (one process each)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK['steps']} steps, seed 0, truncate 48, full arm on {QUICK['full_ranks']} "
@@ -121,8 +123,8 @@ def main(argv: list[str] | None = None) -> Path:
     if a.quick:
         a.steps, a.seeds, a.truncate, full_ranks, val_batches = QUICK["steps"], QUICK["seeds"], QUICK["truncate"], QUICK["full_ranks"], 1
     bad = [t for t in a.truncate if not 8 <= t < FULL_LEN]
-    if bad or a.steps < 1:
-        p.error(f"--truncate values must be in [8, {FULL_LEN}) and --steps >= 1; got truncate={a.truncate}, steps={a.steps}")
+    if bad or a.steps < 1 or a.jobs < 1:
+        p.error(f"--truncate values must be in [8, {FULL_LEN}) and --steps, --jobs >= 1; got truncate={a.truncate}, steps={a.steps}, jobs={a.jobs}")
     out = output_dir(a, NAME)
     log_root = Path(a.log_root) if a.log_root else (out if a.out else RUNS / NAME)  # never into paper_figures/
     # provenance taken before training: the commit and tree state the arms run from
@@ -132,9 +134,15 @@ def main(argv: list[str] | None = None) -> Path:
     arms = [(seed, trunc) for seed in a.seeds for trunc in ([] if a.skip_full else [None]) + list(a.truncate)]
     print(f"context_matters: {len(arms)} arms x {a.steps} steps -> {out} (the full arm takes ~90 s, a truncated "
           "one 15-40 s on 2 quiet cores)", flush=True)
-    rows = [run_arm(truncate=trunc, seed=seed, steps=a.steps, log_root=log_root, full_ranks=full_ranks,
-                    val_batches=val_batches, label=f"[{i + 1}/{len(arms)}]")
-            for i, (seed, trunc) in enumerate(arms)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> dict:
+        seed, trunc = arms[i]
+        return run_arm(truncate=trunc, seed=seed, steps=a.steps, log_root=log_root, full_ranks=full_ranks,
+                       val_batches=val_batches, label=f"[{i + 1}/{len(arms)}]")
+
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:  # each arm is its own subprocess(es)
+        rows = list(pool.map(one, range(len(arms))))  # in arm order whatever finishes first
     path = write_results(NAME, meta, rows, out)
     print(f"wrote {path} and .csv", flush=True)
     subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_context_experiment.py"), "--results", str(path)], check=True)
