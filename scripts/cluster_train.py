@@ -95,7 +95,9 @@ class RunReport(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"].detach().clone()
-        if dist.is_initialized():  # every rank joins: the mean over replicas is the global-batch loss
+        # every rank joins; the mean over replicas is the global-batch loss because every sample of the digit
+        # sequences supervises the same number of tokens (a token-count-weighted mean otherwise)
+        if dist.is_initialized():
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
         self.losses.append(float(loss.to(torch.float64)))
@@ -165,7 +167,7 @@ def train(args: argparse.Namespace, backend: str, sp: int | None, num_nodes: int
         devices=1 if args.reference else devices, num_nodes=1 if args.reference else num_nodes,
         strategy=strategy, precision=args.precision, max_steps=args.steps, gradient_clip_val=1.0,
         limit_val_batches=0, enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
-        enable_progress_bar=False, callbacks=[report] if report else None,
+        enable_progress_bar=args.report is None, callbacks=[report] if report else None,
         logger=TensorBoardLogger(args.log_dir, name=run, default_hp_metric=False),
     )
     trainer.fit(model, data)
