@@ -172,6 +172,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     args.out = output_dir(args, "activation_memory")
     torch.set_num_threads(1)
+    meta = run_metadata(  # provenance taken before measuring: the commit the numbers come from
+        __file__, argv, kind="measured",
+        what="bytes saved for backward per GPT layer (saved-tensor hooks) vs Korthikanti et al. 2022 Table 2",
+        device=f"CPU ({platform.processor() or platform.machine()}), fake process group for t > 1",
+        dtype=str(DTYPE), dropout=DROPOUT, batch=BATCH, torch=torch.__version__, quick=args.quick)
     results = measure(SHAPES_QUICK if args.quick else SHAPES_FULL, degrees=(1, 2, 4) if args.quick else DEGREES,
                       cp=not args.no_cp)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -180,11 +185,6 @@ def main(argv=None) -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    meta = run_metadata(
-        __file__, argv, kind="measured",
-        what="bytes saved for backward per GPT layer (saved-tensor hooks) vs Korthikanti et al. 2022 Table 2",
-        device=f"CPU ({platform.processor() or platform.machine()}), fake process group for t > 1",
-        dtype=str(DTYPE), dropout=DROPOUT, batch=BATCH, torch=torch.__version__, quick=args.quick)
     meta["rows"] = rows
     (args.out / "activation_memory.json").write_text(json.dumps(meta, indent=1))
     worst = max(abs(r.ratio - 1) for r in results)
