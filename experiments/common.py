@@ -3,8 +3,11 @@ figures in TensorBoard, and spawning gloo ranks.
 
     from experiments.common import PAPER_FIGURES, run_metadata, write_results, read_results, run_name
 
-Conventions (issue 10):
+Conventions (issues 10, 19):
 
+- Reruns never overwrite committed files: an experiment writes to ``runs/<experiment>/`` (ignored by git)
+  unless it is given ``--publish`` (``paper_figures/``) or ``--out DIR`` (``add_output_arguments``,
+  ``output_dir``); figure scripts draw beside the results file they read.
 - A result file is ``<out>/<name>.json`` (``{**metadata, "results": rows}``) plus ``<name>.csv``
   (the rows). Metadata says what produced it: command, UTC date, hardware, torch version, git commit,
   and whether the numbers are ``measured`` or ``model`` output (never both in one file's column).
@@ -35,6 +38,27 @@ PAPER_FIGURES = ROOT / "paper_figures"
 RUNS = ROOT / "runs"  # TensorBoard root: tensorboard --logdir runs/<experiment>
 
 
+def add_output_arguments(parser, experiment: str) -> None:
+    """``--publish`` / ``--out DIR``: where the result files go (default ``runs/<experiment>/``)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--publish", action="store_true",
+                       help=f"write to paper_figures/ (the committed results) instead of runs/{experiment}/")
+    group.add_argument("--out", type=Path, default=None, help=f"result directory (default: runs/{experiment}/)")
+
+
+def output_dir(args, experiment: str) -> Path:
+    """The result directory ``add_output_arguments`` chose: ``--out``, ``paper_figures/`` with
+    ``--publish``, else ``runs/<experiment>/`` (ignored by git: a rerun leaves the checkout clean)."""
+    if getattr(args, "out", None) is not None:
+        return Path(args.out)
+    return PAPER_FIGURES if getattr(args, "publish", False) else RUNS / experiment
+
+
+def default_results(args, experiment: str, filename: str) -> Path:
+    """For a figure script: the results file it reads when none is named (``output_dir``'s)."""
+    return output_dir(args, experiment) / filename
+
+
 def hardware() -> dict[str, Any]:
     """The machine a measurement ran on, in words a reader can compare."""
     import torch
@@ -59,6 +83,16 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def git_dirty() -> bool | None:
+    """Whether tracked files differ from ``git_commit`` (the numbers may then not be reproducible from it)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
 def run_metadata(script: str | Path, argv: Iterable[str] | None, *, kind: str = "measured", **extra: Any) -> dict[str, Any]:
     """``kind``: ``"measured"`` (this machine ran it) or ``"model"`` (cost-model output)."""
     if kind not in ("measured", "model"):
@@ -68,7 +102,8 @@ def run_metadata(script: str | Path, argv: Iterable[str] | None, *, kind: str = 
     rel = rel.relative_to(ROOT) if rel.is_relative_to(ROOT) else rel
     return {"command": " ".join([".venv/bin/python", str(rel), *args]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "hardware": hardware(), "git_commit": git_commit(), "kind": kind, **extra}
+            "hardware": hardware(), "git_commit": git_commit(), "git_dirty": git_dirty(),
+            "kind": kind, **extra}
 
 
 def write_results(name: str, meta: dict[str, Any], rows: list[dict[str, Any]], out: str | Path = PAPER_FIGURES) -> Path:

@@ -35,6 +35,7 @@ precision plugins, checkpoint IO and cluster environments are Lightning's own. O
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
@@ -61,6 +62,8 @@ from lightning_sp.topology import MeshAxis, ParallelDims
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_sp.cost_model import HardwareProfile
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,10 @@ class SequenceParallelStrategy(DDPStrategy):
             every rank writes only the chunks it holds, resumable under other tp / sp / dp degrees and
             DDP <-> FSDP (``lightning_sp.checkpoint``). ``None``: on with FSDP or tensor parallelism,
             otherwise Lightning's single file. Sharded directories are always recognised when loading.
+        hardware: the cost-model profile ``backend="auto"`` prices the backends with (a
+            ``lightning_sp.cost_model`` preset name such as ``"h100-80gb"``, or a calibrated
+            ``HardwareProfile``); its ranks per node are replaced by the launch's (``devices``).
+            ``None``: ``cost_model.default_profile`` for the device.
         **kwargs: passed to ``DDPStrategy`` (``start_method``, ``process_group_backend``,
             ``find_unused_parameters``, ...).
     """
@@ -146,6 +153,7 @@ class SequenceParallelStrategy(DDPStrategy):
         process_group_timeout: float | timedelta = timedelta(minutes=30),
         tensor_parallel_size: int = 1,
         distributed_checkpoint: bool | None = None,
+        hardware: "HardwareProfile | str | None" = None,
         **kwargs: Any,
     ) -> None:
         if "timeout" in kwargs:
@@ -174,6 +182,10 @@ class SequenceParallelStrategy(DDPStrategy):
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL}")
+        if isinstance(hardware, str):
+            from lightning_sp.cost_model import preset
+
+            preset(hardware)  # eager check: an unknown name lists the presets
         if isinstance(sequence_keys, str):
             raise ValueError(f"sequence_keys must be a sequence of keys, got the string {sequence_keys!r}; use ({sequence_keys!r},)")
         self._sp_size_arg = sequence_parallel_size
@@ -193,6 +205,7 @@ class SequenceParallelStrategy(DDPStrategy):
         self.ignore_index = ignore_index
         self.pad_value = pad_value
         self._kernel = kernel
+        self._hardware = hardware
         self._fsdp_shard_modules = tuple(fsdp_shard_modules)
         self.checkpoint_attention = checkpoint_attention
         self.shuffle = shuffle
@@ -220,6 +233,22 @@ class SequenceParallelStrategy(DDPStrategy):
     def _ranks_per_node(self) -> int | None:
         """Devices per node: all-to-alls (Ulysses) are kept within this many consecutive ranks."""
         return self.num_processes if self.num_processes else None
+
+    def _check_launch_matches_nodes(self) -> None:
+        """Under torchrun, ``devices`` must be the ranks it started per node (``LOCAL_WORLD_SIZE``): Lightning
+        checks only ``num_nodes * devices == WORLD_SIZE``, and a wrong split would place Ulysses
+        all-to-alls (``ulysses``, ``usp``'s inner axis, ``auto``'s pricing) across nodes without a word."""
+        local_world = os.environ.get("LOCAL_WORLD_SIZE")
+        if "TORCHELASTIC_RUN_ID" not in os.environ or not (local_world or "").isdigit():
+            return
+        if int(local_world) != self.num_processes:
+            world = os.environ.get("WORLD_SIZE", "?")
+            raise ValueError(
+                f"torchrun started {local_world} ranks per node (LOCAL_WORLD_SIZE={local_world}, WORLD_SIZE={world}) "
+                f"but the Trainer has devices={self.num_processes}, num_nodes={self.num_nodes}: pass "
+                f"devices={local_world}, num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE (torchrun's --nnodes), so the "
+                "strategy knows which ranks share a node"
+            )
 
     def _make_dims(self, world_size: int) -> ParallelDims:
         sp = max(world_size // self._tp_size, 1) if self._sp_size_arg is None else self._sp_size_arg
@@ -316,6 +345,7 @@ class SequenceParallelStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # runs at Trainer construction, before any process is launched: fail bad degrees here
+        self._check_launch_matches_nodes()
         self._dims = self._make_dims(self._world_size_from_config())
         super()._configure_launcher()
 
@@ -364,6 +394,7 @@ class SequenceParallelStrategy(DDPStrategy):
             ring_group=mesh.group(MeshAxis.RING) if usp else None,
             kernel=self._kernel,
             ranks_per_node=self._ranks_per_node(),
+            hardware=self._hardware,
         )
         backend = self._backend
         if backend == "auto":

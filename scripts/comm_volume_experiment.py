@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import PAPER_FIGURES, run_metadata, run_on_ranks, write_results  # noqa: E402
+from experiments.common import add_output_arguments, output_dir, run_metadata, run_on_ranks, write_results  # noqa: E402
 
 NAME = "comm_volume"
 HEADS = {"mha": (8, 8), "gqa": (8, 2)}  # (H, H_kv)
@@ -209,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worlds", type=int, nargs="+", default=None, help="ranks P (default 2 4 8; quick 2 4)")
     p.add_argument("--seq-lens", type=int, nargs="+", default=None,
                    help="global N, multiples of 2P (default 256 512 1024 2048; quick 64)")
-    p.add_argument("--out", type=Path, default=PAPER_FIGURES, help="where comm_volume.{json,csv} go")
+    add_output_arguments(p, NAME)  # comm_volume.{json,csv}: runs/comm_volume/, --publish: paper_figures/
     p.add_argument("--timeout-s", type=float, default=900, help="for the one spawn of max(P) ranks")
     args = p.parse_args(argv)
+    args.out = output_dir(args, NAME)
     worlds = args.worlds or ([2, 4] if args.quick else [2, 4, 8])
     seq_lens = args.seq_lens or ([64] if args.quick else [256, 512, 1024, 2048])
     if min(worlds) < 2:

@@ -1,7 +1,8 @@
 """Convergence (Ulysses Fig. 5): every sequence-parallel backend, and Megatron TP+SP, trains to the same
 loss as one process, step for step.
 
-    python scripts/convergence_experiment.py              # full grid (writes paper_figures/convergence.*)
+    python scripts/convergence_experiment.py              # full grid (writes runs/convergence/convergence.*;
+                                                          # --publish: paper_figures/)
     python scripts/convergence_experiment.py --quick      # tiny grid (smoke test; pass --out <dir>)
     python scripts/plot_convergence.py                    # the figure, from the result file
 
@@ -29,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.common import PAPER_FIGURES, RUNS, run_metadata, run_name, run_on_ranks, write_results  # noqa: E402
+from experiments.common import RUNS, add_output_arguments, output_dir, run_metadata, run_name, run_on_ranks, write_results  # noqa: E402
 
 NAME = "convergence"
 LOG_DIR = RUNS / NAME
@@ -191,17 +192,19 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--quick", action="store_true",
                    help="tiny grid: protein, P=2, DDP, zigzag_ring and megatron_tp_sp, 6 steps (smoke test)")
-    p.add_argument("--out", type=Path, default=PAPER_FIGURES, help="result folder (default: paper_figures/)")
+    add_output_arguments(p, NAME)
     p.add_argument("--log-dir", type=Path, default=None, help="TensorBoard root (default: runs/convergence, or "
                    "<out>/runs when --out is given)")
     args = p.parse_args(argv)
+    explicit_out = args.out is not None
+    args.out = output_dir(args, NAME)
     if args.quick:
         args.steps, args.models, args.methods, args.degrees, args.modes = 6, ["protein"], ["zigzag_ring", "megatron_tp_sp"], [2], ["ddp"]
     if args.steps < 2:
         raise ValueError(f"--steps must be >= 2 (a curve), got {args.steps}")
     if any(d < 2 for d in args.degrees):
         raise ValueError(f"--degrees must be >= 2 (P = 1 is the one-process reference, always run), got {args.degrees}")
-    log_dir = args.log_dir or (LOG_DIR if args.out == PAPER_FIGURES else args.out / "runs")
+    log_dir = args.log_dir or (args.out / "runs" if explicit_out else LOG_DIR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 

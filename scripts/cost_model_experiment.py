@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import PAPER_FIGURES, run_metadata, write_results  # noqa: E402
+from experiments.common import add_output_arguments, output_dir, run_metadata, write_results  # noqa: E402
 from experiments.cost_model import measure, papers  # noqa: E402
 from lightning_sp.cost_model import AttentionShape, HardwareProfile, predict_attention  # noqa: E402
 
@@ -41,12 +41,13 @@ HEADS, KV_HEADS, HEAD_DIM = 8, 4, 32
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny run for the smoke test (P=2, N=512)")
-    p.add_argument("--out", type=Path, default=PAPER_FIGURES, help="directory for the result files")
+    add_output_arguments(p, "cost_model")
     p.add_argument("--worlds", type=int, nargs="+", default=None, help="gloo world sizes to validate at")
     p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="global sequence lengths")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per case (median)")
     p.add_argument("--predict-only", action="store_true", help="only (c): the papers' setups (no measurement)")
     args = p.parse_args(argv)
+    args.out = output_dir(args, "cost_model")
     args.worlds = args.worlds or ([2] if args.quick else [2, 4, 8])
     args.seq_lens = args.seq_lens or ([512] if args.quick else [1024, 2048])
     args.reps = args.reps or (2 if args.quick else 5)

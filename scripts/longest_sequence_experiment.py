@@ -362,19 +362,21 @@ def log_tensorboard(rows: list[dict], log_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.common import PAPER_FIGURES, RUNS, run_metadata, write_results
+    from experiments.common import RUNS, add_output_arguments, output_dir, run_metadata, write_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model and budget, P = 1 and 2: a smoke run")
     p.add_argument("--budget-mib", type=float, default=None, help=f"per-rank budget (default {FULL.budget_mib}; quick {QUICK.budget_mib})")
     p.add_argument("--degrees", default=None, help="comma-separated P to run (default: all of the plan)")
     p.add_argument("--methods", default=None, help=f"comma-separated subset of {list(METHODS)} (default: the plan's)")
-    p.add_argument("--out", default=str(PAPER_FIGURES), help="directory for longest_sequence.{json,csv}")
+    add_output_arguments(p, NAME)  # longest_sequence.{json,csv}
     p.add_argument("--log-dir", default=None, help=f"TensorBoard dir (default {RUNS / NAME}; <out>/runs with --out)")
     p.add_argument("--sequential", action="store_true", help="one degree after another (default: all degrees' "
                    "rank groups at once; only the wall time differs, peaks are per process)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per group of rank processes")
     args = p.parse_args(argv)
+    explicit_out = args.out is not None
+    args.out = output_dir(args, NAME)
     cfg = dataclasses.replace(QUICK if args.quick else FULL)
     if args.budget_mib is not None:
         cfg = dataclasses.replace(cfg, budget_mib=args.budget_mib)
@@ -407,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     path = save(rows, complete=True)
     add_ratios(rows)
     runtime = time.perf_counter() - t0
-    log_dir = Path(args.log_dir) if args.log_dir else (RUNS / NAME if Path(args.out) == PAPER_FIGURES else Path(args.out) / "runs")
+    log_dir = Path(args.log_dir) if args.log_dir else (Path(args.out) / "runs" if explicit_out else RUNS / NAME)
     log_tensorboard(rows, log_dir)
     print(f"{'method':<30} {'P':>2} {'longest N':>10} {'peak MiB':>9} {'next N':>7} {'next MiB':>9}  x vanilla  x TP  x TP+SP")
     for r in rows:

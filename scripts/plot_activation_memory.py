@@ -1,6 +1,6 @@
 """Draw the Korthikanti Table 2 reproduction from its data (reads the CSV; never measures).
 
-    python scripts/plot_activation_memory.py [--csv paper_figures/activation_memory.csv] [--out paper_figures/activation_memory.png]
+    python scripts/plot_activation_memory.py [--publish | --csv runs/activation_memory/activation_memory.csv] [--out PNG]
 
 Left: measured bytes saved per layer (bars) and the paper's formula (black ticks) for one shape,
 every row and degree. Right: measured / formula for every row, shape and degree (band: 1.00 +- 0.02).
@@ -52,9 +52,16 @@ def table(rows: list[dict], shape: tuple[int, int, int]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--csv", type=Path, default=ROOT / "paper_figures" / "activation_memory.csv")
-    p.add_argument("--out", type=Path, default=ROOT / "paper_figures" / "activation_memory.png")
+    p.add_argument("--csv", type=Path, default=None, help="default: runs/activation_memory/activation_memory.csv")
+    p.add_argument("--publish", action="store_true", help="the committed results in paper_figures/ (default: runs/activation_memory/)")
+    p.add_argument("--out", type=Path, default=None, help="PNG path (default: beside the CSV)")
     a = p.parse_args(argv)
+    from experiments.common import default_results
+
+    a.csv = a.csv or default_results(a, "activation_memory", "activation_memory.csv")
+    a.out = a.out or a.csv.with_suffix(".png")
+    if not a.csv.is_file():
+        raise SystemExit(f"no results at {a.csv}; run: python experiments/activation_memory/measure.py (or pass --publish)")
     rows = _load(a.csv)
     import matplotlib
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Draw the communication-volume experiment from its result file (never measures).
 
-    .venv/bin/python scripts/plot_comm_volume.py [--json paper_figures/comm_volume.json] [--out paper_figures/comm_volume.png]
+    .venv/bin/python scripts/plot_comm_volume.py [--publish | --json runs/comm_volume/comm_volume.json] [--out PNG]
 
 Bytes sent per rank per layer, forward (top) and backward (bottom): markers are measured
 (``CommStats``), lines the formulas of ``lightning_sp.comm.volume``. Columns: vs P at the largest N
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import PAPER_FIGURES, RUNS, log_figure, read_results  # noqa: E402
+from experiments.common import RUNS, default_results, log_figure, read_results  # noqa: E402
 
 ORDER = ["megatron_tp_sp", "ulysses", "usp(U=2)", "usp(U=4)", "ring", "zigzag_ring", "allgather_kv", "colossal"]
 LABEL = {"megatron_tp_sp": "Megatron TP+SP (layer)", "zigzag_ring": "zigzag ring", "allgather_kv": "all-gather KV",
@@ -118,10 +118,13 @@ def plot(rows: list[dict], meta: dict, out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", type=Path, default=PAPER_FIGURES / "comm_volume.json")
-    p.add_argument("--out", type=Path, default=PAPER_FIGURES / "comm_volume.png")
+    p.add_argument("--json", type=Path, default=None, help="default: runs/comm_volume/comm_volume.json")
+    p.add_argument("--publish", action="store_true", help="the committed results in paper_figures/ (default: runs/comm_volume/)")
+    p.add_argument("--out", type=Path, default=None, help="PNG path (default: beside the results)")
     p.add_argument("--log-dir", type=Path, default=RUNS / "comm_volume", help="TensorBoard dir for the figure")
     args = p.parse_args(argv)
+    args.json = args.json or default_results(args, "comm_volume", "comm_volume.json")
+    args.out = args.out or args.json.with_suffix(".png")
     if not args.json.exists():
         raise SystemExit(f"{args.json} does not exist: run scripts/comm_volume_experiment.py first")
     meta, rows = read_results(args.json)

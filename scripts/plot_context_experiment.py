@@ -1,22 +1,33 @@
-"""Draw ``paper_figures/context_matters.png`` from ``context_matters.json`` (reads results; never trains)."""
+"""Draw ``context_matters.png`` beside ``context_matters.json`` (reads results; never trains).
+
+    python scripts/plot_context_experiment.py              # runs/context_matters/ (a rerun's results)
+    python scripts/plot_context_experiment.py --publish    # paper_figures/ (the committed results)
+    python scripts/plot_context_experiment.py --results some/dir/context_matters.json
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from experiments.common import default_results  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--results", default=str(ROOT / "paper_figures" / "context_matters.json"))
+    p.add_argument("--results", type=Path, default=None, help="default: runs/context_matters/context_matters.json")
+    p.add_argument("--publish", action="store_true", help="draw paper_figures/context_matters.png from the committed results")
     a = p.parse_args(argv)
-    path = Path(a.results)
+    path = a.results or default_results(a, "context_matters", "context_matters.json")
     if not path.is_file():
-        raise SystemExit(f"no results at {path}; run: python scripts/context_experiment.py")
+        raise SystemExit(f"no results at {path}; run: python scripts/context_experiment.py (or pass --publish / --results)")
     meta = json.loads(path.read_text())
     import matplotlib
 
@@ -41,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_ylabel("val accuracy: label of the first image")
     ax.set_title("Answering about an image ~170 tokens back")
     ax.legend(loc="upper left")
-    fig.text(0.01, 0.01, f"{meta['hardware']}; {meta['date'][:10]}", fontsize=7, color="gray")
+    hw = meta["hardware"]["device"] if isinstance(meta["hardware"], dict) else meta["hardware"]
+    fig.text(0.01, 0.01, f"{hw}; {meta['date'][:10]}; commit {meta.get('git_commit') or '?'}", fontsize=7, color="gray")
     fig.tight_layout()
     out = path.with_suffix(".png")
     fig.savefig(out, dpi=150)

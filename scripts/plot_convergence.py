@@ -1,7 +1,7 @@
-"""Draw ``paper_figures/convergence.png`` from ``convergence.json`` (reads results; never trains) and log
+"""Draw ``convergence.png`` beside ``convergence.json`` (reads results; never trains) and log
 it into TensorBoard (``runs/convergence/figures``); the max-difference table goes to ``convergence.md``.
 
-    python scripts/plot_convergence.py [--results paper_figures/convergence.json] [--log-dir runs/convergence]
+    python scripts/plot_convergence.py [--publish | --results runs/convergence/convergence.json] [--log-dir runs/convergence]
 
 One row per model: the training loss of every run overlaid on the one-process run (left), and
 per step the largest |loss - one-process loss| / one-process loss over each method's runs (P, DDP/FSDP) on
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.common import PAPER_FIGURES, RUNS, log_figure, read_results  # noqa: E402
+from experiments.common import RUNS, default_results, log_figure, read_results  # noqa: E402
 
 METHOD_COLORS = {"ulysses": "tab:blue", "ring": "tab:orange", "zigzag_ring": "tab:green", "allgather_kv": "tab:red",
                  "usp": "tab:purple", "colossal": "tab:brown", "megatron_tp_sp": "tab:pink"}
@@ -69,10 +69,12 @@ def markdown_table(meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", type=Path, default=PAPER_FIGURES / "convergence.json")
+    p.add_argument("--results", type=Path, default=None, help="default: runs/convergence/convergence.json")
+    p.add_argument("--publish", action="store_true", help="the committed results in paper_figures/ (default: runs/convergence/)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="TensorBoard dir the figure is logged into (default: the result file's log_dir, else runs/convergence)")
     args = p.parse_args(argv)
+    args.results = args.results or default_results(args, "convergence", "convergence.json")
     if not args.results.is_file():
         raise SystemExit(f"no results at {args.results}; run: python scripts/convergence_experiment.py")
     meta, rows = read_results(args.results)

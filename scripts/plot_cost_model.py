@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Draw the cost model's validation from its result file (reads it; never measures or trains).
 
-    .venv/bin/python scripts/plot_cost_model.py [--results paper_figures/cost_model_validation.json] [--out paper_figures/cost_model_validation.png]
+    .venv/bin/python scripts/plot_cost_model.py [--publish | --results runs/cost_model/cost_model_validation.json] [--out PNG]
 
 Left: measured fwd+bwd time per attention layer (CPU gloo) vs the model's prediction, one marker per
 backend, colour by P, the y = x line. Right: the model's error (%) per row. Also logged as an image
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import PAPER_FIGURES, RUNS, log_figure, read_results  # noqa: E402
+from experiments.common import RUNS, default_results, log_figure, read_results  # noqa: E402
 
 MARKERS = {"ulysses": "o", "ring": "v", "zigzag_ring": "^", "allgather_kv": "s", "colossal": "x"}
 
@@ -88,11 +88,13 @@ def tables(results: Path) -> tuple[str, str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", type=Path, default=PAPER_FIGURES / "cost_model_validation.json")
+    p.add_argument("--results", type=Path, default=None, help="default: runs/cost_model/cost_model_validation.json")
+    p.add_argument("--publish", action="store_true", help="the committed results in paper_figures/ (default: runs/cost_model/)")
     p.add_argument("--out", type=Path, default=None, help="PNG path (default: beside the results)")
     p.add_argument("--log-dir", type=Path, default=RUNS / "cost_model", help="TensorBoard dir for the image")
     p.add_argument("--no-tensorboard", action="store_true")
     args = p.parse_args(argv)
+    args.results = args.results or default_results(args, "cost_model", "cost_model_validation.json")
     out = args.out or args.results.with_suffix(".png")
     print(plot(args.results, out, None if args.no_tensorboard else args.log_dir))
     validation, predictions = tables(args.results)

@@ -1,6 +1,6 @@
 """Plot a demo run's TensorBoard scalars (reads event files; never trains).
 
-    python scripts/plot_demo_loss.py runs/protein_demo/version_0 [--out paper_figures/demo_protein_loss.png]
+    python scripts/plot_demo_loss.py runs/protein_demo/version_0 [--out PNG | --publish]
     python scripts/plot_demo_loss.py runs/multimodal_demo/version_0 --out paper_figures/demo_multimodal_loss.png
 
 Writes the PNG and a CSV of the scalars next to it: ``Loss/train``, ``Loss/val`` and, for the multimodal
@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="a TensorBoard run folder (with events.out.tfevents.*)")
-    p.add_argument("--out", default=str(ROOT / "paper_figures" / "demo_protein_loss.png"))
+    p.add_argument("--out", default=None, help="PNG path (default: <run_dir>/demo_protein_loss.png)")
+    p.add_argument("--publish", action="store_true", help="write paper_figures/demo_protein_loss.png (committed)")
     p.add_argument("--title", default="Protein encoder, masked-residue loss (4 gloo ranks, sequence parallel)")
     a = p.parse_args(argv)
     run = Path(a.run_dir)
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(a.out)
+    out = Path(a.out) if a.out else (ROOT / "paper_figures" if a.publish else Path(a.run_dir)) / "demo_protein_loss.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3.4))
     with out.with_suffix(".csv").open("w", newline="") as f:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Draw ``paper_figures/gpu_<stem>.png`` from a ``scripts/bench_gpu.py`` results file (reads results;
+"""Draw ``<stem>.png`` (beside it; ``--publish``: ``paper_figures/``) from a ``scripts/bench_gpu.py`` results file (reads results;
 never measures) and log it into TensorBoard (``runs/gpu/figures``).
 
     .venv/bin/python scripts/plot_gpu.py benchmarks/results/gpu_<date>_<device>.json
@@ -87,12 +87,13 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", type=Path, help="a bench_gpu.py results file (.json)")
-    p.add_argument("--png", type=Path, default=None, help="default paper_figures/<results stem>.png")
+    p.add_argument("--png", type=Path, default=None, help="default: beside the results (--publish: paper_figures/<stem>.png)")
+    p.add_argument("--publish", action="store_true", help="write the figure to paper_figures/ (committed)")
     p.add_argument("--log-dir", default=str(RUNS / "gpu"), help="TensorBoard dir for the figure")
     args = p.parse_args(argv)
     if not args.results.is_file():
         raise SystemExit(f"no results at {args.results}; run: PYTHONPATH=. python scripts/bench_gpu.py")
-    png = draw(json.loads(args.results.read_text()), args.png or PAPER_FIGURES / f"{args.results.stem}.png")
+    png = draw(json.loads(args.results.read_text()), args.png or (PAPER_FIGURES / f"{args.results.stem}.png" if args.publish else args.results.with_suffix(".png")))
     log_figure(args.log_dir, "gpu/" + png.stem, png)
     print(f"wrote {png}")
     return 0

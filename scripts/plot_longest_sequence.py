@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Draw ``paper_figures/longest_sequence.png`` and the tables ``longest_sequence.md`` (ours and the papers'
+"""Draw ``longest_sequence.png`` (beside its results) and the tables ``longest_sequence.md`` (ours and the papers'
 ratios) from ``longest_sequence.json`` (reads results; never trains); log the figure into TensorBoard
 (``runs/longest_sequence/figures``).
 
-    .venv/bin/python scripts/plot_longest_sequence.py [--results paper_figures/longest_sequence.json]
+    .venv/bin/python scripts/plot_longest_sequence.py [--publish | --results runs/longest_sequence/longest_sequence.json]
 
 Left: the longest global sequence per method against the degree P (P = 1: one process). Right: the
 measured per-rank peak of every probe of the search against N, with the budget.
@@ -59,13 +59,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.common import PAPER_FIGURES, RUNS, log_figure, read_results
+    from experiments.common import RUNS, default_results, log_figure, read_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", default=str(PAPER_FIGURES / "longest_sequence.json"))
+    p.add_argument("--results", default=None, help="default: runs/longest_sequence/longest_sequence.json")
+    p.add_argument("--publish", action="store_true", help="the committed results in paper_figures/ (default: runs/longest_sequence/)")
     p.add_argument("--log-dir", default=None, help=f"TensorBoard dir for the figure (default {RUNS / 'longest_sequence'})")
     args = p.parse_args(argv)
-    path = Path(args.results)
+    path = Path(args.results) if args.results else default_results(args, "longest_sequence", "longest_sequence.json")
     if not path.is_file():
         raise SystemExit(f"no results at {path}; run: python scripts/longest_sequence_experiment.py")
     meta, rows = read_results(path)

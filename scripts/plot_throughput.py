@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Draw ``paper_figures/throughput.png`` from ``throughput.json`` (reads results; never trains or times).
+"""Draw ``throughput.png`` beside ``throughput.json`` (reads results; never trains or times).
 
-    .venv/bin/python scripts/plot_throughput.py [--results paper_figures/throughput.json] [--log-dir runs/throughput]
+    .venv/bin/python scripts/plot_throughput.py [--publish | --results runs/throughput/throughput.json] [--log-dir runs/throughput]
 
 Panels: (a) the paper's Fig. 3 (DeepSpeed-Ulysses vs Megatron-SP, TFLOPs per A100, as read from the paper;
 not measured here); (b, c) measured model TFLOP/s per rank vs N on this machine, P = 2 and P = 4, with the
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import PAPER_FIGURES, RUNS, log_figure, read_results  # noqa: E402
+from experiments.common import RUNS, default_results, log_figure, read_results  # noqa: E402
 
 # DeepSpeed-Ulysses (arXiv 2309.14509) Fig. 3, TFLOPs per GPU; None = out of memory. From ../shared/REFERENCES.md.
 PAPER_SEQ_K = [8, 16, 32, 64, 128, 256]
@@ -73,9 +73,11 @@ def tables(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", type=Path, default=PAPER_FIGURES / "throughput.json")
+    p.add_argument("--results", type=Path, default=None, help="default: runs/throughput/throughput.json")
+    p.add_argument("--publish", action="store_true", help="the committed results in paper_figures/ (default: runs/throughput/)")
     p.add_argument("--log-dir", type=Path, default=RUNS / "throughput", help="TensorBoard dir the figure is logged to")
     a = p.parse_args(argv)
+    a.results = a.results or default_results(a, "throughput", "throughput.json")
     if not a.results.is_file():
         raise SystemExit(f"no results at {a.results}; run: .venv/bin/python scripts/throughput_experiment.py")
     meta, rows = read_results(a.results)

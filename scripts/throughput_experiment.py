@@ -6,7 +6,7 @@ backend's attention fwd+bwd as a share of one local kernel call (ring-flash-attn
     .venv/bin/python scripts/throughput_experiment.py --quick    # smoke run, seconds
     .venv/bin/python scripts/throughput_experiment.py --causal   # GPT-like decoder instead of the protein encoder
 
-Writes ``<out>/throughput.{json,csv}`` (default ``paper_figures/``), TensorBoard scalars under
+Writes ``<out>/throughput.{json,csv}`` (default ``runs/throughput/``; ``--publish``: ``paper_figures/``), TensorBoard scalars under
 ``<log-dir>/<method>-P<P>`` (x axis: sequence length), then draws the figure with
 ``scripts/plot_throughput.py`` (``--no-plot`` skips it). Spawns gloo ranks on CPU, one thread each.
 """
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import PAPER_FIGURES, RUNS, run_metadata, run_name, run_on_ranks, write_results  # noqa: E402
+from experiments.common import RUNS, add_output_arguments, output_dir, run_metadata, run_name, run_on_ranks, write_results  # noqa: E402
 from experiments.throughput.measure import (  # noqa: E402
     ATTENTION_BACKENDS,
     LOCAL,
@@ -100,10 +100,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-lens", type=int, nargs="+", help="global lengths N of the training step")
     p.add_argument("--attention-seq-lens", type=int, nargs="+", help="global lengths N of the attention-share section")
     p.add_argument("--reps", type=int, help="timed reps per implementation (median reported)")
-    p.add_argument("--out", type=Path, default=PAPER_FIGURES, help="where throughput.{json,csv,png} go")
+    add_output_arguments(p, NAME)  # throughput.{json,csv,png}
     p.add_argument("--log-dir", type=Path, default=RUNS / NAME, help="TensorBoard dir")
     p.add_argument("--no-plot", action="store_true", help="do not draw the figure")
     a = p.parse_args(argv)
+    a.out = output_dir(a, NAME)
     cfg = dict(QUICK if a.quick else FULL)
     for key in ("worlds", "seq_lens", "attention_seq_lens", "reps"):
         if getattr(a, key) is not None:

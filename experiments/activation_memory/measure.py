@@ -8,14 +8,13 @@ rank 0 of a ``t``-rank *fake* process group (``torch.testing._internal.distribut
 collectives move no data, but every tensor has the shape rank 0 of a real ``t``-rank job has, and
 the library's byte counters record what each collective would send.
 
-    python experiments/activation_memory/measure.py [--quick] [--out paper_figures]
+    python experiments/activation_memory/measure.py [--quick] [--publish | --out DIR]   # default runs/activation_memory/
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
 import platform
 import sys
@@ -26,7 +25,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gpt_layer import GPTLayer  # noqa: E402
+
+from experiments.common import add_output_arguments, output_dir, run_metadata  # noqa: E402
 
 DTYPE = torch.bfloat16
 BYTES = 2  # per activation element (the paper's 16-bit activations)
@@ -165,10 +167,16 @@ def measure(shapes, degrees=DEGREES, cp: bool = True) -> list[Result]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small shape (tests)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "paper_figures")
+    add_output_arguments(parser, "activation_memory")
     parser.add_argument("--no-cp", action="store_true", help="skip the context-parallel rows")
     args = parser.parse_args(argv)
+    args.out = output_dir(args, "activation_memory")
     torch.set_num_threads(1)
+    meta = run_metadata(  # provenance taken before measuring: the commit the numbers come from
+        __file__, argv, kind="measured",
+        what="bytes saved for backward per GPT layer (saved-tensor hooks) vs Korthikanti et al. 2022 Table 2",
+        device=f"CPU ({platform.processor() or platform.machine()}), fake process group for t > 1",
+        dtype=str(DTYPE), dropout=DROPOUT, batch=BATCH, torch=torch.__version__, quick=args.quick)
     results = measure(SHAPES_QUICK if args.quick else SHAPES_FULL, degrees=(1, 2, 4) if args.quick else DEGREES,
                       cp=not args.no_cp)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -177,14 +185,7 @@ def main(argv=None) -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    meta = {
-        "what": "bytes saved for backward per GPT layer (saved-tensor hooks) vs Korthikanti et al. 2022 Table 2",
-        "device": f"CPU ({platform.processor() or platform.machine()}), fake process group for t > 1",
-        "dtype": str(DTYPE), "dropout": DROPOUT, "batch": BATCH, "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
-        "command": "python experiments/activation_memory/measure.py" + (" --quick" if args.quick else ""),
-        "rows": rows,
-    }
+    meta["rows"] = rows
     (args.out / "activation_memory.json").write_text(json.dumps(meta, indent=1))
     worst = max(abs(r.ratio - 1) for r in results)
     for r in results:

@@ -27,7 +27,7 @@ def data_parallel_kwargs(module: L.LightningDataModule) -> dict[str, int]:
     From the strategy's ``distributed_sampler_kwargs``: the data-parallel axis only for
     ``SequenceParallelStrategy``, so every rank of a sequence-parallel group gets the same samples.
     """
-    trainer = getattr(module, "_trainer", None)
+    trainer = getattr(module, "trainer", None)  # LightningDataModule.trainer: set by the Trainer, else None
     kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
     kwargs = kwargs or {"num_replicas": 1, "rank": 0}
     return {"num_replicas": kwargs["num_replicas"], "rank": kwargs["rank"]}

@@ -77,3 +77,28 @@ def test_readme_training_example_runs_as_written(tmp_path):
     assert len(acc.Scalars("Loss/train")) == 4, acc.Tags()["scalars"]
     noisy = [word for word in ("LeafSpec", "💡 Tip", "Epoch 0/-") if word in log]
     assert not noisy, f"{noisy} printed:\n{log[-4000:]}"
+
+
+def test_readme_standalone_recipe_runs_as_written_under_torchrun(tmp_path):
+    """The block as a user saves it, launched by torchrun (2 ranks): it initialises its own process group
+    (env://) and its output equals dense float64 attention on every rank."""
+    from tests.distributed.harness import free_port
+
+    check = (
+        "\nfrom tests.reference import dense_attention\n"
+        "err = float((out.double() - dense_attention(q, k, v, causal=False)).abs().max())\n"
+        "control = float((out.double() - dense_attention(q, k, v, causal=True)).abs().max())\n"
+        "print(f'rank {dist.get_rank()} of {dist.get_world_size()}: err {err:.3e} control {control:.3e}', flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    script = tmp_path / "recipe.py"
+    script.write_text(readme_block("standalone recipe") + check)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(README.parent), "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0", str(script)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = re.findall(r"rank (\d) of 2: err (\S+) control (\S+)", proc.stdout)
+    assert sorted(r for r, _, _ in found) == ["0", "1"], proc.stdout
+    for _, err, control in found:
+        assert float(err) < 2e-5 and float(control) > 1e-2, proc.stdout

@@ -100,3 +100,24 @@ def test_monitor_does_not_invent_peak_flops_on_cpu():
     assert SequenceParallelMonitor(peak_flops=5.0)._peak(torch.device("cpu")) == 5.0
     with pytest.raises(ValueError, match="log_every_n_steps must be >= 1"):
         SequenceParallelMonitor(log_every_n_steps=0)
+
+
+TORCHRUN_2X2 = {"TORCHELASTIC_RUN_ID": "t", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "4",
+                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
+
+
+def test_devices_must_be_torchruns_ranks_per_node(monkeypatch):
+    """Under torchrun (2 nodes x 2 ranks), devices=4 x num_nodes=1 has the right product (Lightning accepts
+    it) but the wrong node size, which would place Ulysses all-to-alls across nodes: refused, saying what
+    to pass. The right split constructs (negative control)."""
+    for key, value in TORCHRUN_2X2.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"torchrun started 2 ranks per node.*devices=4, num_nodes=1: pass devices=2"):
+        _trainer(SequenceParallelStrategy(2, backend="usp"), devices=4, num_nodes=1)
+    trainer = _trainer(SequenceParallelStrategy(4, backend="usp"), devices=2, num_nodes=2)
+    assert trainer.strategy.parallel_dims.ulysses == 2  # the inner axis capped at the node size
+
+
+def test_unknown_hardware_preset_lists_the_presets():
+    with pytest.raises(ValueError, match=r"unknown hardware preset 'h1000'.*h100-80gb"):
+        SequenceParallelStrategy(2, hardware="h1000")

@@ -360,7 +360,7 @@ def test_protein_datamodule_reads_user_gz_only_own_records_and_exact_tokens(tmp_
     def module(dp_size, dp_rank):
         dm = ProteinDataModule(context_len=64, kinds=("single",), single_fasta=str(path), index_dir=str(tmp_path / "idx"),
                                samples_per_epoch=None, val_samples=2, seed=1)
-        dm._trainer = _Trainer(dp_size, dp_rank)  # what SequenceParallelStrategy hands over: the dp axis only
+        dm.trainer = _Trainer(dp_size, dp_rank)  # what SequenceParallelStrategy hands over: the dp axis only
         dm.prepare_data()
         dm.setup("fit")
         return dm
@@ -451,3 +451,23 @@ def test_whole_packing_length_buckets_never_split_and_pad_to_the_budget(tmp_path
             assert (s["input_ids"][tail] == tok.pad_id).all() and (s["labels"][tail] == -100).all()
     with pytest.raises(ValueError, match="packing must be 'split' or 'whole'"):
         ProteinDataModule(packing="bucket")
+
+def test_data_modules_split_samples_over_the_data_parallel_axis():
+    """Each data-parallel replica reads its own samples (the strategy's ``distributed_sampler_kwargs``);
+    together the replicas read what one process reads. Regression: the sampler once looked for
+    ``module._trainer``, which a ``LightningDataModule`` does not have, so every replica read the same."""
+    from types import SimpleNamespace
+
+    def first_ids(replicas: int, rank: int) -> list[int]:
+        dm = DigitSequenceDataModule(n_images=2, batch_size=1, samples_per_epoch=8, val_samples=0)
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(
+            distributed_sampler_kwargs={"num_replicas": replicas, "rank": rank}))
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        assert (loader.sampler.num_replicas, loader.sampler.rank) == (replicas, rank)
+        return list(loader.sampler)
+
+    one = first_ids(1, 0)
+    r0, r1 = first_ids(2, 0), first_ids(2, 1)
+    assert r0 != r1  # negative control: the replicas differ
+    assert sorted(r0 + r1) == sorted(one) and [i for pair in zip(r0, r1) for i in pair] == one
