@@ -30,6 +30,14 @@ Note [Hugging Face under sequence parallelism]
     ``position_ids`` default to local positions  global ``position_ids`` always passed
     positions by cumulative sums (RoBERTa/ESM-1b) computed over the global sequence (``_FIXES``)
     ESM token dropout ratio over the local shard computed over the global sequence (``_FIXES``)
+    labels of ``GPT2LMHeadModel`` / ``*LMHeadModel``  causal LMs recognised by the registry and HF's loss
+      not shifted (no ``ForCausalLM`` in the name)  rule (``is_causal_lm``), not by class name
+    dynamic / LongRoPE frequencies from the      HF's update run with the global ``max_position``,
+      shard's own largest position                 then the plain rotary (``_FIXES``)
+    Llama-4 NoPE temperature from local columns  rescaled to global columns (``token_index``)
+    Llama-4 chunked attention (only in the mask)  packed documents cut at chunk boundaries
+    MLA: value head dim != query/key head dim    zero-padded to one head dim, sliced after
+    convolutions / SSMs mix tokens per shard     refused, naming the module (``token_mixers_...``)
     ==========================================  ==================================================
 
     Per-batch facts (``ShardInfo``) travel in the shard dict under ``"sequence_parallel"``; a forward
@@ -121,6 +129,8 @@ class _State:
     info: ShardInfo | None = None
     hook: Any = None
     fixes: list[str] = field(default_factory=list)
+    token_mixers: list[str] = field(default_factory=list)
+    """``token_mixers_outside_attention(model)``, found once by ``apply_sequence_parallel``."""
 
 
 # ------------------------------------------------------------------------------------ the attention
@@ -524,8 +534,8 @@ def token_mixers_outside_attention(model: nn.Module) -> list[str]:
     return found
 
 
-def _refuse_token_mixers(model: nn.Module) -> None:
-    mixers = token_mixers_outside_attention(model)
+def _refuse_token_mixers(model: nn.Module, mixers: list[str] | None = None) -> None:
+    mixers = token_mixers_outside_attention(model) if mixers is None else mixers
     if mixers:
         shown = ", ".join(mixers[:4]) + (f", ... ({len(mixers)} in all)" if len(mixers) > 4 else "")
         raise NotImplementedError(
@@ -600,8 +610,8 @@ def _pre_forward(state: _State):
             raise TypeError(f"{SHARD_INFO_KEY}= must be the ShardInfo shard_inputs made, got {type(info).__name__}")
         if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
             _reject_unsupported(module, 0.0, {"output_attentions": True})
-        if _runs_sharded(module):
-            _refuse_token_mixers(module)
+        if state.token_mixers and _runs_sharded(module):
+            _refuse_token_mixers(module, state.token_mixers)
         state.info = info
         return args, kwargs
 
@@ -669,8 +679,9 @@ def apply_sequence_parallel(
             group=group, ulysses_degree=ulysses_degree, kernel=kernel,
         )
         setattr(layer, _STATE_ATTR, state)
+    state.token_mixers = token_mixers_outside_attention(model)
     if group is not None and backend != "local" and group_size_and_rank(group)[0] > 1:
-        _refuse_token_mixers(model)
+        _refuse_token_mixers(model, state.token_mixers)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if state.hook is None:
         state.hook = model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True)
