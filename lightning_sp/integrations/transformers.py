@@ -71,6 +71,7 @@ __all__ = [
     "model_fixes",
     "sequence_parallel_attention",
     "shard_inputs",
+    "token_mixers_outside_attention",
 ]
 
 ATTN_IMPLEMENTATION = "lightning_sp"
@@ -649,6 +650,10 @@ def apply_sequence_parallel(
     Returns the same model (modified in place): ``attn_implementation="lightning_sp"``, each attention
     layer with an ``sp_attention`` child (no parameters, so state dicts are unchanged), a forward
     pre-hook taking the ``ShardInfo`` of ``shard_inputs``, and the per-model fixes of ``model_fixes``.
+
+    Raises ``NotImplementedError`` naming the module when the model mixes tokens outside attention
+    (``token_mixers_outside_attention``: convolutions over the sequence, SSM / linear-attention blocks)
+    and runs over more than one rank: here with a ``group`` of size > 1, else at its first sharded forward.
     """
     _register()
     from transformers import PreTrainedModel

@@ -53,12 +53,12 @@ def _traps_with_fix_off(rank: int, world: int) -> dict:
     group = dist.group.WORLD
     cases = dict((sweep_case_id(mt, ov), (mt, ov)) for mt, ov in SWEEP)
 
-    def run(case, edit_shard=None, edit_model=None, causal_lm=None):
+    def run(case, edit_shard=None, edit_model=None, causal_lm=None, backend="zigzag_ring"):
         base, masked = registry_model(*cases[case])
         batch = sweep_batch(masked)
         ref_logits = clone(base)(input_ids=batch["input_ids"]).logits.detach()
         ref_loss = F.cross_entropy(ref_logits[0, :-1], batch["labels"][0, 1:])
-        model = apply_sequence_parallel(clone(base), group=group, backend="zigzag_ring")
+        model = apply_sequence_parallel(clone(base), group=group, backend=backend)
         if edit_model is not None:
             edit_model(model)
         shard = shard_inputs(batch, model, causal_lm=causal_lm)
@@ -77,18 +77,26 @@ def _traps_with_fix_off(rank: int, world: int) -> dict:
 
     return {
         "gpt2_labels_not_shifted": run("gpt2", causal_lm=False),
-        "dynamic_rope_local_length": run("llama[dynamic]", edit_model=local_rope),
-        "longrope_local_length": run("phi3[longrope]", edit_model=local_rope),
+        "dynamic_rope_local_length": run("llama[dynamic]", edit_model=local_rope, backend="ulysses"),
+        # contiguous shards: rank 0 ends at position 7, below LongRoPE's original length 8 (zigzag's do not)
+        "longrope_local_length": run("phi3[longrope]", edit_model=local_rope, backend="ulysses"),
         "llama4_local_temperature": run("llama4_text", edit_shard={"token_index": None}),
         "llama4_chunks_dropped": run("llama4_text", edit_shard={"chunk_cu_seqlens": torch.tensor([0, SWEEP_N], dtype=torch.int32)}),
     }
 
 
+MLA_BACKENDS = ("ring", "allgather_kv", "usp", "colossal")  # the sweep's two plus these: every parallel backend
+
+
 def _worker(rank: int, world: int) -> dict:
-    from tests.hf_tiny import sweep_worker
+    import torch.distributed as dist
+
+    from tests.hf_tiny import sweep_case, sweep_worker
 
     torch.manual_seed(0)
-    return {"sweep": sweep_worker(rank, world), "traps": _traps_with_fix_off(rank, world)}
+    deepseek = dict(SWEEP)["deepseek_v3"]
+    return {"sweep": sweep_worker(rank, world), "traps": _traps_with_fix_off(rank, world),
+            "mla": sweep_case("deepseek_v3", deepseek, dist.group.WORLD, backends=MLA_BACKENDS)}
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +147,12 @@ def test_readme_table_matches_the_sweep(results):
     assert match, f"README.md has no block between {TABLE_BEGIN!r} and {TABLE_END!r}"
     assert match.group(1) == support_table(results[0]["sweep"]), (
         "README's HF support table is stale: run `python scripts/hf_support_table.py --write`")
+
+
+def test_mla_exact_on_every_backend(results):
+    """DeepSeek-V3's MLA (value head dim 6, query/key head dim 12) on the backends the sweep leaves out."""
+    for rank, res in enumerate(results):
+        for backend in MLA_BACKENDS:
+            r = res["mla"][backend]
+            assert "refused" not in r, (backend, r)
+            assert max(r["logits"], r["loss"], r["grads"]) < TOL and r["control"] > MISS, (rank, backend, r)
