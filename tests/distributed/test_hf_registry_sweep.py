@@ -34,7 +34,7 @@ from tests.hf_tiny import (  # noqa: E402
     sweep_case_id,
 )
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]  # ~35 s of CPU; minutes on a loaded machine
 
 TOL = 1e-9
 MISS = 1e-6
