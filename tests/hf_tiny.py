@@ -110,7 +110,8 @@ SWEEP: tuple[tuple[str, dict], ...] = (
     ("llama", {}),
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "max_position_embeddings": 8}),
     ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
-              "long_factor": [3.0] * 4, "original_max_position_embeddings": 8}, "max_position_embeddings": 32}),
+              "long_factor": [3.0] * 4, "original_max_position_embeddings": 8}, "max_position_embeddings": 32,
+              "original_max_position_embeddings": 8}),  # Phi-3 copies its own field into rope_parameters
     ("qwen2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                "original_max_position_embeddings": 8}}),
     ("mistral", {"sliding_window": None}),
