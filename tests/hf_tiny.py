@@ -95,3 +95,228 @@ def reference(model, name: str, batch: dict):
 
 def clone(model):
     return copy.deepcopy(model)
+
+
+# ------------------------------------------------------------------------------ the registry sweep
+
+SWEEP_VOCAB = 64
+SWEEP_N = 13  # global length no degree divides
+SWEEP_BACKENDS = ("zigzag_ring", "ulysses")
+# (model_type, config overrides): causal LMs from MODEL_FOR_CAUSAL_LM_MAPPING and masked LMs from
+# MODEL_FOR_MASKED_LM_MAPPING, chosen to cover every trap of issue 16 (label shift of *LMHeadModel,
+# length-dependent RoPE, Llama-4 temperature and chunked attention, LFM2-style convolutions, SSM
+# hybrids, MLA, soft-capping, sliding windows, ALiBi) plus the common families
+SWEEP: tuple[tuple[str, dict], ...] = (
+    ("llama", {}),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "max_position_embeddings": 8}),
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+              "long_factor": [3.0] * 4, "original_max_position_embeddings": 8}, "max_position_embeddings": 32,
+              "original_max_position_embeddings": 8}),  # Phi-3 copies its own field into rope_parameters
+    ("qwen2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+               "original_max_position_embeddings": 8}}),
+    ("mistral", {"sliding_window": None}),
+    ("mixtral", {"sliding_window": None}),
+    ("qwen3", {}),
+    ("qwen3_moe", {}),
+    ("qwen2_moe", {}),
+    ("gemma", {}),
+    ("gemma2", {}),
+    ("gemma3_text", {}),
+    ("phi", {}),
+    ("gpt2", {}),
+    ("gpt_neox", {}),
+    ("gptj", {"rotary_dim": 4}),
+    ("codegen", {"rotary_dim": 4}),
+    ("opt", {}),
+    ("bloom", {}),
+    ("falcon", {}),
+    ("starcoder2", {"sliding_window": None}),
+    ("olmo", {}),
+    ("olmo2", {}),
+    ("cohere", {}),
+    ("granite", {}),
+    ("smollm3", {}),
+    ("nemotron", {}),
+    ("biogpt", {}),
+    ("ctrl", {}),
+    ("bert", {"is_decoder": True}),
+    ("deepseek_v2", {"head_dim": 4, "num_key_value_heads": 4}),  # head_dim = qk_rope_head_dim, no GQA
+    ("deepseek_v3", {"head_dim": 4, "num_key_value_heads": 4}),
+    ("llama4_text", {}),
+    ("lfm2", {"layer_types": ["conv", "full_attention"]}),
+    ("jamba", {}),
+    ("mamba", {}),
+    ("roberta", {}),
+    ("esm", {}),
+    ("modernbert", {}),
+    ("gpt_neo", {}),
+)
+
+FLOAT32_INSIDE = {
+    "gemma": "GemmaRMSNorm computes in float32 (x.float()) even in a float64 model",
+    "gemma3_text": "Gemma3RMSNorm computes in float32 (x.float()) even in a float64 model",
+}
+"""Cases whose HF code rounds to float32 inside a float64 model: sharded and unsharded runs then agree to
+float32 round-off (~1e-9 here), not float64's, so the sweep holds them to ``FLOAT32_TOL``."""
+FLOAT32_TOL = 1e-7
+
+_TINY = dict(
+    vocab_size=SWEEP_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+    n_ctx=64, d_model=32, n_inner=48, ffn_dim=48, num_layers=2,
+    # MoE
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    shared_expert_intermediate_size=16, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+    # MLA (DeepSeek): value head dim != query/key head dim
+    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6,
+    # Llama-4: a NoPE layer with temperature tuning and a chunked layer, chunks shorter than the sequence
+    attention_chunk_size=4, floor_scale=4, attn_scale=0.5, no_rope_layer_interval=2, interleave_moe_layer_step=1,
+    # hybrids / SSMs
+    conv_L_cache=3, mamba_d_state=4, mamba_d_conv=3, mamba_n_heads=4, mamba_d_head=8, state_size=4, conv_kernel=3,
+    expand=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+    # ModernBERT
+    global_attn_every_n_layers=2, local_attention=8,
+    # gpt_neo
+    attention_types=[[["global", "local"], 1]], window_size=8,
+)
+_NO_DROPOUT = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "hidden_dropout_prob",
+               "attention_probs_dropout_prob", "dropout", "activation_dropout", "embedding_dropout", "mlp_dropout",
+               "attention_dropout_prob", "classifier_dropout", "ffn_dropout", "summary_first_dropout")
+
+
+def sweep_case_id(model_type: str, overrides: dict) -> str:
+    rope = (overrides.get("rope_parameters") or {}).get("rope_type")
+    return f"{model_type}[{rope}]" if rope else model_type
+
+
+def registry_model(model_type: str, overrides: dict | None = None):
+    """A tiny random float64 model of ``model_type`` from transformers' own registry: the class
+    ``AutoModelForCausalLM`` maps it to, else ``AutoModelForMaskedLM``'s, with HF's ``eager``
+    attention (plain softmax over the mask HF builds: the reference), else ``sdpa``.
+    ``-> (model, is_masked_lm)``."""
+    import transformers as tf
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    config_cls = CONFIG_MAPPING[model_type]
+    defaults = config_cls()
+    settable = lambda k: hasattr(defaults, k) and not isinstance(getattr(config_cls, k, None), property)  # noqa: E731
+    kwargs = {k: v for k, v in _TINY.items() if settable(k)}
+    kwargs.update({k: 0.0 for k in _NO_DROPOUT if isinstance(getattr(defaults, k, None), float)})
+    for key, value in (("pad_token_id", PAD_ID), ("bos_token_id", 2), ("eos_token_id", 3), ("mask_token_id", MASK_ID),
+                       ("decoder_start_token_id", 2), ("sep_token_id", 3), ("cls_token_id", 2)):
+        if hasattr(defaults, key):
+            kwargs[key] = value
+    kwargs.update(overrides or {})
+    cfg = config_cls(**kwargs)
+    masked = model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    cls_name = (MODEL_FOR_MASKED_LM_MAPPING_NAMES if masked else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)[model_type]
+    cls = getattr(tf, cls_name)
+    torch.manual_seed(0)
+    for impl in ("sdpa", "eager"):
+        try:
+            # eager experts: grouped_mm has no float64 kernel
+            model = cls._from_config(cfg, attn_implementation=impl, experts_implementation="eager")
+            break
+        except ValueError:
+            if impl == "eager":
+                raise
+    return model.double().eval(), masked
+
+
+def sweep_batch(masked: bool, n: int = SWEEP_N, seed: int = 1) -> dict:
+    """``input_ids [1, n]`` and HF-convention ``labels`` (every token for a causal LM, a quarter of
+    them, masked, for a masked LM)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, SWEEP_VOCAB - 1, (1, n), generator=g)
+    if not masked:
+        return {"input_ids": ids, "labels": ids.clone()}
+    labels = torch.full_like(ids, -100)
+    picked = torch.randperm(n, generator=g)[: max(2, n // 4)]
+    labels[0, picked] = ids[0, picked]
+    ids[0, picked] = MASK_ID
+    return {"input_ids": ids, "labels": labels}
+
+
+def sweep_case(model_type: str, overrides: dict, group, backends=SWEEP_BACKENDS) -> dict:
+    """One architecture of the sweep on this rank: ``{backend: result}``, each result either
+    ``{"refused": message}`` (a ``NotImplementedError``) or the max differences of the
+    sequence-parallel run from the unsharded float64 model: ``logits``, ``loss``, ``grads`` (every
+    parameter, summed over ranks / P) and ``control`` (the same logits vs the reference with the first
+    token changed: must differ, so the tolerance cannot pass vacuously). Other errors propagate."""
+    import torch.distributed as dist
+
+    from lightning_sp import gather_sequence, sequence_parallel_cross_entropy
+    from lightning_sp.integrations.transformers import _sp_modules, apply_sequence_parallel, shard_inputs
+
+    base, masked = registry_model(model_type, overrides)
+    batch = sweep_batch(masked)
+    ref = clone(base)
+    logits_ref = ref(input_ids=batch["input_ids"]).logits  # [1, N, V]
+    shift = 0 if masked else 1
+    loss_ref = F.cross_entropy(logits_ref[:, : logits_ref.size(1) - shift].flatten(0, 1), batch["labels"][:, shift:].flatten())
+    loss_ref.backward()
+    other = batch["input_ids"].clone()
+    other[0, 0] = 4 if int(other[0, 0]) != 4 else 5
+    with torch.no_grad():  # (on a copy: a forward may change state, e.g. dynamic RoPE's cached length)
+        logits_other = clone(base)(input_ids=other).logits
+    world = dist.get_world_size(group)
+    out: dict = {"class": type(base).__name__, "masked_lm": masked}
+    for backend in backends:
+        model = clone(base)
+        try:
+            apply_sequence_parallel(model, group=group, backend=backend)
+            shard = shard_inputs(batch, model)
+            labels = shard.pop("labels")
+            logits = model(**shard).logits  # [1, S_local, V]
+        except NotImplementedError as err:
+            out[backend] = {"refused": str(err)}
+            continue
+        loss = sequence_parallel_cross_entropy(logits, labels, group=group)
+        loss.backward()
+        grad_diff = 0.0
+        for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+            g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(g, group=group)
+            g_ref = p_ref.grad if p_ref.grad is not None else torch.zeros_like(p_ref)
+            grad_diff = max(grad_diff, float((g / world - g_ref).abs().max()))
+        full = gather_sequence(logits.detach(), group, layout=_sp_modules(model)[0].layout, seq_len=SWEEP_N)
+        out[backend] = {
+            "logits": float((full - logits_ref.detach()).abs().max()),
+            "loss": abs(float(loss.detach() - loss_ref.detach())),
+            "grads": grad_diff,
+            "control": float((full - logits_other).abs().max()),
+        }
+    return out
+
+
+def sweep_worker(rank: int, world: int) -> dict:
+    """``run_on_ranks`` target: every ``SWEEP`` case on this rank -> ``{case_id: sweep_case(...)}``."""
+    import torch.distributed as dist
+
+    return {sweep_case_id(mt, ov): sweep_case(mt, ov, dist.group.WORLD) for mt, ov in SWEEP}
+
+
+TABLE_BEGIN = "<!-- hf-support-table:begin (written by scripts/hf_support_table.py) -->"
+TABLE_END = "<!-- hf-support-table:end -->"
+
+
+def refusal_reason(message: str) -> str:
+    """The first clause of a refusal (up to ``:`` or ``;``), for the README table."""
+    cut = min((i for i in (message.find(": "), message.find("; ")) if i >= 0), default=len(message))
+    return message[:cut].replace("|", "/").strip()
+
+
+def support_table(results: dict) -> str:
+    """Markdown table of the sweep (``{case_id: sweep_case(...)}`` of one rank), one row per case."""
+    lines = ["| model_type | class | " + " | ".join(SWEEP_BACKENDS) + " | refused because |",
+             "|---|---|" + "---|" * len(SWEEP_BACKENDS) + "---|"]
+    for case_id, res in results.items():
+        cells, reasons = [], []
+        for backend in SWEEP_BACKENDS:
+            r = res[backend]
+            cells.append("refused" if "refused" in r else "exact")
+            if "refused" in r and refusal_reason(r["refused"]) not in reasons:
+                reasons.append(refusal_reason(r["refused"]))
+        lines.append(f"| `{case_id}` | `{res['class']}` | " + " | ".join(cells) + " | " + "; ".join(reasons) + " |")
+    return "\n".join(lines)

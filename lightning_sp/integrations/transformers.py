@@ -30,6 +30,14 @@ Note [Hugging Face under sequence parallelism]
     ``position_ids`` default to local positions  global ``position_ids`` always passed
     positions by cumulative sums (RoBERTa/ESM-1b) computed over the global sequence (``_FIXES``)
     ESM token dropout ratio over the local shard computed over the global sequence (``_FIXES``)
+    labels of ``GPT2LMHeadModel`` / ``*LMHeadModel``  causal LMs recognised by the registry and HF's loss
+      not shifted (no ``ForCausalLM`` in the name)  rule (``is_causal_lm``), not by class name
+    dynamic / LongRoPE frequencies from the      HF's update run with the global ``max_position``,
+      shard's own largest position                 then the plain rotary (``_FIXES``)
+    Llama-4 NoPE temperature from local columns  rescaled to global columns (``token_index``)
+    Llama-4 chunked attention (only in the mask)  packed documents cut at chunk boundaries
+    MLA: value head dim != query/key head dim    zero-padded to one head dim, sliced after
+    convolutions / SSMs mix tokens per shard     refused, naming the module (``token_mixers_...``)
     ==========================================  ==================================================
 
     Per-batch facts (``ShardInfo``) travel in the shard dict under ``"sequence_parallel"``; a forward
@@ -47,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_sp.attention import SequenceParallelAttention
@@ -62,6 +71,7 @@ __all__ = [
     "model_fixes",
     "sequence_parallel_attention",
     "shard_inputs",
+    "token_mixers_outside_attention",
 ]
 
 ATTN_IMPLEMENTATION = "lightning_sp"
@@ -102,6 +112,15 @@ class ShardInfo:
     token_dropout_ratio: torch.Tensor | None = None
     """ESM: float32 ``[B, S_local]``: for each of this shard's tokens, the fraction of ``<mask>`` tokens
     in its row of the global batch (HF's ratio, computed over the whole row)."""
+    max_position: int | None = None
+    """The largest position id HF would see on the global batch (its ``max(position_ids) + 1`` picks the
+    frequencies of length-dependent RoPE: dynamic NTK, LongRoPE), the same on every rank."""
+    token_index: torch.Tensor | None = None
+    """int64 ``[B', S_local]``: each of this shard's tokens' column in its row of the global batch (HF's
+    ``arange`` over the row; Llama-4's attention temperature)."""
+    chunk_cu_seqlens: torch.Tensor | None = None
+    """int32 global document boundaries of chunked-attention layers (Llama-4): ``cu_seqlens`` (or
+    ``[0, N]``) split further wherever a row's column is a multiple of ``config.attention_chunk_size``."""
 
 
 @dataclass(kw_only=True)
@@ -111,6 +130,8 @@ class _State:
     info: ShardInfo | None = None
     hook: Any = None
     fixes: list[str] = field(default_factory=list)
+    token_mixers: list[str] = field(default_factory=list)
+    """``token_mixers_outside_attention(model)``, found once by ``apply_sequence_parallel``."""
 
 
 # ------------------------------------------------------------------------------------ the attention
@@ -222,6 +243,16 @@ def sequence_parallel_attention(
                 "the ShardInfo belongs to another batch; call model(**shard) with the dict shard_inputs returned"
             )
         seq_len, cu_seqlens = info.seq_len, info.cu_seqlens
+    if _is_chunked_layer(module):  # Note [Chunked attention is packed documents]
+        if info is None:
+            cu_seqlens = _chunk_boundaries(None, seq_len, torch.arange(seq_len)[None], module.config.attention_chunk_size)
+        elif info.chunk_cu_seqlens is None:
+            raise ValueError("a chunked-attention layer got a ShardInfo without chunk_cu_seqlens: build the shard "
+                             "with shard_inputs(global_batch, model) after apply_sequence_parallel(model)")
+        else:
+            cu_seqlens = info.chunk_cu_seqlens
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        query = _global_attention_temperature(module, query, info)
     window = kwargs.get("sliding_window")
     if window is not None and _longest_document(seq_len, cu_seqlens) > int(window):
         raise NotImplementedError(
@@ -235,11 +266,70 @@ def sequence_parallel_attention(
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     causal = bool(is_causal) if is_causal is not None else bool(getattr(module, "is_causal", True))
     sp.causal = causal  # HF decides causality per call (e.g. is_causal=False turns a decoder bidirectional)
+    head_dim, value_dim = query.size(-1), value.size(-1)
+    if scaling is None:
+        scaling = head_dim**-0.5  # HF's default, fixed before any padding below
+    width = max(head_dim, value_dim)
+    if width != head_dim or width != value_dim:
+        # MLA (DeepSeek-V2/V3: value head dim != query/key head dim): zero columns change neither q.k nor
+        # softmax(q.k) @ v's first value_dim columns, so every backend runs one head dim and the extra
+        # output columns (and their gradients) are dropped
+        query, key = (F.pad(t, (0, width - head_dim)) for t in (query, key))
+        value = F.pad(value, (0, width - value_dim))
     out = sp(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, H, S, D] -> [B, S, H, D]
         cu_seqlens=cu_seqlens, seq_len=seq_len, softmax_scale=scaling,
     )
-    return out, None  # [B, S_local, H, D], no weights
+    return out[..., :value_dim], None  # [B, S_local, H, D_v], no weights
+
+
+def _is_chunked_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a chunked-attention layer (Llama-4: ``config.layer_types[layer_idx]``)."""
+    cfg = getattr(module, "config", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if layer_types is None or idx is None or idx >= len(layer_types):
+        return False
+    return layer_types[idx] == "chunked_attention" and getattr(cfg, "attention_chunk_size", None) is not None
+
+
+def _chunk_boundaries(cu_seqlens: torch.Tensor | None, seq_len: int, token_index: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Note [Chunked attention is packed documents]: HF's chunked causal mask lets column ``q`` see
+    column ``k`` iff ``k <= q`` and ``k // C == q // C`` (columns of the row). That is causal attention
+    over documents that end at every multiple of ``C`` as well as at the real document ends, so it is
+    exact on every backend that supports ``cu_seqlens``::
+
+        C = 4, N = 10:   | a a a a | b b b b | c c |     cu_seqlens [0, 4, 8, 10]
+
+    ``token_index [1, N]``: each packed token's column in its original row (rows of different lengths
+    packed by ``shard_inputs`` restart at 0). -> int32 ``[n_docs + 1]``."""
+    starts: set[int] = set()
+    starts.update(int(i) for i in torch.nonzero(token_index[0, :seq_len] % int(chunk) == 0).flatten())
+    if cu_seqlens is not None:
+        starts.update(int(b) for b in cu_seqlens[:-1])
+    starts.add(0)
+    return torch.tensor(sorted(starts) + [seq_len], dtype=torch.int32)
+
+
+def _temperature(module: nn.Module, positions: torch.Tensor) -> torch.Tensor:
+    """Llama-4's NoPE-layer query temperature at row columns ``positions`` (HF's formula, float32)."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+
+def _global_attention_temperature(module: nn.Module, query: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
+    """``query [B, H, S_local, D]`` as HF scaled it (temperature of the LOCAL columns ``0..S_local-1``)
+    -> scaled by the temperature of each token's GLOBAL column instead. ``t >= 1``, so the ratio is
+    well conditioned (float64: agrees with HF's own scaling to round-off)."""
+    if info is None or info.token_index is None:
+        return query  # unsharded call: HF's local columns are the global ones
+    s_local = query.size(2)
+    # HF multiplies by float32 temperatures; the ratio of the same float32 values, taken in query's dtype
+    local = _temperature(module, torch.arange(s_local, device=query.device)).to(query.dtype)  # [S_local]
+    index = info.token_index.to(query.device)  # [B', S_local]
+    if index.shape != (query.size(0), s_local):
+        raise ValueError(f"ShardInfo.token_index {tuple(index.shape)} does not match the shard [{query.size(0)}, {s_local}]")
+    ratio = _temperature(module, index).to(query.dtype) / local  # [B', S_local]
+    return (query * ratio[:, None, :, None]).to(query.dtype)
 
 
 def _padding_mask_only(
@@ -360,10 +450,100 @@ def _esm_ratio(model: nn.Module, batch: dict, mask: torch.Tensor | None) -> dict
     return {"token_dropout_ratio": ratio}
 
 
+def _rope_types(module: nn.Module) -> list[str]:
+    rope_type = getattr(module, "rope_type", None)
+    if isinstance(rope_type, Mapping):
+        return [str(t) for t in rope_type.values()]
+    return [str(rope_type)] if rope_type is not None else []
+
+
+def _length_dependent_rope_modules(model: nn.Module) -> list[nn.Module]:
+    """Rotary modules whose frequencies depend on the sequence length (``dynamic`` NTK / YaRN, LongRoPE):
+    HF picks them from ``max(position_ids) + 1`` of the tokens it sees, i.e. of the shard."""
+    return [m for m in model.modules() if any("dynamic" in t or t == "longrope" for t in _rope_types(m))]
+
+
+def _global_length_rope_forward(self, x, position_ids, layer_type=None):
+    """A rotary module's forward with HF's length-dependent frequency update run for the GLOBAL length
+    (``ShardInfo.max_position``, the same on every rank), then HF's rotary on this shard's positions."""
+    state: _State = getattr(self, _STATE_ATTR)
+    forward = type(self).forward  # HF's dynamic_rope_update wrapper around the plain rotary forward
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    info = state.info
+    if info is None or info.max_position is None:
+        return forward(self, x, position_ids, **kwargs)
+    longest = torch.full((1, 1), info.max_position, dtype=position_ids.dtype, device=position_ids.device)
+    forward(self, x, longest, **kwargs)  # updates inv_freq / attention_scaling as the unsharded model would
+    with torch.no_grad():  # rotary of the local positions without a second (local) update; HF's forward is no_grad
+        return inspect.unwrap(forward)(self, x, position_ids, **kwargs)
+
+
+def _patch_length_dependent_rope(model: nn.Module, state: _State) -> None:
+    import types
+
+    for rope in _length_dependent_rope_modules(model):
+        if inspect.unwrap(type(rope).forward) is type(rope).forward:
+            raise NotImplementedError(
+                f"{type(rope).__name__} uses a length-dependent RoPE ({_rope_types(rope)}) without transformers' "
+                "dynamic_rope_update, so lightning_sp cannot give it the global length; use rope_type 'default', "
+                "'linear' or 'yarn' (fixed frequencies) or train without sequence parallelism"
+            )
+        setattr(rope, _STATE_ATTR, state)
+        if getattr(rope.forward, "__func__", None) is not _global_length_rope_forward:
+            rope.forward = types.MethodType(_global_length_rope_forward, rope)
+
+
 _FIXES: tuple[_Fix, ...] = (
     _Fix(name="cumsum_position_ids", applies=_uses_cumsum_positions, prepare=_cumsum_positions),
     _Fix(name="esm_token_dropout", applies=_is_esm_token_dropout, patch=_patch_esm, prepare=_esm_ratio),
+    _Fix(name="global_length_rope", applies=lambda model: bool(_length_dependent_rope_modules(model)),
+         patch=_patch_length_dependent_rope),
 )
+
+
+# ------------------------------------------------------------------------------------ refusals
+
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+_TOKEN_MIXER_NAMES = ("Mamba", "Mixer", "SSM", "ShortConv", "LinearAttention", "LightningAttention", "DeltaNet",
+                      "RWKV", "Retention", "Recurrent", "RgLru", "LSTM")
+_NOT_TOKEN_MIXERS = ("Norm", "Embedding", "MLP", "Head", "Cache", "Output", "Intermediate")
+
+
+def token_mixers_outside_attention(model: nn.Module) -> list[str]:
+    """``"path (Class)"`` of every module that mixes tokens along the sequence outside attention: a
+    convolution with a kernel longer than 1 (LFM2's short causal convolutions), an SSM / linear-attention
+    / recurrent block (by class name), or a layer whose ``config.layer_types`` entry is not attention.
+    Under sequence parallelism such a layer sees only its shard, so it is refused, not run."""
+    from transformers import PreTrainedModel
+
+    paths: dict[str, str] = {}  # module path -> class, outermost match only
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if isinstance(module, PreTrainedModel):
+            continue  # the model itself (MambaForCausalLM): what matters is the layer inside it
+        conv = isinstance(module, nn.modules.conv._ConvNd) and any(k > 1 for k in module.kernel_size)
+        named = any(word.lower() in cls.lower() for word in _TOKEN_MIXER_NAMES) and not any(
+            word in cls for word in _NOT_TOKEN_MIXERS)  # MambaRMSNorm is a norm, not a mixer
+        mixer = conv or named
+        if mixer and not any(name.startswith(outer + ".") for outer in paths):
+            paths[name] = cls
+    found = [f"{name} ({cls})" for name, cls in paths.items()]
+    cfg = _base_config(model)
+    for idx, layer_type in enumerate(getattr(cfg, "layer_types", None) or ()):
+        if layer_type not in _ATTENTION_LAYER_TYPES:
+            found.append(f"layer {idx} (config.layer_types[{idx}] = {layer_type!r})")
+    return found
+
+
+def _refuse_token_mixers(model: nn.Module, mixers: list[str] | None = None) -> None:
+    mixers = token_mixers_outside_attention(model) if mixers is None else mixers
+    if mixers:
+        shown = ", ".join(mixers[:4]) + (f", ... ({len(mixers)} in all)" if len(mixers) > 4 else "")
+        raise NotImplementedError(
+            f"{type(model).__name__} mixes tokens outside attention ({shown}): under sequence parallelism such a "
+            "layer sees only its rank's shard and would silently drop the tokens across shard boundaries. Train it "
+            "without sequence parallelism (backend='local'), or use a model whose every token-mixing layer is attention"
+        )
 
 
 def model_fixes(model: nn.Module) -> list[str]:
@@ -389,8 +569,39 @@ def _sp_modules(model: nn.Module) -> list[SequenceParallelAttention]:
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """Whether HF's loss for ``model`` shifts labels (``*ForCausalLM``)."""
-    return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM")
+    """Whether HF's loss for ``model`` shifts labels (position ``i`` predicts token ``i + 1``), judged by
+    what the model does, not by its class name:
+
+    1. a class transformers lists as a causal LM (``MODEL_FOR_CAUSAL_LM_MAPPING``: ``GPT2LMHeadModel``,
+       ``BertLMHeadModel``, ``CTRLLMHeadModel``, every ``*ForCausalLM``) -> causal; one it lists as a
+       masked LM -> not;
+    2. otherwise HF's own loss rule: ``loss_type == "ForCausalLM"``, or no recognised ``loss_type`` (HF's
+       ``loss_function`` then falls back to the causal-LM loss) while every attention layer is causal.
+    """
+    from transformers.loss.loss_utils import LOSS_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    def names(mapping) -> set[str]:
+        out: set[str] = set()
+        for value in mapping.values():
+            out.update(value if isinstance(value, (tuple, list)) else (value,))
+        return out
+
+    cls = type(model).__name__
+    if cls in names(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        return True
+    if cls in names(MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+        return False
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type == "ForCausalLM":
+        return True
+    if loss_type in LOSS_MAPPING:
+        return False
+    layers = attention_layers(model)
+    return bool(layers) and all(bool(layer.is_causal) for layer in layers)
 
 
 def _pre_forward(state: _State):
@@ -400,10 +611,20 @@ def _pre_forward(state: _State):
             raise TypeError(f"{SHARD_INFO_KEY}= must be the ShardInfo shard_inputs made, got {type(info).__name__}")
         if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
             _reject_unsupported(module, 0.0, {"output_attentions": True})
+        if state.token_mixers and _runs_sharded(module):
+            _refuse_token_mixers(module, state.token_mixers)
         state.info = info
         return args, kwargs
 
     return hook
+
+
+def _runs_sharded(model: nn.Module) -> bool:
+    """Whether the model's attention runs over more than one rank (a structural fact, the same on every rank)."""
+    sps = _sp_modules(model)
+    if not sps or sps[0].resolved_backend() == "local":
+        return False
+    return group_size_and_rank(sps[0].process_group)[0] > 1
 
 
 def apply_sequence_parallel(
@@ -429,6 +650,10 @@ def apply_sequence_parallel(
     Returns the same model (modified in place): ``attn_implementation="lightning_sp"``, each attention
     layer with an ``sp_attention`` child (no parameters, so state dicts are unchanged), a forward
     pre-hook taking the ``ShardInfo`` of ``shard_inputs``, and the per-model fixes of ``model_fixes``.
+
+    Raises ``NotImplementedError`` naming the module when the model mixes tokens outside attention
+    (``token_mixers_outside_attention``: convolutions over the sequence, SSM / linear-attention blocks)
+    and runs over more than one rank: here with a ``group`` of size > 1, else at its first sharded forward.
     """
     _register()
     from transformers import PreTrainedModel
@@ -447,6 +672,7 @@ def apply_sequence_parallel(
         )
     layers = attention_layers(model)
     if not layers:
+        _refuse_token_mixers(model)  # an SSM / RNN model (Mamba, RWKV): name what mixes its tokens
         raise ValueError(f"found no attention layers (modules with is_causal and config) in {type(model).__name__}")
     state = getattr(model, _STATE_ATTR, None)
     if not isinstance(state, _State):
@@ -458,6 +684,9 @@ def apply_sequence_parallel(
             group=group, ulysses_degree=ulysses_degree, kernel=kernel,
         )
         setattr(layer, _STATE_ATTR, state)
+    state.token_mixers = token_mixers_outside_attention(model)
+    if group is not None and backend != "local" and group_size_and_rank(group)[0] > 1:
+        _refuse_token_mixers(model, state.token_mixers)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if state.hook is None:
         state.hook = model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True)
@@ -469,6 +698,7 @@ def apply_sequence_parallel(
     return model
 
 
+_TOKEN_INDEX_KEY = "_lightning_sp_token_index"
 _CONSUMED_KEYS = ("attention_mask", "cu_seqlens", "labels", "position_ids", SHARD_INFO_KEY)
 
 
@@ -534,11 +764,18 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
     if main.dim() < 2:
         raise ValueError(f"input_ids must be [B, N]; got shape {tuple(main.shape)} (add the batch dim: x[None])")
     bsz, n = main.shape[:2]
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise NotImplementedError(
+            f"a {mask.dim()}-D attention_mask {tuple(mask.shape)} (an arbitrary token-to-token mask) cannot be applied "
+            "exactly by the sequence-parallel backends, which know causality, a global length and packed documents: "
+            "pass a right-padding 2-D attention_mask [B, N], or pack documents with position_ids restarting at 0 "
+            "(causal LMs) or a global cu_seqlens"
+        )
     for key in ("labels", "attention_mask", "position_ids"):
         if key in batch and batch[key] is not None and tuple(batch[key].shape[:2]) != (bsz, n):
             raise ValueError(f"{key} has shape {tuple(batch[key].shape)} but input_ids is [B, N] = [{bsz}, {n}]")
     causal = is_causal_lm(model) if causal_lm is None else causal_lm
-    mask = batch.get("attention_mask")
     lengths = _right_padding_lengths(mask) if mask is not None else None
     if lengths is None:
         mask = None  # all ones: nothing to describe (HF's own src_lengths then equal the row length)
@@ -557,7 +794,9 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
         position_ids = fixed_positions
     if position_ids is None:
         position_ids = torch.arange(n, device=main.device).unsqueeze(0).expand(bsz, -1)
-    rows: dict[str, torch.Tensor] = {"position_ids": position_ids}
+    max_position = int(position_ids.max()) if position_ids.numel() else 0  # what HF's dynamic RoPE would see
+    column = torch.arange(n, device=main.device).unsqueeze(0).expand(bsz, -1)
+    rows: dict[str, torch.Tensor] = {"position_ids": position_ids, _TOKEN_INDEX_KEY: column}
     if causal and position_ids is batch.get("position_ids") and mask is None and cu_seqlens is None and bsz == 1:
         # packed position_ids: documents start where positions do not count up (HF's causal-mask rule)
         starts = torch.nonzero(position_ids[0, 1:] - position_ids[0, :-1] != 1).flatten() + 1
@@ -594,6 +833,11 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
         if int(cu_seqlens[-1]) != seq_len:
             raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the batch has {seq_len} unpadded tokens")
 
+    chunk_cu_seqlens = None
+    cfg = _base_config(model)
+    if "chunked_attention" in (getattr(cfg, "layer_types", None) or ()) and getattr(cfg, "attention_chunk_size", None):
+        chunk_cu_seqlens = _chunk_boundaries(cu_seqlens, seq_len, rows[_TOKEN_INDEX_KEY], cfg.attention_chunk_size)
+
     n_pad = padded_length(n, world, layout)
     pad_token = getattr(_base_config(model), "pad_token_id", None) or 0
     if n_pad > n:  # padded positions repeat the last real one, so absolute-position lookups stay in range
@@ -609,5 +853,6 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
         shard["use_cache"] = False
     shard[SHARD_INFO_KEY] = ShardInfo(
         seq_len=seq_len, padded_len=n_pad, cu_seqlens=cu_seqlens, token_dropout_ratio=shard.pop("token_dropout_ratio", None),
+        max_position=max_position, token_index=shard.pop(_TOKEN_INDEX_KEY), chunk_cu_seqlens=chunk_cu_seqlens,
     )
     return shard

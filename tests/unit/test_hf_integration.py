@@ -214,3 +214,70 @@ def test_bf16_autocast_like_hf_sdpa(name):
         control = _sp_logits(apply_sequence_parallel(other), batch).float()
     assert (out - ref).abs().max() < 2e-2
     assert (control - ref).abs().max() > 5e-2
+
+
+# ------------------------------------------------------------------ issue 16: exact or refused (no process group)
+
+
+def test_4d_mask_in_the_batch_refused_naming_the_alternative():
+    model = apply_sequence_parallel(tiny_model("llama"))
+    batch = {"input_ids": torch.randint(4, 30, (1, 6)), "attention_mask": torch.ones(1, 1, 6, 6)}
+    with pytest.raises(NotImplementedError, match=r"4-D attention_mask .*right-padding 2-D attention_mask .*cu_seqlens"):
+        shard_inputs(batch, model)
+
+
+@pytest.mark.parametrize("model_type, causal", [
+    ("gpt2", True), ("ctrl", True), ("bert", True), ("llama", True), ("esm", False), ("modernbert", False)])
+def test_causal_lm_recognised_by_what_the_model_does(model_type, causal):
+    from lightning_sp.integrations.transformers import is_causal_lm
+    from tests.hf_tiny import registry_model
+
+    overrides = {"is_decoder": True} if model_type == "bert" else {}
+    model, _ = registry_model(model_type, overrides)
+    assert is_causal_lm(model) is causal
+    # a user's subclass under a name transformers does not know: HF's loss rule (no loss_type ->
+    # causal-LM loss) and the attention layers' is_causal decide
+    renamed = type("MyOwnModel", (type(model),), {})
+    assert is_causal_lm(renamed(model.config)) is causal
+
+
+def test_token_mixers_outside_attention_named():
+    from lightning_sp.integrations.transformers import token_mixers_outside_attention
+    from tests.hf_tiny import registry_model
+
+    lfm2, _ = registry_model("lfm2", {"layer_types": ["conv", "full_attention"]})
+    found = token_mixers_outside_attention(lfm2)
+    assert found == ["model.layers.0.conv (Lfm2ShortConv)", "layer 0 (config.layer_types[0] = 'conv')"], found
+    for clean in ("llama", "gpt2", "deepseek_v3"):  # GPT-2's Conv1D is a linear layer, not a convolution
+        assert token_mixers_outside_attention(registry_model(clean)[0]) == [], clean
+    mamba, _ = registry_model("mamba")
+    with pytest.raises(NotImplementedError, match=r"MambaForCausalLM mixes tokens outside attention \(backbone.layers.0 \(MambaBlock\)"):
+        apply_sequence_parallel(mamba)
+
+
+@pytest.mark.parametrize("case", ["llama4_text", "llama[dynamic]", "phi3[longrope]", "deepseek_v3", "gpt2"])
+def test_unbound_registry_models_equal_hf_on_packed_rows(case):
+    """Without a group: rows of different lengths, packed by shard_inputs, equal HF's padded batch (its
+    sdpa, float64). Llama-4's temperature and chunk boundaries must restart with each packed row; the
+    negative control drops them (Llama-4) or perturbs the weights."""
+    import dataclasses
+
+    from tests.hf_tiny import SWEEP, registry_model, sweep_case_id
+
+    overrides = dict((sweep_case_id(mt, ov), ov) for mt, ov in SWEEP)[case]
+    base, _ = registry_model(case.split("[")[0], overrides)
+    lengths, width = (7, 11), 11
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(4, 60, (2, width), generator=g)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    ids = ids.masked_fill(mask == 0, PAD_ID)
+    ref = clone(base)(input_ids=ids, attention_mask=mask).logits.detach()
+    ref_real = torch.cat([ref[i, :n] for i, n in enumerate(lengths)])[None]
+    model = apply_sequence_parallel(clone(base))
+    shard = shard_inputs({"input_ids": ids, "attention_mask": mask}, model)
+    assert (model(**shard).logits - ref_real).abs().max() < TOL
+    if case == "llama4_text":
+        info = shard[SHARD_INFO_KEY]
+        for edit in ({"token_index": torch.arange(sum(lengths))[None]}, {"chunk_cu_seqlens": info.cu_seqlens}):
+            control = dict(shard, **{SHARD_INFO_KEY: dataclasses.replace(info, **edit)})
+            assert (model(**control).logits - ref_real).abs().max() > 1e-6, edit
