@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
                 qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
                 dist.barrier()
                 start = time.perf_counter()
-                modules[checked](qq, kk, vv).backward(dout)
+                modules[checked](qq, kk, vv, seq_len=cfg["seq_len"]).backward(dout)
                 dist.barrier()
                 if rep >= cfg["warmup"]:
                     times[checked].append(time.perf_counter() - start)

@@ -37,7 +37,9 @@ def stable_hash(*parts) -> int:
 def gather_rows(row: Sequence[int | float], group, *, device: torch.device | None = None) -> list[list[int | float]]:
     """Every rank's ``row`` in group-rank order: one all-gather of ``len(row)`` float64 per rank, which
     every rank of ``group`` must call (with rows of the same length). Integral values come back as ``int``.
-    ``device``: where the row travels for NCCL (default: the current CUDA device); gloo uses the CPU."""
+    ``device``: where the row travels for NCCL (default: the current CUDA device), which costs a host
+    sync per call (the rows are read back); gloo, and a group created with
+    ``backend="cpu:gloo,cuda:nccl"``, keep it on the CPU, off the GPU stream."""
     values = torch.tensor([float(x) for x in row], dtype=torch.float64)  # [F]
     if dist.get_backend(group) == "nccl":
         cuda = device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
