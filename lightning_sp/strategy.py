@@ -558,7 +558,8 @@ class SequenceParallelStrategy(DDPStrategy):
         # [B, N, ...] of every sequence tensor, N left out (it is seq_len); the batch's keys (a key present
         # on some ranks only makes a model take another branch, e.g. a metric's all-reduce)
         described = [(str(k), tuple(t.shape[:1]) + tuple(t.shape[2:]), str(t.dtype)) for k, t in items]
-        keys = sorted(map(str, batch.keys())) if isinstance(batch, Mapping) else len(batch) if isinstance(batch, (list, tuple)) else type(batch).__name__
+        keys = (sorted(map(str, batch.keys())) if isinstance(batch, Mapping)
+                else len(batch) if isinstance(batch, (list, tuple)) else type(batch).__name__)
         seq_len = next(iter(lengths.values())) if lengths and error is None else -1
         batch_size = next((t.size(0) for _, t in items if t.dim() >= 1), -1)
         me = dist.get_rank()
@@ -584,7 +585,8 @@ class SequenceParallelStrategy(DDPStrategy):
                 "SequenceParallelStrategy: ranks that shard the same sample got different batches at this step "
                 "(every rank raises this; a data loader must give every rank of a sequence-parallel group the same "
                 "sample, e.g. the same seed and the strategy's distributed sampler):\n" + "\n".join(lines)
-                + f"\n this rank ({me}): seq_len={seq_len}, sequence tensors (key, shape without dim 1, dtype): {described}"
+                + f"\n this rank ({me}): seq_len={seq_len}, sequence tensors (key, shape without dim 1, dtype): "
+                f"{described}"
             )
 
     def _unsharded_batch_message(self, batch: Any) -> str:

@@ -42,8 +42,8 @@ def gather_rows(row: Sequence[int | float], group, *, device: torch.device | Non
     ``backend="cpu:gloo,cuda:nccl"``, keep it on the CPU, off the GPU stream."""
     values = torch.tensor([float(x) for x in row], dtype=torch.float64)  # [F]
     if dist.get_backend(group) == "nccl":
-        cuda = device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-        values = values.to(cuda)
+        on_gpu = device is not None and device.type == "cuda"
+        values = values.to(device if on_gpu else torch.device("cuda", torch.cuda.current_device()))
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]  # P x [F]
     dist.all_gather(gathered, values, group=group)
     return [[int(x) if float(x).is_integer() else float(x) for x in g.tolist()] for g in gathered]
