@@ -565,7 +565,7 @@ class SequenceParallelStrategy(DDPStrategy):
         me = dist.get_rank()
         row = (error[0] if error is not None else 0, self.parallel_dims.dp_rank(me), seq_len, batch_size,
                stable_hash(keys, described))
-        rows = gather_rows(row, dist.group.WORLD, device=self.root_device)
+        rows = gather_rows(row, dist.group.WORLD)  # on NCCL: the current CUDA device, which Lightning set
         if error is not None:
             raise ValueError(error[1])
         failed = {r: self._BATCH_ERRORS[row[0]] for r, row in enumerate(rows) if row[0]}
