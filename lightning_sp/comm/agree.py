@@ -38,8 +38,7 @@ def gather_rows(row: Sequence[int | float], group, *, device: torch.device | Non
     """Every rank's ``row`` in group-rank order: one all-gather of ``len(row)`` float64 per rank, which
     every rank of ``group`` must call (with rows of the same length). Integral values come back as ``int``.
     ``device``: where the row travels for NCCL (default: the current CUDA device), which costs a host
-    sync per call (the rows are read back); gloo, and a group created with
-    ``backend="cpu:gloo,cuda:nccl"``, keep it on the CPU, off the GPU stream."""
+    sync per call (the rows are read back); on gloo it stays on the CPU."""
     values = torch.tensor([float(x) for x in row], dtype=torch.float64)  # [F]
     if dist.get_backend(group) == "nccl":
         on_gpu = device is not None and device.type == "cuda"
