@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_sp.comm.agree import describe_disagreement, gather_rows, global_ranks, stable_hash
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.context import SequenceParallelContext
 from lightning_sp.layout import SequenceLayout, global_seq_len_of, padded_length
@@ -181,13 +182,14 @@ class SequenceParallelAttention(nn.Module):
         ulysses_degree: inner Ulysses degree for ``usp``.
         kernel: local kernel, ``"auto"``, ``"torch"``, ``"sdpa"`` or ``"flash_attn"``.
         dropout_p, window_size: not supported; anything but the defaults raises.
-        validate_inputs: check that all ranks pass matching shapes, dtypes, lengths and documents (one
-            tiny all-gather the first time each call signature is seen, shared by the modules of a
-            context); a mismatch, or bad input on any one rank, raises on every rank instead of
-            hanging or computing garbage. A signature that later changes on some ranks only is not
-            seen by the ranks whose signature is cached, and surfaces as a process-group timeout;
-            ``"always"`` checks every call (debugging); ``False`` never (bad input then raises on the
-            rank that has it only, and its peers wait for the timeout).
+        validate_inputs: ``True`` (default) or ``"always"`` (the same): at every call every rank of the
+            group joins one tiny all-gather (a row of 20 numbers: shapes, dtype, lengths, a hash of the
+            documents, what ``auto`` chose) before anything can raise, so bad input on any rank, or
+            inputs that differ across ranks at any step, raise on every rank at once, naming the ranks
+            and their values (Note [Cross-rank checks are decided together] in ``comm/agree.py``).
+            ``False``: no check and no collective, for inputs identical by construction (benchmarks):
+            bad input then raises on its own rank only and its peers wait for the process-group
+            timeout; inputs that differ across ranks hang or compute garbage.
         kv_pieces: ``ring``, ``zigzag_ring`` and the ring of ``usp``: each rank's K/V block is fetched
             from its owner in this many pieces and its dK/dV returned in as many, the backward also
             runs the queries in as many chunks, so a rank holds a few pieces instead of whole
@@ -313,6 +315,15 @@ class SequenceParallelAttention(nn.Module):
             return SequenceLayout("contiguous")
         return layout_for_backend(backend, group_size=world, ulysses_degree=self._ulysses_degree(world) if backend == "usp" else None)
 
+    def raise_on_every_rank(self, error: Exception, q: torch.Tensor):
+        """Raise ``error``, a caller's rejection of this call's inputs made before ``forward`` (the
+        transformers integration checks its arguments first), after joining the cross-rank check the
+        peers run in their ``forward``: they raise naming this rank instead of waiting for the timeout."""
+        world = self._group_size()
+        if world > 1 and self.validate_inputs:
+            gather_rows((_CALLER_ERROR,) + (0,) * (len(_SIGNATURE_NAMES) - 1), self.process_group, device=q.device)
+        raise error
+
     # -- forward -------------------------------------------------------------------------------
 
     def forward(
@@ -368,21 +379,31 @@ class SequenceParallelAttention(nn.Module):
     def _parallel_forward(self, q, k, v, cu_seqlens, seq_len, softmax_scale, world) -> torch.Tensor:
         group, ctx = self.process_group, self.context
         backend = self.resolved_backend()
+        # Every local problem becomes an error code, raised only after the cross-rank check that every
+        # rank joins at every call (Note [Cross-rank checks are decided together] in comm/agree.py)
         error = _local_input_error(q, k, v, cu_seqlens)
         bounds = ctx.cu_bounds(cu_seqlens) if cu_seqlens is not None and error is None else None
-        seq_len = self._global_seq_len(seq_len, q, k, v)
+        try:
+            seq_len = self._global_seq_len(seq_len, q, k, v)
+        except ValueError as e:
+            error, seq_len = error or (8, str(e)), None
+        if error is None and bounds is not None:
+            error = _bounds_error(bounds, seq_len)
         scale = _resolve_scale(softmax_scale, self.softmax_scale, q.size(-1) if q.dim() else 1)
         layout = self.layout
+        chosen, auto_u = backend, None
+        if backend == "auto" and error is None:  # a pure function of the shapes and the hardware profile,
+            try:  # compared across ranks below (a rank with another profile would choose otherwise)
+                chosen, auto_u = self._resolve_auto(q, k, seq_len, world)
+            except ValueError as e:
+                error = (9, f"backend='auto' could not choose a backend: {e}")
         if self.validate_inputs:
-            signature = _signature(q, k, error, self.causal, backend, layout, bounds, seq_len, scale)
-            if error is not None or self.validate_inputs == "always" or ctx.needs_validation(signature):
-                _check_across_ranks(signature, error, group, q)
-                ctx.mark_validated(signature)
+            signature = _signature(q, k, error, self.causal, backend, chosen, auto_u, layout, bounds, seq_len, scale,
+                                   self.kv_pieces)
+            _check_across_ranks(signature, error, group, q)
         elif error is not None:
             raise ValueError(error[1])
-        auto_u = None
-        if backend == "auto":
-            backend, auto_u = self._resolve_auto(q, k, seq_len, world)
+        backend = chosen
         if backend in ("ulysses", "usp"):  # heads the all-to-all cannot split: say so before anything else
             u = world if backend == "ulysses" else (auto_u or layout.ulysses_degree)
             backends.kv_head_replication(q.size(2), k.size(2), u)
@@ -515,7 +536,10 @@ def _compiled_local_attention(q, k, v, cu_seqlens, seq_len, scale, causal) -> to
 # Local input errors have a code, so the ranks that passed their own checks can name what failed.
 _LOCAL_ERRORS = ("", "q, k, v are not 4-D [B, S_local, H, D]", "q, k, v dtypes differ", "unsupported dtype",
                  "k and v shapes differ", "q and k differ in batch, sequence or head dim",
-                 "num_heads not a multiple of num_kv_heads", "bad cu_seqlens")
+                 "num_heads not a multiple of num_kv_heads", "bad cu_seqlens",
+                 "q, k, v sharded from sequences of different lengths", "backend='auto' could not choose",
+                 "rejected by its caller (e.g. the transformers integration) before attention")
+_CALLER_ERROR = 10  # SequenceParallelAttention.raise_on_every_rank
 
 
 def _local_input_error(q, k, v, cu_seqlens) -> tuple[int, str] | None:
@@ -541,50 +565,60 @@ def _local_input_error(q, k, v, cu_seqlens) -> tuple[int, str] | None:
     return None
 
 
+def _bounds_error(bounds: tuple[int, ...], seq_len: int | None) -> tuple[int, str] | None:
+    """``(code, message)`` when the host copy of ``cu_seqlens`` cannot describe documents of this
+    ``seq_len``-token global sequence (``None``: unknown yet, checked once agreed)."""
+    if bounds[0] != 0 or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        return 7, f"cu_seqlens must start at 0 and never decrease; got {list(bounds[:8])}..."
+    if seq_len is not None and bounds[-1] != seq_len:
+        return 7, (f"cu_seqlens ends at {bounds[-1]} but the global sequence has {seq_len} tokens: cu_seqlens must "
+                   f"cover the whole (unpadded) global sequence, [0, ..., {seq_len}]")
+    return None
+
+
 def _doc_bounds(bounds: tuple[int, ...] | None, seq_len: int, padded_len: int) -> list[int] | None:
     """Global document boundaries, with padding (if any) as a last document of its own."""
     if bounds is None:
         return None if seq_len == padded_len else [0, seq_len, padded_len]
-    if bounds[0] != 0 or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
-        raise ValueError(f"cu_seqlens must start at 0 and never decrease; got {list(bounds[:8])}...")
-    if bounds[-1] != seq_len:
-        raise ValueError(
-            f"cu_seqlens ends at {bounds[-1]} but the global sequence has {seq_len} tokens: cu_seqlens must "
-            f"cover the whole (unpadded) global sequence, [0, ..., {seq_len}]"
-        )
+    error = _bounds_error(bounds, seq_len)
+    if error is not None:
+        raise ValueError(error[1])
     return list(bounds) + ([padded_len] if seq_len < padded_len else [])
 
 
-def _signature(q, k, error, causal, backend, layout, bounds, seq_len, scale) -> tuple:
+def _signature(q, k, error, causal, backend, chosen, auto_u, layout, bounds, seq_len, scale, kv_pieces) -> tuple:
     """What every rank of the group must agree on, as numbers (one all-gather compares them)."""
     shape = lambda t: (list(t.shape) + [-1] * 4)[:4] if t.dim() <= 4 else [-2] * 4  # noqa: E731
-    # documents: count and a position-weighted checksum, exact in float64 (< 2**52)
-    doc_hash = -1 if bounds is None else sum((i + 1) * b for i, b in enumerate(bounds)) % (1 << 52)
     return (
         error[0] if error is not None else 0, *shape(q), *shape(k), _DTYPE_CODES.get(q.dtype, 0), int(causal),
-        backends.BACKENDS.index(backend), layout.ulysses_degree, -1 if bounds is None else len(bounds), doc_hash,
-        -1 if seq_len is None else seq_len, scale,
+        backends.BACKENDS.index(backend), backends.BACKENDS.index(chosen), auto_u or 0, layout.ulysses_degree,
+        -1 if bounds is None else len(bounds), -1 if bounds is None else stable_hash(bounds),
+        -1 if seq_len is None else seq_len, scale, kv_pieces,
     )
 
 
 _SIGNATURE_NAMES = ("error", "B", "S_local", "H", "D", "kB", "kS", "H_kv", "kD", "dtype", "causal", "backend",
-                    "ulysses_degree", "len(cu_seqlens)", "hash(cu_seqlens)", "seq_len", "softmax_scale")
+                    "auto's choice", "auto's ulysses_degree", "ulysses_degree", "len(cu_seqlens)", "hash(cu_seqlens)",
+                    "seq_len", "softmax_scale", "kv_pieces")
+_DTYPE_NAMES = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}
+_SIGNATURE_WORDS = {
+    "dtype": lambda c: _DTYPE_NAMES.get(c, "unsupported"),
+    "backend": lambda i: repr(backends.BACKENDS[i]), "auto's choice": lambda i: repr(backends.BACKENDS[i]),
+}
 
 
 def _check_across_ranks(signature: tuple, error, group, q) -> None:
-    """One small all-gather, then every rank raises if any rank's inputs are bad or differ."""
-    sig = torch.tensor(signature, dtype=torch.float64)
-    if dist.get_backend(group) == "nccl":
-        sig = sig.to(q.device if q.is_cuda else torch.device("cuda", torch.cuda.current_device()))
-    gathered = [torch.empty_like(sig) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, sig, group=group)
-    rows = [[int(x) if float(x).is_integer() else float(x) for x in g.tolist()] for g in gathered]
+    """One small all-gather that every rank joins at every call, then every rank raises if any rank's
+    inputs are bad or differ (Note [Cross-rank checks are decided together])."""
+    rows = gather_rows(signature, group, device=q.device)
     if error is not None:
         raise ValueError(error[1])
-    failed = {r: _LOCAL_ERRORS[row[0]] for r, row in enumerate(rows) if row[0]}
+    ranks = global_ranks(group)
+    failed = {ranks[r]: _LOCAL_ERRORS[row[0]] for r, row in enumerate(rows) if row[0]}
     if failed:
         raise ValueError(f"other ranks of the sequence-parallel group rejected their attention inputs "
-                         f"(each raises the details): {failed}")
-    if any(row != rows[0] for row in rows):
-        table = "\n".join(f"  rank {r}: {dict(zip(_SIGNATURE_NAMES[1:], row[1:]))}" for r, row in enumerate(rows))
-        raise ValueError(f"ranks of the sequence-parallel group called attention with different inputs:\n{table}")
+                         f"(each raises the details; global rank: problem): {failed}")
+    differ = describe_disagreement(rows, _SIGNATURE_NAMES, ranks, show=_SIGNATURE_WORDS)
+    if differ is not None:
+        raise ValueError(f"ranks of the sequence-parallel group called attention with different inputs (global "
+                         f"ranks; every rank raises this):\n{differ}")

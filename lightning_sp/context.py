@@ -54,8 +54,7 @@ class SequenceParallelContext:
     auto_choices: dict = field(default_factory=dict, repr=False, compare=False)
     """Per-shape cache of ``auto``'s decisions (not configuration)."""
 
-    # Per-batch caches shared by every module bound to this context (not configuration).
-    _validated: set = field(default_factory=set, repr=False, compare=False)
+    # Per-batch cache shared by every module bound to this context (not configuration).
     _cu_cache: tuple | None = field(default=None, repr=False, compare=False)
 
     def cu_bounds(self, cu_seqlens: "torch.Tensor") -> tuple[int, ...]:
@@ -69,12 +68,3 @@ class SequenceParallelContext:
         bounds = tuple(int(b) for b in cu_seqlens.tolist())
         self._cu_cache = (weakref.ref(cu_seqlens), cu_seqlens._version, bounds)
         return bounds
-
-    def needs_validation(self, signature: tuple) -> bool:
-        """Whether the cross-rank input check must run for this call signature (once per new one)."""
-        return signature not in self._validated
-
-    def mark_validated(self, signature: tuple) -> None:
-        if len(self._validated) > 4096:  # lengths that change every batch: bound the set
-            self._validated.clear()
-        self._validated.add(signature)

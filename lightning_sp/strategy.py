@@ -496,8 +496,12 @@ class SequenceParallelStrategy(DDPStrategy):
         # shard first: only this rank's N/P tokens travel to the device, never the whole sequence. A module
         # whose batches need global work before sharding (HFSequenceParallelModule: label shift, packing)
         # sets `shards_its_own_batches = True` and shards in `on_after_batch_transfer` instead.
-        if self._context is not None and not getattr(self.lightning_module, "shards_its_own_batches", False):
-            batch = self.shard_batch(batch)
+        if self._context is not None:
+            if getattr(self.lightning_module, "shards_its_own_batches", False):
+                items, lengths, _ = self._sequence_tensors(batch)  # its shard_inputs judges the batch: agree only
+                self._agree_on_batch(batch, items, lengths, None)
+            else:
+                batch = self.shard_batch(batch)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def shard_batch(self, batch: Any) -> Any:
@@ -507,20 +511,10 @@ class SequenceParallelStrategy(DDPStrategy):
 
         group, layout = self.context.group, self.layout
         sharding = self.parallel_dims.sp > 1
-        if isinstance(batch, Mapping):
-            items = [(k, batch[k]) for k in self.sequence_keys if k in batch and isinstance(batch[k], torch.Tensor)]
-        elif isinstance(batch, (list, tuple)):
-            items = [(k, batch[k]) for k in self.sequence_keys
-                     if isinstance(k, int) and -len(batch) <= k < len(batch) and isinstance(batch[k], torch.Tensor)]
-        else:
-            items = []
-        lengths = {k: t.size(1) for k, t in items if t.dim() >= 2}
+        items, lengths, error = self._sequence_tensors(batch)
+        self._agree_on_batch(batch, items, lengths, error)
         if not lengths:
-            if sharding:  # every rank would silently train on the whole sequence
-                raise ValueError(self._unsharded_batch_message(batch))
             return batch
-        if len(set(lengths.values())) > 1:
-            raise ValueError(f"sequence_keys tensors disagree on the sequence length (dim 1): {lengths}")
         seq_len = next(iter(lengths.values()))
         if sharding and isinstance(batch, (list, tuple)) and not self._warned_tuple_positions:
             self._warned_tuple_positions = True
@@ -559,6 +553,74 @@ class SequenceParallelStrategy(DDPStrategy):
         self.context.global_seq_len = seq_len
         self._report_padding(seq_len)
         return out
+
+    def _sequence_tensors(self, batch: Any) -> tuple[list, dict, tuple[int, str] | None]:
+        """``(items, lengths, error)``: the ``(key, tensor)`` pairs under ``sequence_keys``, the length (dim 1)
+        of each that has one, and ``(code, message)`` if the batch cannot be sharded (raised after
+        ``_agree_on_batch``, so every rank raises)."""
+        if isinstance(batch, Mapping):
+            items = [(k, batch[k]) for k in self.sequence_keys if k in batch and isinstance(batch[k], torch.Tensor)]
+        elif isinstance(batch, (list, tuple)):
+            items = [(k, batch[k]) for k in self.sequence_keys
+                     if isinstance(k, int) and -len(batch) <= k < len(batch) and isinstance(batch[k], torch.Tensor)]
+        else:
+            items = []
+        lengths = {k: t.size(1) for k, t in items if t.dim() >= 2}
+        error = None
+        if not lengths and self.parallel_dims.sp > 1:  # every rank would silently train on the whole sequence
+            error = (1, self._unsharded_batch_message(batch))
+        elif len(set(lengths.values())) > 1:
+            error = (2, f"sequence_keys tensors disagree on the sequence length (dim 1): {lengths}")
+        return items, lengths, error
+
+    _BATCH_ERRORS = ("", "no sequence tensor under sequence_keys", "sequence_keys tensors disagree on the length")
+    _BATCH_FIELDS = ("error", "dp rank", "seq_len", "batch size", "hash(keys, shapes, dtypes)")
+
+    def _agree_on_batch(self, batch: Any, items: list, lengths: dict, error: tuple[int, str] | None) -> None:
+        """Every rank of the world joins one tiny all-gather per batch (whatever its batch holds), then all
+        raise if any rank's batch is bad, or if ranks of one data-parallel replica (which must shard the
+        same sample) got batches of different lengths, sizes, keys or dtypes: every rank raises at once,
+        naming the ranks and values, before any collective of the step could hang on it (Note [Cross-rank
+        checks are decided together] in ``comm/agree.py``). Replicas may differ from each other."""
+        from lightning_sp.comm.agree import describe_disagreement, gather_rows, stable_hash
+
+        if dist.get_world_size() == 1:
+            if error is not None:
+                raise ValueError(error[1])
+            return
+        # [B, N, ...] of every sequence tensor, N left out (it is seq_len); the batch's keys (a key present
+        # on some ranks only makes a model take another branch, e.g. a metric's all-reduce)
+        described = [(str(k), tuple(t.shape[:1]) + tuple(t.shape[2:]), str(t.dtype)) for k, t in items]
+        keys = (sorted(map(str, batch.keys())) if isinstance(batch, Mapping)
+                else len(batch) if isinstance(batch, (list, tuple)) else type(batch).__name__)
+        seq_len = next(iter(lengths.values())) if lengths and error is None else -1
+        batch_size = next((t.size(0) for _, t in items if t.dim() >= 1), -1)
+        me = dist.get_rank()
+        row = (error[0] if error is not None else 0, self.parallel_dims.dp_rank(me), seq_len, batch_size,
+               stable_hash(keys, described))
+        rows = gather_rows(row, dist.group.WORLD)  # on NCCL: the current CUDA device, which Lightning set
+        if error is not None:
+            raise ValueError(error[1])
+        failed = {r: self._BATCH_ERRORS[row[0]] for r, row in enumerate(rows) if row[0]}
+        if failed:
+            raise ValueError(f"SequenceParallelStrategy: other ranks could not shard their batch (each raises the "
+                             f"details; global rank: problem): {failed}")
+        replicas: dict[int, list[int]] = {}
+        for r, row in enumerate(rows):
+            replicas.setdefault(row[1], []).append(r)
+        lines = []
+        for dp_rank, ranks in sorted(replicas.items()):
+            differ = describe_disagreement([rows[r][2:] for r in ranks], self._BATCH_FIELDS[2:], ranks)
+            if differ is not None:
+                lines.append(f" data-parallel replica {dp_rank} (global ranks {ranks}):\n{differ}")
+        if lines:
+            raise ValueError(
+                "SequenceParallelStrategy: ranks that shard the same sample got different batches at this step "
+                "(every rank raises this; a data loader must give every rank of a sequence-parallel group the same "
+                "sample, e.g. the same seed and the strategy's distributed sampler):\n" + "\n".join(lines)
+                + f"\n this rank ({me}): seq_len={seq_len}, sequence tensors (key, shape without dim 1, dtype): "
+                f"{described}"
+            )
 
     def _unsharded_batch_message(self, batch: Any) -> str:
         found = (f"keys {sorted(map(str, batch.keys()))}" if isinstance(batch, Mapping)

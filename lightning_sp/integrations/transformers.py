@@ -174,30 +174,10 @@ def _longest_document(info_seq_len: int, cu_seqlens: torch.Tensor | None) -> int
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
 
-def sequence_parallel_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The function registered as ``AttentionInterface["lightning_sp"]``.
-
-    ``query [B, H, S_local, D]``, ``key, value [B, H_kv, S_local, D]`` (HF's layout) ->
-    ``(out [B, S_local, H, D], None)``. Causality as HF's ``sdpa`` decides it: ``is_causal`` if given,
-    else the layer's ``is_causal``.
-    """
-    sp = getattr(module, "sp_attention", None)
-    state: _State | None = getattr(module, _STATE_ATTR, None)
-    if not isinstance(sp, SequenceParallelAttention) or state is None:
-        raise RuntimeError(
-            f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} but apply_sequence_parallel "
-            "did not give it a SequenceParallelAttention; call apply_sequence_parallel(model) on the whole model"
-        )
+def _checked_arguments(module: nn.Module, sp: SequenceParallelAttention, state: "_State", query: torch.Tensor,
+                       key: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
+                       kwargs: dict) -> tuple[int, torch.Tensor | None]:
+    """``(seq_len, cu_seqlens)`` of this call; raises what the exact backends cannot do."""
     _reject_unsupported(module, dropout, kwargs)
     if key.size(2) != query.size(2):
         raise NotImplementedError(
@@ -260,6 +240,37 @@ def sequence_parallel_attention(
             "tokens and is not supported by the exact backends; use sequences (documents) of at most that length, "
             "or set config.sliding_window = None (and use_sliding_window = False) to attend over the whole sequence"
         )
+    return seq_len, cu_seqlens
+
+
+def sequence_parallel_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The function registered as ``AttentionInterface["lightning_sp"]``.
+
+    ``query [B, H, S_local, D]``, ``key, value [B, H_kv, S_local, D]`` (HF's layout) ->
+    ``(out [B, S_local, H, D], None)``. Causality as HF's ``sdpa`` decides it: ``is_causal`` if given,
+    else the layer's ``is_causal``.
+    """
+    sp = getattr(module, "sp_attention", None)
+    state: _State | None = getattr(module, _STATE_ATTR, None)
+    if not isinstance(sp, SequenceParallelAttention) or state is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} but apply_sequence_parallel "
+            "did not give it a SequenceParallelAttention; call apply_sequence_parallel(model) on the whole model"
+        )
+    try:  # a rejection on one rank must not leave its peers waiting in their attention's collectives
+        seq_len, cu_seqlens = _checked_arguments(module, sp, state, query, key, attention_mask, dropout, kwargs)
+    except (ValueError, NotImplementedError) as err:
+        sp.raise_on_every_rank(err, query)
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):  # as autocast runs HF's sdpa: q, k, v in the autocast dtype
         dtype = torch.get_autocast_dtype(device_type)  # (rotary often leaves q, k in float32 and v in bf16)
