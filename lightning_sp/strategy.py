@@ -120,6 +120,11 @@ class SequenceParallelStrategy(DDPStrategy):
             every rank writes only the chunks it holds, resumable under other tp / sp / dp degrees and
             DDP <-> FSDP (``lightning_sp.checkpoint``). ``None``: on with FSDP or tensor parallelism,
             otherwise Lightning's single file. Sharded directories are always recognised when loading.
+        memory_budget: bytes one attention fwd+bwd may peak at per rank; attention modules with
+            ``kv_pieces="auto"`` (the default) split K/V into the fewest pieces that fit it (whole blocks
+            when ``None`` on CPU; a share of the free memory on CUDA). See ``SequenceParallelContext``.
+        auto_policy: ``backend="auto"``: ``"measure"`` (time the candidates once per shape on this machine,
+            cached) or ``"model"`` (the cost model); ``None``: see ``SequenceParallelContext.auto_policy``.
         **kwargs: passed to ``DDPStrategy`` (``start_method``, ``process_group_backend``,
             ``find_unused_parameters``, ...).
     """
@@ -145,6 +150,8 @@ class SequenceParallelStrategy(DDPStrategy):
         process_group_timeout: float | timedelta = timedelta(minutes=30),
         tensor_parallel_size: int = 1,
         distributed_checkpoint: bool | None = None,
+        memory_budget: int | None = None,
+        auto_policy: str | None = None,
         **kwargs: Any,
     ) -> None:
         if "timeout" in kwargs:
@@ -191,6 +198,8 @@ class SequenceParallelStrategy(DDPStrategy):
         self.ignore_index = ignore_index
         self.pad_value = pad_value
         self._kernel = kernel
+        self._memory_budget = memory_budget
+        self._auto_policy = auto_policy
         self._fsdp_shard_modules = tuple(fsdp_shard_modules)
         self.checkpoint_attention = checkpoint_attention
         self.shuffle = shuffle
@@ -362,10 +371,12 @@ class SequenceParallelStrategy(DDPStrategy):
             ring_group=mesh.group(MeshAxis.RING) if usp else None,
             kernel=self._kernel,
             ranks_per_node=self._ranks_per_node(),
+            memory_budget=self._memory_budget,
+            auto_policy=self._auto_policy,
         )
         backend = self._backend
         if backend == "auto":
-            backend = (f"auto (chosen at the first attention call by the cost model from the shapes, sp={dims.sp} "
+            backend = (f"auto (chosen at the first attention call from the shapes, sp={dims.sp} "
                        f"and {self._ranks_per_node()} ranks per node, among ulysses, zigzag_ring, allgather_kv "
                        f"and usp on the zigzag layout)")
         rank_zero_info(
