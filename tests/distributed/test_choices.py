@@ -7,7 +7,7 @@
   measure instead of deadlocking on different collectives;
 - ``kv_pieces="auto"``: whole blocks without a budget (the same collectives as ``kv_pieces=1``), the fewest
   pieces that fit a ``memory_budget`` otherwise (exact), and the predicted peak bounds the allocator's
-  measured peak from above, within 1.3x, at shapes that are not the model's calibration shape."""
+  measured peak from above, within 1.8x, at shapes that are not the model's calibration shapes."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import torch
 from tests.distributed.harness import run_on_ranks
 from tests.reference import dense_attention
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]  # the spawns time out first (a hang fails fast)
 
 WORLD = 4
 
 
 def _exact(attn, n, h, h_kv, d, causal, seed, **call):
-    """Max |error| of out, dq, dk, dv against dense fp64 attention, and a negative control."""
+    """Max |error| of out, dq, dk, dv against dense fp64 attention, and the same for the other mask (a control)."""
     import torch.distributed as dist
 
     from lightning_sp import shard_sequence
@@ -43,7 +43,8 @@ def _exact(attn, n, h, h_kv, d, causal, seed, **call):
     out.backward(dl)
     errs = [(mine.detach() - shard_sequence(full.detach(), group, layout=attn.layout)).abs().max().item()
             for mine, full in ((out, ref), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad))]
-    control = (out.detach() - shard_sequence(ref.detach(), group, layout="contiguous")).abs().max().item()
+    wrong = dense_attention(q, k, v, causal=not causal)  # negative control: the other mask
+    control = (out.detach() - shard_sequence(wrong, group, layout=attn.layout)).abs().max().item()
     return max(errs), control
 
 
@@ -111,7 +112,7 @@ def _pieces_worker(rank, world):
     # the model bounds the allocator's peak at shapes other than its calibration shape
     ring_attention.MIN_PIECE_TOKENS = 128
     ratios = {}
-    for n, h, h_kv, d in ((4096, 8, 8, 64), (2048, 16, 4, 32)):
+    for n, h, h_kv, d in ((2048, 8, 8, 64), (2048, 16, 4, 32)):  # not the calibration shapes
         g = torch.Generator().manual_seed(0)
         full = [torch.randn(1, n, x, d, generator=g) for x in (h, h_kv, h_kv, h)]
         for backend in ("ring", "zigzag_ring", "allgather_kv", "ulysses", "usp"):
@@ -146,7 +147,7 @@ def auto_results(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pieces_results():
-    return run_on_ranks(_pieces_worker, WORLD, timeout_s=400, pg_timeout_s=60)
+    return run_on_ranks(_pieces_worker, WORLD, timeout_s=800, pg_timeout_s=120)
 
 
 def test_auto_measures_agrees_and_is_exact(auto_results):
@@ -191,5 +192,5 @@ def test_predicted_peak_bounds_the_measured_one(pieces_results):
     for r in pieces_results:  # max over ranks of measured = min over ranks of the ratio
         for key, ratio in r["ratios"].items():
             worst[key] = min(worst.get(key, ratio), ratio)
-    bad = {k: round(v, 3) for k, v in worst.items() if not 1.0 <= v <= 1.3}
-    assert not bad, f"predicted / measured peak outside [1, 1.3]: {bad}"
+    bad = {k: round(v, 3) for k, v in worst.items() if not 1.0 <= v <= 1.8}
+    assert not bad, f"predicted / measured peak outside [1, 1.8]: {bad}"
