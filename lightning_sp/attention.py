@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_sp import choices
 from lightning_sp.comm.agree import describe_disagreement, gather_rows, global_ranks, stable_hash
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.context import SequenceParallelContext
@@ -29,10 +30,11 @@ from lightning_sp.ops.kernels import KERNELS, make_kernel
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_PIECES = 8
-"""``SequenceParallelAttention(kv_pieces=)`` default: at P = 4 the peak per rank of every backend but
-colossal drops below 0.35 of one process's (allgather_kv's gathered K/V aside; benchmarks/README.md,
-section 4)."""
+DEFAULT_KV_PIECES = "auto"
+"""``SequenceParallelAttention(kv_pieces=)`` default: whole K/V blocks unless a memory budget binds, then the
+fewest pieces that fit (Note [kv_pieces from a memory budget] in ``lightning_sp/choices.py``). ``kv_pieces=8``
+gives the lowest peak measured (at P = 4, <= 0.35 of one process's for every backend but colossal;
+benchmarks/README.md, section 4)."""
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
@@ -199,7 +201,11 @@ class SequenceParallelAttention(nn.Module):
             with whole blocks double-buffered (more memory, fewer kernel calls). ``ulysses`` and
             ``usp``: the all-to-alls and the attention run on up to this many groups of heads (the
             largest divisor of the K/V heads per rank that fits; Note [Heads in groups] in
-            ``ops/backends.py``), so the backward holds one group's temporaries at a time.
+            ``ops/backends.py``), so the backward holds one group's temporaries at a time. ``"auto"``
+            (default): whole blocks unless ``memory_budget`` (or the context's, or on CUDA a share of the
+            free memory) binds, then the fewest pieces that fit (Note [kv_pieces from a memory budget]).
+        memory_budget: bytes one attention fwd+bwd may peak at per rank (its inputs included), for
+            ``kv_pieces="auto"``; ``None``: the context's ``memory_budget``.
     """
 
     def __init__(
@@ -214,7 +220,8 @@ class SequenceParallelAttention(nn.Module):
         dropout_p: float = 0.0,
         window_size: tuple[int, int] | None = None,
         validate_inputs: bool | str = True,
-        kv_pieces: int = DEFAULT_KV_PIECES,
+        kv_pieces: int | str = DEFAULT_KV_PIECES,
+        memory_budget: int | None = None,
     ):
         super().__init__()
         if dropout_p:
@@ -234,11 +241,15 @@ class SequenceParallelAttention(nn.Module):
             raise ValueError(f"validate_inputs must be True, False or 'always', got {validate_inputs!r}")
         if ulysses_degree is not None and ulysses_degree < 1:
             raise ValueError(f"ulysses_degree must be >= 1, got {ulysses_degree}")
-        if isinstance(kv_pieces, bool) or not isinstance(kv_pieces, int) or kv_pieces < 1:
+        if kv_pieces != "auto" and (isinstance(kv_pieces, bool) or not isinstance(kv_pieces, int) or kv_pieces < 1):
             raise ValueError(
-                f"kv_pieces must be an int >= 1 (1: whole K/V blocks around the ring), got {kv_pieces!r}"
+                f"kv_pieces must be an int >= 1 (1: whole K/V blocks around the ring) or 'auto', got {kv_pieces!r}"
             )
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+                                          or memory_budget <= 0):
+            raise ValueError(f"memory_budget must be a positive int (bytes per rank) or None, got {memory_budget!r}")
         self.kv_pieces = kv_pieces
+        self.memory_budget = memory_budget
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.backend = backend
@@ -391,19 +402,15 @@ class SequenceParallelAttention(nn.Module):
             error = _bounds_error(bounds, seq_len)
         scale = _resolve_scale(softmax_scale, self.softmax_scale, q.size(-1) if q.dim() else 1)
         layout = self.layout
-        chosen, auto_u = backend, None
-        if backend == "auto" and error is None:  # a pure function of the shapes and the hardware profile,
-            try:  # compared across ranks below (a rank with another profile would choose otherwise)
-                chosen, auto_u = self._resolve_auto(q, k, seq_len, world)
-            except ValueError as e:
-                error = (9, f"backend='auto' could not choose a backend: {e}")
         if self.validate_inputs:
-            signature = _signature(q, k, error, self.causal, backend, chosen, auto_u, layout, bounds, seq_len, scale,
-                                   self.kv_pieces)
+            signature = _signature(q, k, error, self.causal, backend, self._decision_inputs(backend), layout, bounds,
+                                   seq_len, scale, self.kv_pieces)
             _check_across_ranks(signature, error, group, q)
         elif error is not None:
             raise ValueError(error[1])
-        backend = chosen
+        auto_u = None
+        if backend == "auto":  # after the check: measuring the candidates runs collectives on agreed shapes
+            backend, auto_u = self._resolve_auto(q, k, v, cu_seqlens, seq_len, world, scale, layout)
         if backend in ("ulysses", "usp"):  # heads the all-to-all cannot split: say so before anything else
             u = world if backend == "ulysses" else (auto_u or layout.ulysses_degree)
             backends.kv_head_replication(q.size(2), k.size(2), u)
@@ -421,11 +428,18 @@ class SequenceParallelAttention(nn.Module):
                 f"{padded_length(seq_len, world, layout)} positions, but the shards hold {q.size(1)} x {world} = "
                 f"{padded_len}. Pass the global length of the sequence these shards came from"
             )
-        doc_bounds = _doc_bounds(bounds, seq_len, padded_len)
-        call = backends.AttentionCall(
+        call = self._attention_call(q, k, backend, world, scale, layout, bounds, seq_len, ctx.comm, auto_u)
+        return self._dispatch(backend, auto_u, q, k, v, call, group, world)
+
+    def _attention_call(self, q, k, backend, world, scale, layout, bounds, seq_len, stats, auto_u):
+        padded_len = q.size(1) * world
+        return backends.AttentionCall(
             kernel=self._make_kernel(q), scale=scale, causal=self.causal, layout=layout,
-            padded_len=padded_len, doc_bounds=doc_bounds, stats=ctx.comm, kv_pieces=self.kv_pieces,
+            padded_len=padded_len, doc_bounds=_doc_bounds(bounds, seq_len, padded_len), stats=stats,
+            kv_pieces=self._kv_pieces(backend, q, k, world, auto_u),
         )
+
+    def _dispatch(self, backend, auto_u, q, k, v, call, group, world) -> torch.Tensor:
         with torch.autocast(q.device.type, enabled=False):
             if backend == "ulysses":
                 return backends.ulysses_attention(q, k, v, call, group=group)
@@ -440,6 +454,45 @@ class SequenceParallelAttention(nn.Module):
                 return backends.usp_attention(q, k, v, call, ulysses_group=ug, ring_group=rg)
         raise AssertionError(f"unhandled backend {backend}")  # BACKENDS is checked in __init__/bind
 
+    def _decision_inputs(self, backend: str) -> int:
+        """A hash of what ``backend="auto"`` and ``kv_pieces="auto"`` decide from beyond the shapes, compared
+        across ranks before they decide: the decisions are then the same on every rank (a measured ``auto``
+        agrees by construction; the model's choice and the pieces are functions of these and the shapes)."""
+        ctx = self.context
+        auto = (choices.auto_policy(ctx.auto_policy, ctx.hardware), repr(ctx.hardware), ctx.ranks_per_node) \
+            if backend == "auto" else None
+        budget = (self.memory_budget if self.memory_budget is not None else ctx.memory_budget) \
+            if self.kv_pieces == "auto" else None
+        return 0 if auto is None and budget is None else stable_hash(auto, budget)
+
+    def _kv_pieces(self, backend, q, k, world, auto_u) -> int:
+        """``kv_pieces`` as given, or for ``"auto"`` the fewest pieces whose predicted peak fits the memory
+        budget (Note [kv_pieces from a memory budget]); decided once per shape, the same on every rank."""
+        if self.kv_pieces != "auto":
+            return self.kv_pieces
+        ctx = self.context
+        budget = self.memory_budget if self.memory_budget is not None else ctx.memory_budget
+        if budget is None and q.device.type != "cuda":
+            return 1
+        key = (backend, auto_u, tuple(q.shape), tuple(k.shape), q.dtype, world, budget)
+        pieces = ctx.kv_pieces_choices.get(key)
+        if pieces is None:
+            if budget is None:  # every rank on CUDA takes this branch: the minimum over the ranks
+                free = int(torch.cuda.mem_get_info(q.device)[0] * choices.CUDA_FREE_MEMORY_SHARE)
+                budget = choices.agreed_min(free, self.process_group, q.device)
+            pieces, peak = choices.fewest_pieces_that_fit(
+                lambda p: choices.predicted_peak_bytes(
+                    backend, batch=q.size(0), shard_len=q.size(1), num_heads=q.size(2), num_kv_heads=k.size(2),
+                    head_dim=q.size(3), element_size=q.element_size(), world=world, pieces=p,
+                    ulysses_degree=auto_u or (self._ulysses_degree(world) if backend == "usp" else None)),
+                budget)
+            log.info("lightning_sp: kv_pieces='auto' runs %s with %d piece(s): predicted peak %.3g MiB per rank, "
+                     "budget %.3g MiB", backend, pieces, peak / 2**20, budget / 2**20)
+            if len(ctx.kv_pieces_choices) > 64:
+                ctx.kv_pieces_choices.clear()
+            ctx.kv_pieces_choices[key] = pieces
+        return pieces
+
     def _global_seq_len(self, seq_len, q, k, v) -> int | None:
         """Explicit ``seq_len``, else the length recorded on the shards, else the context's."""
         if seq_len is not None:
@@ -451,14 +504,17 @@ class SequenceParallelAttention(nn.Module):
             return recorded.pop()
         return self.context.global_seq_len
 
-    def _resolve_auto(self, q, k, seq_len, world) -> tuple[str, int | None]:
-        """``(backend, usp degree or None)`` for ``backend="auto"``: the cost model's choice for these
-        shapes (Note [Cost model of one attention layer]), among backends exact on the zigzag layout
-        ``auto`` shards for. Cached per shape on the context (every rank sees the same shapes, so every
-        rank chooses the same); logged whenever it changes."""
+    def _resolve_auto(self, q, k, v, cu_seqlens, seq_len, world, scale, layout) -> tuple[str, int | None]:
+        """``(backend, usp degree or None)`` for ``backend="auto"``, among the backends exact on the zigzag
+        layout ``auto`` shards for: the cost model names the candidates (Note [Cost model of one attention
+        layer]); the fastest is measured on this machine (Note [auto measures its candidates] in
+        ``lightning_sp/choices.py``), or predicted with ``auto_policy="model"``. Decided once per shape
+        bucket, the same on every rank; logged whenever it changes."""
         ctx = self.context
         n = seq_len if seq_len is not None else q.size(1) * world
-        key = (n, q.size(0), q.size(2), k.size(2), q.size(3), q.dtype, self.causal, world)
+        policy = choices.auto_policy(ctx.auto_policy, ctx.hardware)
+        key = (n if policy == "model" else choices.length_bucket(n), q.size(0), q.size(2), k.size(2), q.size(3),
+               q.dtype, self.causal, world, ctx.ranks_per_node, q.device.type, policy)
         choice = ctx.auto_choices.get(key)
         if choice is None:
             choice = auto_choice(
@@ -466,6 +522,8 @@ class SequenceParallelAttention(nn.Module):
                 batch=q.size(0), causal=self.causal, ranks_per_node=ctx.ranks_per_node, hardware=ctx.hardware,
                 usp_allowed=self._usp_groups_available(world), device_type=q.device.type,
             )
+            if policy == "measure":
+                choice = self._measured_choice(choice, key, q, k, v, cu_seqlens, n, world, scale, layout)
             if len(ctx.auto_choices) > 64:  # lengths that change every batch: bound the cache
                 ctx.auto_choices.clear()
             ctx.auto_choices[key] = choice
@@ -474,6 +532,31 @@ class SequenceParallelAttention(nn.Module):
             ctx.resolved_backend = choice.label
             ctx.auto_choice = choice
         return choice.backend, choice.ulysses_degree
+
+    def _measured_choice(self, model_choice, key, q, k, v, cu_seqlens, n, world, scale, layout):
+        """The model's candidates timed on this call's shapes (every rank, same order): the fastest, agreed."""
+        from dataclasses import replace
+
+        group = self.process_group
+        candidates = {p.label: (p.backend, p.ulysses_degree) for p in model_choice.predictions}
+        labels = list(candidates)
+        bounds = self.context.cu_bounds(cu_seqlens) if cu_seqlens is not None else None
+        gen = torch.Generator(device=q.device).manual_seed(0)
+        trial = [torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=gen) for t in (q, k, v, q)]
+
+        def run(label: str) -> None:
+            backend, u = candidates[label]
+            tq, tk, tv = (t.detach().requires_grad_() for t in trial[:3])
+            call = self._attention_call(tq, tk, backend, world, scale, layout, bounds, n, None, u)
+            # identity hooks: a trial inside activation checkpointing must not be packed for recomputation
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                self._dispatch(backend, u, tq, tk, tv, call, group, world).backward(trial[3])
+
+        disk_key = f"{choices.machine_key(q.device)}|{key[:-1]}|kv_pieces={self.kv_pieces}|docs={bounds is not None}"
+        label, measured = choices.agreed_fastest(disk_key, labels, run, group, q.device)
+        backend, u = candidates[label]
+        return replace(model_choice, backend=backend, ulysses_degree=u, measured=measured or {},
+                       source="measured" if measured else "cached measurement", cache_key=disk_key)
 
     def _usp_groups_available(self, world: int) -> bool:
         """Whether ``auto`` may run ``usp``: its Ulysses/ring sub-groups are bound, or can be built here
@@ -537,7 +620,7 @@ def _compiled_local_attention(q, k, v, cu_seqlens, seq_len, scale, causal) -> to
 _LOCAL_ERRORS = ("", "q, k, v are not 4-D [B, S_local, H, D]", "q, k, v dtypes differ", "unsupported dtype",
                  "k and v shapes differ", "q and k differ in batch, sequence or head dim",
                  "num_heads not a multiple of num_kv_heads", "bad cu_seqlens",
-                 "q, k, v sharded from sequences of different lengths", "backend='auto' could not choose",
+                 "q, k, v sharded from sequences of different lengths", "(unused: auto decides after the check)",
                  "rejected by its caller (e.g. the transformers integration) before attention")
 _CALLER_ERROR = 10  # SequenceParallelAttention.raise_on_every_rank
 
@@ -586,24 +669,24 @@ def _doc_bounds(bounds: tuple[int, ...] | None, seq_len: int, padded_len: int) -
     return list(bounds) + ([padded_len] if seq_len < padded_len else [])
 
 
-def _signature(q, k, error, causal, backend, chosen, auto_u, layout, bounds, seq_len, scale, kv_pieces) -> tuple:
+def _signature(q, k, error, causal, backend, decision_inputs, layout, bounds, seq_len, scale, kv_pieces) -> tuple:
     """What every rank of the group must agree on, as numbers (one all-gather compares them)."""
     shape = lambda t: (list(t.shape) + [-1] * 4)[:4] if t.dim() <= 4 else [-2] * 4  # noqa: E731
     return (
         error[0] if error is not None else 0, *shape(q), *shape(k), _DTYPE_CODES.get(q.dtype, 0), int(causal),
-        backends.BACKENDS.index(backend), backends.BACKENDS.index(chosen), auto_u or 0, layout.ulysses_degree,
+        backends.BACKENDS.index(backend), decision_inputs, layout.ulysses_degree,
         -1 if bounds is None else len(bounds), -1 if bounds is None else stable_hash(bounds),
-        -1 if seq_len is None else seq_len, scale, kv_pieces,
+        -1 if seq_len is None else seq_len, scale, 0 if kv_pieces == "auto" else kv_pieces,
     )
 
 
 _SIGNATURE_NAMES = ("error", "B", "S_local", "H", "D", "kB", "kS", "H_kv", "kD", "dtype", "causal", "backend",
-                    "auto's choice", "auto's ulysses_degree", "ulysses_degree", "len(cu_seqlens)", "hash(cu_seqlens)",
-                    "seq_len", "softmax_scale", "kv_pieces")
+                    "hash(auto_policy, hardware, ranks_per_node, memory_budget)", "ulysses_degree", "len(cu_seqlens)",
+                    "hash(cu_seqlens)", "seq_len", "softmax_scale", "kv_pieces (0: auto)")
 _DTYPE_NAMES = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}
 _SIGNATURE_WORDS = {
     "dtype": lambda c: _DTYPE_NAMES.get(c, "unsupported"),
-    "backend": lambda i: repr(backends.BACKENDS[i]), "auto's choice": lambda i: repr(backends.BACKENDS[i]),
+    "backend": lambda i: repr(backends.BACKENDS[i]),
 }
 
 

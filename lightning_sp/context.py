@@ -49,10 +49,20 @@ class SequenceParallelContext:
     resolved_backend: str | None = field(default=None, compare=False)
     """What ``backend="auto"`` resolved to at the last attention call (``None`` before); ``usp`` as
     ``"usp(ulysses=U)"``."""
+    auto_policy: str | None = None
+    """How ``backend="auto"`` picks among its candidates: ``"measure"`` (time them once per shape bucket on
+    this machine, cached; Note [auto measures its candidates] in ``lightning_sp/choices.py``) or ``"model"``
+    (the cost model's prediction). ``None``: ``$LIGHTNING_SP_AUTO``, else ``"model"`` when ``hardware`` is set,
+    else ``"measure"``."""
+    memory_budget: int | None = None
+    """Bytes one attention fwd+bwd may peak at per rank, for modules with ``kv_pieces="auto"`` and no
+    ``memory_budget`` of their own. ``None``: whole K/V blocks on CPU; a share of the free memory on CUDA."""
     auto_choice: "AutoChoice | None" = field(default=None, compare=False)
     """The cost model's decision behind ``resolved_backend``: candidates, predicted times, exclusions."""
     auto_choices: dict = field(default_factory=dict, repr=False, compare=False)
     """Per-shape cache of ``auto``'s decisions (not configuration)."""
+    kv_pieces_choices: dict = field(default_factory=dict, repr=False, compare=False)
+    """Per-shape cache of ``kv_pieces="auto"``'s decisions (not configuration)."""
 
     # Per-batch cache shared by every module bound to this context (not configuration).
     _cu_cache: tuple | None = field(default=None, repr=False, compare=False)

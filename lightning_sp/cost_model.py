@@ -427,15 +427,27 @@ class AutoChoice:
     excluded: dict[str, str] = field(default_factory=dict)
     """Backend label -> why it was not a candidate."""
     hardware: str = ""
+    measured: dict[str, float] = field(default_factory=dict)
+    """Label -> measured fwd+bwd seconds (max over ranks) when ``auto`` timed its candidates."""
+    source: str = "cost model"
+    """``"cost model"``, ``"measured"`` or ``"cached measurement"``: what decided ``backend``."""
+    cache_key: str = ""
+    """Measured decisions: the key of the per-machine cache (``choices.auto_cache_path()``)."""
 
     @property
     def label(self) -> str:
         return f"usp(ulysses={self.ulysses_degree})" if self.backend == "usp" else self.backend
 
     def summary(self) -> str:
-        """One line: the choice, every candidate's predicted fwd+bwd time, and the exclusions."""
-        preds = "; ".join(f"{p.label} {p.total_s * 1e3:.3g} ms" for p in sorted(self.predictions, key=lambda p: p.total_s))
-        out = f"{self.label} (cost model on {self.hardware}, predicted fwd+bwd per layer: {preds}"
+        """One line: the choice, every candidate's measured (or predicted) fwd+bwd time, and the exclusions."""
+        if self.measured:
+            times = "; ".join(f"{k} {t * 1e3:.3g} ms" for k, t in sorted(self.measured.items(), key=lambda kv: kv[1]))
+            out = f"{self.label} (measured on this machine, fwd+bwd per layer, slowest rank: {times}"
+        elif self.source != "cost model":
+            out = f"{self.label} ({self.source} on this machine, among {', '.join(p.label for p in self.predictions)}"
+        else:
+            preds = "; ".join(f"{p.label} {p.total_s * 1e3:.3g} ms" for p in sorted(self.predictions, key=lambda p: p.total_s))
+            out = f"{self.label} (cost model on {self.hardware}, predicted fwd+bwd per layer: {preds}"
         if self.excluded:
             out += "; not candidates: " + ", ".join(f"{k} ({v})" for k, v in self.excluded.items())
         return out + ")"

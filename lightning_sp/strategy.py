@@ -127,7 +127,13 @@ class SequenceParallelStrategy(DDPStrategy):
         hardware: the cost-model profile ``backend="auto"`` prices the backends with (a
             ``lightning_sp.cost_model`` preset name such as ``"h100-80gb"``, or a calibrated
             ``HardwareProfile``); its ranks per node are replaced by the launch's (``devices``).
-            ``None``: ``cost_model.default_profile`` for the device.
+            ``None``: ``cost_model.default_profile`` for the device. A profile makes ``auto`` choose by the
+            model's prediction unless ``auto_policy="measure"``.
+        memory_budget: bytes one attention fwd+bwd may peak at per rank; attention modules with
+            ``kv_pieces="auto"`` (the default) split K/V into the fewest pieces that fit it (whole blocks
+            when ``None`` on CPU; a share of the free memory on CUDA). See ``SequenceParallelContext``.
+        auto_policy: ``backend="auto"``: ``"measure"`` (time the candidates once per shape on this machine,
+            cached) or ``"model"`` (the cost model); ``None``: see ``SequenceParallelContext.auto_policy``.
         **kwargs: passed to ``DDPStrategy`` (``start_method``, ``process_group_backend``,
             ``find_unused_parameters``, ...).
     """
@@ -154,6 +160,8 @@ class SequenceParallelStrategy(DDPStrategy):
         tensor_parallel_size: int = 1,
         distributed_checkpoint: bool | None = None,
         hardware: "HardwareProfile | str | None" = None,
+        memory_budget: int | None = None,
+        auto_policy: str | None = None,
         **kwargs: Any,
     ) -> None:
         if "timeout" in kwargs:
@@ -206,6 +214,8 @@ class SequenceParallelStrategy(DDPStrategy):
         self.pad_value = pad_value
         self._kernel = kernel
         self._hardware = hardware
+        self._memory_budget = memory_budget
+        self._auto_policy = auto_policy
         self._fsdp_shard_modules = tuple(fsdp_shard_modules)
         self.checkpoint_attention = checkpoint_attention
         self.shuffle = shuffle
@@ -395,10 +405,12 @@ class SequenceParallelStrategy(DDPStrategy):
             kernel=self._kernel,
             ranks_per_node=self._ranks_per_node(),
             hardware=self._hardware,
+            memory_budget=self._memory_budget,
+            auto_policy=self._auto_policy,
         )
         backend = self._backend
         if backend == "auto":
-            backend = (f"auto (chosen at the first attention call by the cost model from the shapes, sp={dims.sp} "
+            backend = (f"auto (chosen at the first attention call from the shapes, sp={dims.sp} "
                        f"and {self._ranks_per_node()} ranks per node, among ulysses, zigzag_ring, allgather_kv "
                        f"and usp on the zigzag layout)")
         rank_zero_info(

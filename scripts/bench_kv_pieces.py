@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""What K/V in pieces costs in time: fwd+bwd of one attention call with ``kv_pieces`` (default 8)
-against whole blocks (``kv_pieces=1``), side by side in one run (Note [K/V in pieces]; for
+"""What K/V in pieces costs in time: fwd+bwd of one attention call with ``kv_pieces=8`` (what a tight
+memory budget asks for) against whole blocks (``kv_pieces=1``), side by side in one run (Note [K/V in pieces]; for
 ``ulysses``, head groups against one group, Note [Heads in groups]).
 
     .venv/bin/python scripts/bench_kv_pieces.py --seq-lens 4096 8192 --reps 7
@@ -22,6 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.common import run_on_ranks  # noqa: E402
 
+PIECES = 8  # the pieces variant timed against whole blocks
+
 
 def _worker(rank: int, world: int, seq_len: int, backends: list[str], reps: int) -> dict:
     import torch
@@ -29,15 +31,13 @@ def _worker(rank: int, world: int, seq_len: int, backends: list[str], reps: int)
 
     from experiments.throughput import time_alternating
     from lightning_sp import SequenceParallelAttention, shard_sequence
-    from lightning_sp.attention import DEFAULT_KV_PIECES
-
     group = dist.group.WORLD
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(1, seq_len, 8, 64, generator=g) for _ in range(4)]  # q, k, v, dout: [1, N, H, D]
     results = {}
     for backend in backends:
         mods = {p: SequenceParallelAttention(causal=True, backend=backend, group=group, kernel="sdpa", kv_pieces=p)
-                for p in (DEFAULT_KV_PIECES, 1)}
+                for p in (PIECES, 1)}
         shards = [shard_sequence(t, group, layout=mods[1].layout) for t in full]  # [1, N/P, H, D] each
 
         def fwd_bwd(mod):
@@ -58,14 +58,13 @@ def main(argv: list[str] | None = None) -> None:
     if a.reps < 1 or any(n % 4 for n in a.seq_lens):
         ap.error("--reps must be >= 1 and every --seq-lens divisible by 4 (2 ranks x 2 zigzag chunks)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from lightning_sp.attention import DEFAULT_KV_PIECES
 
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     for n in a.seq_lens:
         res = run_on_ranks(_worker, 2, (n, a.backends.split(","), a.reps), timeout_s=1200)[0]
         for backend, r in res.items():
-            (pm, pmin), (wm, wmin) = r[DEFAULT_KV_PIECES], r[1]
-            print(f"N={n} P=2 {backend:12s} kv_pieces={DEFAULT_KV_PIECES}: median {pm:.3f} s (min {pmin:.3f}) | "
+            (pm, pmin), (wm, wmin) = r[PIECES], r[1]
+            print(f"N={n} P=2 {backend:12s} kv_pieces={PIECES}: median {pm:.3f} s (min {pmin:.3f}) | "
                   f"kv_pieces=1: median {wm:.3f} s (min {wmin:.3f}) | ratio median {pm / wm:.3f}, min {pmin / wmin:.3f}",
                   flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")

@@ -32,6 +32,7 @@ from experiments.common import add_output_arguments, output_dir, run_metadata, r
 NAME = "comm_volume"
 HEADS = {"mha": (8, 8), "gqa": (8, 2)}  # (H, H_kv)
 HEAD_DIM = 16
+KV_PIECES = 8  # K/V pieces of the ring backends, as in the committed results (the memory-saving setting)
 SP_BACKENDS = ("ulysses", "ring", "zigzag_ring", "allgather_kv", "colossal")
 FORMULAS = {  # the papers' forward formulas, as the README and figure name them (h = H*D, h_kv = H_kv*D)
     "ulysses": "4Nh/P (K/V: H_kv'/H of it)",
@@ -89,7 +90,7 @@ def _attention_case(group, usp_groups, backend, u, n, h, h_kv, seed):
     from lightning_sp import SequenceParallelAttention, shard_sequence
     from lightning_sp.context import SequenceParallelContext
 
-    attn = SequenceParallelAttention(causal=True, backend=backend, ulysses_degree=u)
+    attn = SequenceParallelAttention(causal=True, backend=backend, ulysses_degree=u, kv_pieces=KV_PIECES)
     ug, rg = usp_groups.get(u, (None, None))
     attn.bind(SequenceParallelContext(group=group, backend=backend, ulysses_degree=u, ulysses_group=ug, ring_group=rg))
     g = torch.Generator().manual_seed(seed)
@@ -128,15 +129,14 @@ def _tensor_parallel_case(group, n, h, h_kv, seed):
 
 
 def ring_kv_pieces(backend: str, n: int, p: int, u: int | None) -> int:
-    """Pieces each ring K/V block travels in with the module's default ``kv_pieces`` (Note [K/V in
-    pieces]): the ring block is ``N/P`` tokens (``N/R`` for usp's ring of ``R = P/U``); 1 off the ring."""
-    from lightning_sp.attention import DEFAULT_KV_PIECES
+    """Pieces each ring K/V block travels in with ``kv_pieces=KV_PIECES`` (Note [K/V in pieces]): the ring
+    block is ``N/P`` tokens (``N/R`` for usp's ring of ``R = P/U``); 1 off the ring."""
     from lightning_sp.ops.ring_attention import piece_count
 
     if backend in ("ring", "zigzag_ring"):
-        return piece_count(DEFAULT_KV_PIECES, n // p)
+        return piece_count(KV_PIECES, n // p)
     if backend == "usp" and p // u > 1:
-        return piece_count(DEFAULT_KV_PIECES, n // (p // u))
+        return piece_count(KV_PIECES, n // (p // u))
     return 1
 
 

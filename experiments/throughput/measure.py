@@ -206,6 +206,7 @@ def build_training_step(method: str, *, seq_len: int, shape: ModelShape, group=N
     for m in attns:
         m.bind(ctx)
         m.validate_inputs = False  # the inputs are the same on every rank by construction
+        m.kv_pieces = 8  # as the committed results were measured (then the default)
     comm = [ctx.comm]
     if method == MEGATRON_SP:
         from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel
@@ -256,7 +257,8 @@ def _attention_call(backend: str, *, seq_len: int, heads: int, head_dim: int, ca
         q, k, v, dout = (t[:, rank * s: (rank + 1) * s].clone() for t in (q, k, v, dout))  # [1, N/P, H, D]
         seq = None
     else:
-        attn = SequenceParallelAttention(causal=causal, backend=backend, group=group, kernel=kernel, validate_inputs=False)
+        attn = SequenceParallelAttention(causal=causal, backend=backend, group=group, kernel=kernel, validate_inputs=False,
+                                         kv_pieces=8)  # as the committed results were measured (then the default)
         q, k, v, dout = (shard_sequence(t, group, layout=attn.layout).clone() for t in (q, k, v, dout))
         seq = seq_len
     q, k, v = (t.requires_grad_() for t in (q, k, v))

@@ -1,0 +1,67 @@
+"""``lightning_sp/choices.py`` without a process group: the rules behind ``kv_pieces="auto"`` and the policy
+of ``backend="auto"``; argument errors name what to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_sp import SequenceParallelAttention, choices
+
+
+def test_no_budget_is_whole_blocks_and_a_budget_the_fewest_pieces_that_fit():
+    peak = {1: 900, 2: 600, 4: 450, 8: 380, 16: 340}.__getitem__
+    assert choices.fewest_pieces_that_fit(peak, None) == (1, 900)
+    assert choices.fewest_pieces_that_fit(peak, 10_000) == (1, 900)
+    assert choices.fewest_pieces_that_fit(peak, 600) == (2, 600)
+    assert choices.fewest_pieces_that_fit(peak, 400) == (8, 380)
+
+
+def test_a_budget_nothing_fits_runs_the_most_pieces_and_warns(caplog):
+    peak = {1: 900, 2: 600, 4: 450, 8: 380, 16: 340}.__getitem__
+    with caplog.at_level("WARNING", logger="lightning_sp.choices"):
+        assert choices.fewest_pieces_that_fit(peak, 100) == (16, 340)
+    assert "memory budget" in caplog.text and "sequence-parallel degree" in caplog.text
+
+
+def test_predicted_peak_falls_with_pieces_and_grows_with_the_shard():
+    kw = dict(batch=1, num_heads=8, num_kv_heads=2, head_dim=64, element_size=2, world=4)
+    for backend in ("ring", "zigzag_ring", "allgather_kv", "ulysses", "usp"):
+        by_pieces = [choices.predicted_peak_bytes(backend, shard_len=4096, pieces=p, **kw) for p in choices.PIECE_CHOICES]
+        assert by_pieces == sorted(by_pieces, reverse=True), (backend, by_pieces)
+        assert choices.predicted_peak_bytes(backend, shard_len=8192, pieces=1, **kw) > by_pieces[0]
+
+
+def test_length_bucket_is_the_next_power_of_two():
+    assert [choices.length_bucket(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
+
+
+def test_auto_policy(monkeypatch):
+    monkeypatch.delenv("LIGHTNING_SP_AUTO", raising=False)
+    assert choices.auto_policy(None, None) == "measure"
+    assert choices.auto_policy(None, "cpu-default") == "model"  # a profile given: the user wants the model
+    assert choices.auto_policy("measure", "cpu-default") == "measure"
+    monkeypatch.setenv("LIGHTNING_SP_AUTO", "model")
+    assert choices.auto_policy(None, None) == "model"
+    with pytest.raises(ValueError, match="auto_policy must be 'measure' or 'model'"):
+        choices.auto_policy("fastest", None)
+
+
+def test_cache_path_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("LIGHTNING_SP_CACHE_DIR", str(tmp_path))
+    assert choices.auto_cache_path() == tmp_path / "auto_backend.json"
+    choices._write_cache(choices.auto_cache_path(), "k", "ulysses")
+    choices._write_cache(choices.auto_cache_path(), "j", "zigzag_ring")  # merged, not replaced
+    assert choices._read_cache(choices.auto_cache_path()) == {"k": "ulysses", "j": "zigzag_ring"}
+    (tmp_path / "auto_backend.json").write_text("[1, 2")  # damaged: read as empty, never raises
+    assert choices._read_cache(choices.auto_cache_path()) == {}
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"kv_pieces": "many"}, "kv_pieces must be an int >= 1"),
+    ({"kv_pieces": 0}, "kv_pieces must be an int >= 1"),
+    ({"memory_budget": 0}, "memory_budget must be a positive int"),
+    ({"memory_budget": 1.5e9}, "memory_budget must be a positive int"),
+])
+def test_bad_arguments_name_what_to_change(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SequenceParallelAttention(**kw)
