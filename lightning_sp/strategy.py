@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.data import DistributedSampler
@@ -791,21 +791,6 @@ class SequenceParallelStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls,
-                description="Sequence parallelism (ulysses/ring/zigzag/usp) x data parallelism (DDP/FSDP2)",
-            )
-        if "sequence_parallel_spawn" not in strategy_registry:
-            strategy_registry.register(
-                "sequence_parallel_spawn", cls,
-                description="SequenceParallelStrategy with start_method='spawn'", start_method="spawn",
-            )
-
-
-def register_strategy() -> None:
-    """Make ``Trainer(strategy="sequence_parallel")`` work (idempotent)."""
-    SequenceParallelStrategy.register_strategies(StrategyRegistry)
-
-
-register_strategy()
+        # "sequence_parallel" is registered by lightning_sp._registry when Lightning loads (Note [A light
+        # import]); not DDPStrategy's names ("ddp", ...), which this subclass must not take over
+        return None
