@@ -1,5 +1,12 @@
 """``SequenceParallelStrategy``: Lightning training over orthogonal sequence- and data-parallel groups.
 
+The strategy only wires Lightning's lifecycle; the machinery lives in rooms of its own, each usable
+without a Trainer: degrees and groups in ``lightning_sp.mesh``, binding the attention modules in
+``lightning_sp.binding``, batch sharding in ``lightning_sp.batch_sharding``, DDP / FSDP2 in
+``lightning_sp.data_parallel``, tensor-parallel binding, gradient sums and clipping in
+``lightning_sp.tensor_parallel``, checkpoints in ``lightning_sp.checkpoint``, fault messages in
+``lightning_sp.faults``.
+
 Built on Lightning's ``DDPStrategy``, so launching (``popen``/``spawn``, torchrun, SLURM, multi-node),
 precision plugins, checkpoint IO and cluster environments are Lightning's own. On top it
 
@@ -35,7 +42,6 @@ precision plugins, checkpoint IO and cluster environments are Lightning's own. O
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -43,18 +49,21 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
-from lightning_sp.attention import default_ulysses_degree
+from lightning_sp.batch_sharding import DEFAULT_SEQUENCE_KEYS, BatchSharder
+from lightning_sp.binding import auto_backend_message, bind_attention_modules
 from lightning_sp.context import SequenceParallelContext
-from lightning_sp.mesh import ParallelMesh, build_parallel_mesh
+from lightning_sp.data_parallel import DATA_PARALLEL, broadcast_replicas, ddp_process_group, fully_shard_model, is_fsdp_root
+from lightning_sp.faults import append_hint, collective_failure_hint
+from lightning_sp.mesh import ParallelMesh, build_strategy_groups, strategy_dims
 from lightning_sp.ops.backends import BACKENDS
-from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel
+from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel_layers
+from lightning_sp.tensor_parallel.grads import clip_grad_norm_, reduce_replicated_gradients
 from lightning_sp.topology import MeshAxis, ParallelDims
 
 if TYPE_CHECKING:
@@ -63,22 +72,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DATA_PARALLEL = ("ddp", "fsdp")
-DEFAULT_SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "loss_mask", "inputs_embeds")
+__all__ = ["DATA_PARALLEL", "DEFAULT_SEQUENCE_KEYS", "SequenceParallelStrategy"]
 
 
-def _recompute_in_backward(module: nn.Module) -> None:
-    """Make ``module``'s forward non-reentrant-checkpointed (idempotent). The recomputation repeats the
-    module's collectives during backward, in the same order on every rank."""
-    if getattr(module, "_lightning_sp_checkpointed", False):
-        return
-    forward = module.forward
-
-    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = checkpointed_forward
-    module._lightning_sp_checkpointed = True
+def _sharder_attribute(name: str) -> property:
+    """A strategy attribute kept on its ``BatchSharder`` (read and set through the strategy)."""
+    return property(lambda self: getattr(self._sharder, name), lambda self, value: setattr(self._sharder, name, value))
 
 
 class SequenceParallelStrategy(DDPStrategy):
@@ -172,8 +171,6 @@ class SequenceParallelStrategy(DDPStrategy):
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL}")
-        if isinstance(sequence_keys, str):
-            raise ValueError(f"sequence_keys must be a sequence of keys, got the string {sequence_keys!r}; use ({sequence_keys!r},)")
         self._sp_size_arg = sequence_parallel_size
         self._tp_size = tensor_parallel_size
         self._mesh: ParallelMesh | None = None
@@ -185,11 +182,8 @@ class SequenceParallelStrategy(DDPStrategy):
         self._backend = backend
         self._ulysses_degree_arg = ulysses_degree
         self._data_parallel = data_parallel
-        self.sequence_keys = tuple(sequence_keys)
-        self.label_keys = tuple(label_keys)
-        self.position_ids_key = position_ids_key
-        self.ignore_index = ignore_index
-        self.pad_value = pad_value
+        self._sharder = BatchSharder(self, sequence_keys=sequence_keys, label_keys=label_keys,
+                                     position_ids_key=position_ids_key, ignore_index=ignore_index, pad_value=pad_value)
         self._kernel = kernel
         self._fsdp_shard_modules = tuple(fsdp_shard_modules)
         self.checkpoint_attention = checkpoint_attention
@@ -199,8 +193,6 @@ class SequenceParallelStrategy(DDPStrategy):
         self._dp_group: dist.ProcessGroup | None = None
         self._owned_groups: list[dist.ProcessGroup] = []
         self._layout: Any = None
-        self._warned_tuple_positions = False
-        self._padding_reported: set[tuple[int, int]] = set()
         self._announced_auto = False
 
     # ---------------------------------------------------------------------------------- topology
@@ -220,22 +212,9 @@ class SequenceParallelStrategy(DDPStrategy):
         return self.num_processes if self.num_processes else None
 
     def _make_dims(self, world_size: int) -> ParallelDims:
-        sp = max(world_size // self._tp_size, 1) if self._sp_size_arg is None else self._sp_size_arg
-        if self._backend == "usp":
-            u = self._ulysses_degree_arg or default_ulysses_degree(sp, ranks_per_node=self._ranks_per_node())
-        elif self._backend == "ulysses":
-            u = sp
-        else:
-            u = 1
-        try:
-            return ParallelDims(world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u,
-                                tensor_parallel_size=self._tp_size)
-        except ValueError as err:
-            raise ValueError(
-                f"SequenceParallelStrategy(sequence_parallel_size={sp}, backend={self._backend!r}, "
-                f"ulysses_degree={self._ulysses_degree_arg}, tensor_parallel_size={self._tp_size}) on num_nodes={self.num_nodes} x "
-                f"devices={self.num_processes}: {err}"
-            ) from None
+        return strategy_dims(world_size, sequence_parallel_size=self._sp_size_arg, backend=self._backend,
+                             ulysses_degree=self._ulysses_degree_arg, tensor_parallel_size=self._tp_size,
+                             ranks_per_node=self._ranks_per_node(), num_nodes=self.num_nodes, devices=self.num_processes)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -311,6 +290,13 @@ class SequenceParallelStrategy(DDPStrategy):
             raise RuntimeError("SequenceParallelStrategy.layout is known after Trainer setup binds the model")
         return self._layout
 
+    # batch keys: held by the BatchSharder, read and set here as before
+    sequence_keys = _sharder_attribute("sequence_keys")
+    label_keys = _sharder_attribute("label_keys")
+    position_ids_key = _sharder_attribute("position_ids_key")
+    ignore_index = _sharder_attribute("ignore_index")
+    pad_value = _sharder_attribute("pad_value")
+
     @override
     def _configure_launcher(self) -> None:
         # runs at Trainer construction, before any process is launched: fail bad degrees here
@@ -347,76 +333,24 @@ class SequenceParallelStrategy(DDPStrategy):
                 f"num_nodes={self.num_nodes} x devices={self.num_processes}"
             )
         self._dims = dims
-        # one DeviceMesh dp x ring x ulysses x tp (collective: every rank, same order)
-        self._mesh = build_parallel_mesh(dims, self.root_device.type, timeout=self._timeout)
-        self._owned_groups.extend(self._mesh.transient_groups())
-        mesh = self._mesh
-        log.debug("rank %d: mesh %s", dist.get_rank(), mesh.mesh)
-        self._dp_group = mesh.group(MeshAxis.DP)
-        usp = self._backend == "usp"
-        self._context = SequenceParallelContext(
-            group=mesh.group(MeshAxis.SP),
-            backend=self._backend,
-            ulysses_degree=dims.ulysses if usp else None,
-            ulysses_group=mesh.group(MeshAxis.ULYSSES) if usp else None,
-            ring_group=mesh.group(MeshAxis.RING) if usp else None,
-            kernel=self._kernel,
-            ranks_per_node=self._ranks_per_node(),
-        )
-        backend = self._backend
-        if backend == "auto":
-            backend = (f"auto (chosen at the first attention call by the cost model from the shapes, sp={dims.sp} "
-                       f"and {self._ranks_per_node()} ranks per node, among ulysses, zigzag_ring, allgather_kv "
-                       f"and usp on the zigzag layout)")
-        rank_zero_info(
-            f"SequenceParallelStrategy: world={world} dp={dims.dp} sp={dims.sp} (ring={dims.ring} x "
-            f"ulysses={dims.ulysses}) backend={backend} data_parallel={self._data_parallel}"
-        )
-        self._tp_context = TensorParallelContext(
-            group=mesh.group(MeshAxis.TP) if dims.tp > 1 else None, sequence_parallel=True,
-            ulysses_degree=dims.ulysses if self._backend in ("ulysses", "usp") else 1,
-        )
-        if dims.tp > 1:
-            rank_zero_info(f"SequenceParallelStrategy: tensor_parallel_size={dims.tp} (Megatron TP+SP, innermost axis); "
-                           f"mesh dp x ring x ulysses x tp = {' x '.join(map(str, dims.mesh_shape))}")
+        groups = build_strategy_groups(dims, self.root_device.type, backend=self._backend, kernel=self._kernel,
+                                       data_parallel=self._data_parallel, ranks_per_node=self._ranks_per_node(),
+                                       timeout=self._timeout)
+        self._mesh, self._context, self._tp_context, self._dp_group = (
+            groups.mesh, groups.context, groups.tensor_parallel, groups.dp_group)
+        self._owned_groups.extend(groups.mesh.transient_groups())
+        log.debug("rank %d: mesh %s", dist.get_rank(), groups.mesh.mesh)
+        for line in groups.summary:
+            rank_zero_info(line)
 
     def _bind_model(self, module: nn.Module) -> None:
-        from lightning_sp.attention import SequenceParallelAttention, layout_for_backend
-
-        layouts = {}
-        for name, m in module.named_modules():
-            if isinstance(m, SequenceParallelAttention):
-                m.bind(self.context)
-                if m.resolved_backend() != "local":  # local modules attend over whatever they are given
-                    layouts[name] = m.layout
-                if self.checkpoint_attention:
-                    _recompute_in_backward(m)
-        distinct = set(layouts.values())
-        if len(distinct) > 1:
-            raise ValueError(
-                "the model's SequenceParallelAttention modules need different sequence layouts "
-                f"({ {k: str(v) for k, v in layouts.items()} }), but a batch can be sharded only one way: "
-                "build them with backend=None (the strategy's backend) or backends of the same layout"
-            )
+        # attention modules (and the layout batches are sharded with), then tensor-parallel layers
+        layout = bind_attention_modules(module, self.context, backend=self._backend,
+                                        sequence_parallel_size=self.parallel_dims.sp,
+                                        checkpoint_attention=self.checkpoint_attention)
         if self._tp_context is not None and self._tp_context.world > 1:
-            self._bind_tensor_parallel(module)
-        if distinct:
-            self._layout = distinct.pop()
-        else:
-            self._layout = layout_for_backend(
-                self._backend, group_size=self.parallel_dims.sp, ulysses_degree=self.context.ulysses_degree
-            )
-
-    def _bind_tensor_parallel(self, module: nn.Module) -> None:
-        """Split the model's ``TensorParallelModule`` weights over the ``tp`` axis (Note [Megatron tensor +
-        sequence parallelism]); remember which parameters are split (the others are replicated)."""
-        self._tp_sharded = set(bind_tensor_parallel(module, self._tp_context))
-        if not self._tp_sharded:
-            raise ValueError(
-                f"tensor_parallel_size={self._tp_size} but the model has no tensor-parallel layers "
-                "(lightning_sp.tensor_parallel.ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding): "
-                "build it from them (as lightning_sp.models does), or use tensor_parallel_size=1"
-            )
+            self._tp_sharded = bind_tensor_parallel_layers(module, self._tp_context, tensor_parallel_size=self._tp_size)
+        self._layout = layout
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -440,22 +374,8 @@ class SequenceParallelStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if not self._is_fsdp_root():
-            self._broadcast_replicas(self.model)
+            broadcast_replicas(self.model, self._mesh)
         self.setup_precision_plugin()
-
-    def _broadcast_replicas(self, module: nn.Module) -> None:
-        """Copy every parameter and buffer from the first rank of this rank's ``dp x sp`` group."""
-        from torch.distributed.tensor import DTensor
-
-        group = self._mesh.group(MeshAxis.DP_SP)
-        if dist.get_world_size(group) == 1:
-            return
-        src = dist.get_process_group_ranks(group)[0]
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                if isinstance(t, DTensor):
-                    continue  # sharded by FSDP: consistent by construction
-                dist.broadcast(t.data, src=src, group=group)
 
     # ---------------------------------------------------------------------------------- batches
     @override
@@ -469,110 +389,19 @@ class SequenceParallelStrategy(DDPStrategy):
 
     def shard_batch(self, batch: Any) -> Any:
         """Shard every tensor under ``sequence_keys`` along dim 1 (``[B, N, ...] -> [B, N_pad/P, ...]``),
-        set ``context.global_seq_len = N`` and add global ``position_ids`` if requested and absent."""
-        from lightning_sp.layout import sequence_positions, shard_sequence
-
-        group, layout = self.context.group, self.layout
-        sharding = self.parallel_dims.sp > 1
-        if isinstance(batch, Mapping):
-            items = [(k, batch[k]) for k in self.sequence_keys if k in batch and isinstance(batch[k], torch.Tensor)]
-        elif isinstance(batch, (list, tuple)):
-            items = [(k, batch[k]) for k in self.sequence_keys
-                     if isinstance(k, int) and -len(batch) <= k < len(batch) and isinstance(batch[k], torch.Tensor)]
-        else:
-            items = []
-        lengths = {k: t.size(1) for k, t in items if t.dim() >= 2}
-        if not lengths:
-            if sharding:  # every rank would silently train on the whole sequence
-                raise ValueError(self._unsharded_batch_message(batch))
-            return batch
-        if len(set(lengths.values())) > 1:
-            raise ValueError(f"sequence_keys tensors disagree on the sequence length (dim 1): {lengths}")
-        seq_len = next(iter(lengths.values()))
-        if sharding and isinstance(batch, (list, tuple)) and not self._warned_tuple_positions:
-            self._warned_tuple_positions = True
-            rank_zero_warn(
-                f"SequenceParallelStrategy shards the {type(batch).__name__} batch at positions "
-                f"{sorted(lengths)} but cannot add `position_ids` to it. Positions from `arange(S_local)` are "
-                f"wrong under sequence parallelism: use a dict batch (the strategy then adds global "
-                f"`{self.position_ids_key}`), or lightning_sp.sequence_positions(N, strategy.sp_group, "
-                f"layout=strategy.layout)."
-            )
-        sharded = {}
-        for k, t in items:
-            if t.dim() < 2:
-                continue
-            pad = self.ignore_index if k in self.label_keys else self.pad_value
-            sharded[k] = shard_sequence(t, group, dim=1, layout=layout, pad_value=pad)
-        if isinstance(batch, Mapping):
-            key = self.position_ids_key
-            if key is not None and key in self.sequence_keys and key not in batch:
-                ref = next(iter(sharded.values()))
-                # [S_local] global positions; padding (>= N) clamped so embedding lookups stay in range
-                pos = sequence_positions(seq_len, group, layout=layout, device=ref.device).clamp_(max=seq_len - 1)
-                sharded[key] = pos.unsqueeze(0).expand(ref.size(0), -1)  # [B, S_local]
-            out: Any = dict(batch)
-            out.update(sharded)
-            if not isinstance(batch, dict):
-                try:
-                    out = type(batch)(out)
-                except TypeError:
-                    pass
-        else:
-            as_list = list(batch)
-            for k, t in sharded.items():
-                as_list[k] = t
-            out = type(batch)(as_list) if not hasattr(batch, "_fields") else type(batch)(*as_list)
-        self.context.global_seq_len = seq_len
-        self._report_padding(seq_len)
-        return out
-
-    def _unsharded_batch_message(self, batch: Any) -> str:
-        found = (f"keys {sorted(map(str, batch.keys()))}" if isinstance(batch, Mapping)
-                 else f"{len(batch)} positions" if isinstance(batch, (list, tuple)) else f"a {type(batch).__name__}")
-        return (
-            f"SequenceParallelStrategy(sequence_parallel_size={self.parallel_dims.sp}) found no sequence tensor "
-            f"([B, N, ...]) in the batch ({found}) under sequence_keys={self.sequence_keys}: without sharding, "
-            f"every rank would train on the whole sequence. Return a dict batch with one of those keys, pass "
-            f"sequence_keys=<your keys> (for a tuple batch, positions such as (0, 1)), or use "
-            f"sequence_parallel_size=1."
-        )
-
-    def _report_padding(self, seq_len: int) -> None:
-        from lightning_sp.layout import padded_length
-
-        padded = padded_length(seq_len, self.parallel_dims.sp, self.layout)
-        if padded == seq_len or (seq_len, padded) in self._padding_reported:
-            return
-        first = not self._padding_reported
-        self._padding_reported.add((seq_len, padded))
-        message = (f"SequenceParallelStrategy: sequences of {seq_len} tokens are padded to {padded} (+{padded - seq_len}) "
-                   f"for an even {self.layout} split over sp={self.parallel_dims.sp} ranks; padded positions are never "
-                   f"attended and labels there are ignore_index={self.ignore_index}")
-        if first:
-            rank_zero_info(message + " (other lengths: logged at debug level)")
-        else:
-            log.debug(message)
+        set ``context.global_seq_len = N`` and add global ``position_ids`` if requested and absent
+        (``lightning_sp.batch_sharding``)."""
+        return self._sharder.shard_batch(batch)
 
     # ---------------------------------------------------------------------------------- model wrapping
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         # DDP / FSDP2 over dp x sp (the world when tp = 1): see Note [Gradient reduction over dp x sp]
-        if self._data_parallel == "ddp":
-            if self.parallel_dims.tp > 1:  # tp ranks hold different shards: never average across them
-                if self._ddp_kwargs.get("process_group") is not None:  # LightningCLI passes None explicitly
-                    raise ValueError("SequenceParallelStrategy builds DDP's process group (dp x sp) itself; "
-                                     "do not pass process_group=")
-                self._ddp_kwargs["process_group"] = self._mesh.group(MeshAxis.DP_SP)
-            return super()._setup_model(model)
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self._mesh.dp_sp  # flattened dp x sp mesh, in global rank order
-        for m in model.modules():
-            if m is not model and isinstance(m, self._fsdp_shard_modules):
-                fully_shard(m, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
+        if self._data_parallel == "fsdp":
+            return fully_shard_model(model, self._mesh, self._fsdp_shard_modules)
+        if self.parallel_dims.tp > 1:
+            ddp_process_group(self._ddp_kwargs, self._mesh)
+        return super()._setup_model(model)
 
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
         # an FSDP2 root only unshards in its forward hooks: route the step through __call__
@@ -590,12 +419,10 @@ class SequenceParallelStrategy(DDPStrategy):
 
     def _announce_auto_backend(self) -> None:
         """Say once what ``backend="auto"`` resolved to (known after the first attention call)."""
-        if self._announced_auto or self._context is None or self._context.resolved_backend is None:
-            return
-        self._announced_auto = True
-        choice = self._context.auto_choice
-        rank_zero_info(f"SequenceParallelStrategy: backend='auto' runs "
-                       f"{choice.summary() if choice is not None else self._context.resolved_backend}")
+        message = None if self._announced_auto else auto_backend_message(self._context)
+        if message is not None:
+            self._announced_auto = True
+            rank_zero_info(message)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -619,24 +446,18 @@ class SequenceParallelStrategy(DDPStrategy):
     def reduce_tensor_parallel_gradients(self) -> None:
         """Sum replicated parameters' partial gradients over ``tp`` (``tensor_parallel.grads``); runs once
         per optimizer step. (Manual optimization: call it before ``optimizer.step()``.)"""
-        from lightning_sp.tensor_parallel.grads import reduce_replicated_gradients
-
         reduce_replicated_gradients(self.lightning_module, self._tp_sharded, self._tp_context.group,
                                     self._tp_context.comm)
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, clip_val: float) -> torch.Tensor:
         """Clip by the norm of the whole (tp-split, FSDP-sharded) model, as one process would."""
-        from lightning_sp.tensor_parallel.grads import clip_grad_norm_
-
         params = [p for g in optimizer.param_groups for p in g["params"]]
         shard_group = self._mesh.group(MeshAxis.DP_SP) if self._is_fsdp_root() else None
         return clip_grad_norm_(self.lightning_module, params, clip_val, sharded=self._tp_sharded,
                                tp_group=self._tp_context.group, shard_group=shard_group)
 
     def _is_fsdp_root(self) -> bool:
-        from torch.distributed.fsdp import FSDPModule
-
-        return isinstance(self.model, FSDPModule)
+        return is_fsdp_root(self.model)
 
     @contextmanager
     @override
@@ -758,19 +579,10 @@ class SequenceParallelStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        text = str(exception)
-        if re.search(r"timed? ?out|timeout|Connection closed|Connection reset|peer", text, re.IGNORECASE):
-            hint = (
-                f"\n[lightning_sp] rank {self.global_rank} (dp rank {self.parallel_dims.dp_rank(self.global_rank)}, "
-                f"sp rank {self.parallel_dims.sp_rank(self.global_rank)}) failed in a collective: another rank died or "
-                f"stalled, or ranks issued collectives in different orders. process_group_timeout="
-                f"{self._timeout.total_seconds():.0f}s, global step {self._global_step_or_none()}. Resume from the "
-                f"last saved checkpoint with `trainer.fit(..., ckpt_path=...)`."
-            )
-            try:
-                exception.args = (f"{exception.args[0] if exception.args else ''}{hint}",) + tuple(exception.args[1:])
-            except Exception:  # noqa: BLE001 - never mask the original error
-                pass
+        hint = collective_failure_hint(exception, rank=self.global_rank, dims=self.parallel_dims,
+                                       timeout=self._timeout, global_step=self._global_step_or_none())
+        if hint is not None:
+            append_hint(exception, hint)
 
     @override
     def teardown(self) -> None:
