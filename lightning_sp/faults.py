@@ -1,4 +1,5 @@
-"""Fault messages: what a rank says when a collective fails (``SequenceParallelStrategy.on_exception``)."""
+"""Faults: the process-group timeout that turns a dead or stalled rank into an error, and what a rank
+says when a collective fails (``SequenceParallelStrategy.on_exception``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,18 @@ from datetime import timedelta
 from lightning_sp.topology import ParallelDims
 
 _COLLECTIVE_FAILURE = re.compile(r"timed? ?out|timeout|Connection closed|Connection reset|peer", re.IGNORECASE)
+
+
+def as_process_group_timeout(value: float | timedelta, strategy_kwargs: dict) -> timedelta:
+    """``process_group_timeout`` (seconds or ``timedelta``) as a positive ``timedelta``; rejects
+    ``timeout=`` among the strategy's other keyword arguments (it has its own name here)."""
+    if "timeout" in strategy_kwargs:
+        raise ValueError("pass `process_group_timeout=` instead of `timeout=` to SequenceParallelStrategy")
+    if not isinstance(value, timedelta):
+        value = timedelta(seconds=float(value))
+    if value.total_seconds() <= 0:
+        raise ValueError(f"process_group_timeout must be positive, got {value}")
+    return value
 
 
 def collective_failure_hint(exception: BaseException, *, rank: int, dims: ParallelDims, timeout: timedelta,

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_sp.attention import default_ulysses_degree
 from lightning_sp.context import SequenceParallelContext
+from lightning_sp.ops.backends import BACKENDS
 from lightning_sp.tensor_parallel import TensorParallelContext
 from lightning_sp.topology import MeshAxis, ParallelDims
 
@@ -99,6 +100,27 @@ def build_parallel_mesh(dims: ParallelDims, device_type: str, *, timeout: timede
 
 
 # ------------------------------------------------------------------------- the strategy's degrees and groups
+def check_strategy_degrees(sequence_parallel_size: int | None, *, backend: str, ulysses_degree: int | None,
+                           tensor_parallel_size: int) -> None:
+    """``SequenceParallelStrategy``'s eager checks of its degrees and backend (before any device is known)."""
+    if sequence_parallel_size is not None and (
+        not isinstance(sequence_parallel_size, int) or isinstance(sequence_parallel_size, bool) or sequence_parallel_size < 1
+    ):
+        raise ValueError(f"sequence_parallel_size must be a positive integer or None (all ranks), got {sequence_parallel_size!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if ulysses_degree is not None and backend != "usp":
+        raise ValueError(
+            f"ulysses_degree={ulysses_degree} only applies to backend='usp' (got backend={backend!r}); "
+            f"use backend='usp' for a ring x ulysses split, or drop ulysses_degree"
+        )
+    if ulysses_degree is not None and sequence_parallel_size is not None:
+        ParallelDims(world_size=sequence_parallel_size, sequence_parallel_size=sequence_parallel_size,
+                     ulysses_degree=ulysses_degree)  # eager check: ulysses_degree divides sp
+    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+
+
 def strategy_dims(world_size: int, *, sequence_parallel_size: int | None, backend: str, ulysses_degree: int | None,
                   tensor_parallel_size: int, ranks_per_node: int | None, num_nodes: int, devices: int) -> ParallelDims:
     """``SequenceParallelStrategy``'s degrees on ``world_size`` ranks: ``sp`` defaults to every rank a
@@ -168,3 +190,14 @@ def build_strategy_groups(dims: ParallelDims, device_type: str, *, backend: str,
                        f"mesh dp x ring x ulysses x tp = {' x '.join(map(str, dims.mesh_shape))}")
     return StrategyGroups(mesh=mesh, context=context, tensor_parallel=tensor_parallel,
                           dp_group=mesh.group(MeshAxis.DP), summary=summary)
+
+
+def destroy_groups(groups: list[dist.ProcessGroup]) -> None:
+    """Destroy the groups this rank created (best effort: the world group may already be gone)."""
+    if not dist.is_initialized():
+        return
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - best effort; the world group may already be gone
+            pass

@@ -8,35 +8,12 @@ without a Trainer: degrees and groups in ``lightning_sp.mesh``, binding the atte
 ``lightning_sp.faults``.
 
 Built on Lightning's ``DDPStrategy``, so launching (``popen``/``spawn``, torchrun, SLURM, multi-node),
-precision plugins, checkpoint IO and cluster environments are Lightning's own. On top it
-
-- lays the world out as a ``(dp, sp)`` mesh, ``sp = ring x ulysses`` (``lightning_sp.topology``),
-  creates the groups on every rank and binds every ``SequenceParallelAttention`` of the model to a
-  ``SequenceParallelContext`` (no globals);
-- gives the ``DistributedSampler`` the data-parallel axis only, so every rank of an sp group reads
-  the same sample, then shards each tensor under ``sequence_keys`` along dim 1 with the backend's
-  layout (``batch_to_device``), padding lengths that do not divide (labels with ``ignore_index``),
-  setting ``context.global_seq_len`` so padded keys are never attended, and supplying global
-  ``position_ids`` when the key is requested but absent (right under the zigzag layout too);
-- with ``tensor_parallel_size=t``, adds the innermost ``tp`` axis (Megatron TP+SP, ``lightning_sp.
-  tensor_parallel``): one ``DeviceMesh`` ``dp x ring x ulysses x tp`` (``lightning_sp.mesh``), the
-  model's tensor-parallel layers keep their weight slices, DDP / FSDP2 run over ``dp x sp`` only, and
-  replicated parameters' gradients are summed over ``tp`` before each optimizer step; checkpoints
-  are sharded ``torch.distributed.checkpoint`` directories (``lightning_sp.checkpoint``);
-- reduces gradients over the whole world: see Note [Gradient reduction over dp x sp]
-    Replica ``d`` (an sp group of ``P`` ranks) has loss ``L_d = sum_s l_{d,s} / n_d``, the token mean of
-    its sequence, where ``l_{d,s}`` sums the token losses of shard ``s``. ``sequence_parallel_cross_entropy``
-    returns ``L_d`` on every sp rank and its backward is that of an all-reduce: each of the ``P`` copies
-    of ``L_d`` sends gradient 1 back, so rank ``(d, s)`` holds ``P * dL_d/dtheta`` *through its shard*
-    (attention communication routes the cross-shard terms)::
-
-        rank (d, s) grad  = P * g_{d,s}              sum_s g_{d,s} = dL_d/dtheta
-        mean over s       = sum_s g_{d,s}            = replica d's gradient
-        mean over d       = global-batch gradient    (equal token counts per replica)
-
-    So a plain MEAN over all ``dp * sp`` ranks is exactly the non-parallel gradient: DDP over the
-    world (``data_parallel="ddp"``) or FSDP2's reduce-scatter over the flattened world mesh
-    (``"fsdp"``). The distributed tests check it to 1e-10 in float64.
+precision plugins, checkpoint IO and cluster environments are Lightning's own. On top it lays the world
+out as one ``dp x ring x ulysses x tp`` mesh, binds every ``SequenceParallelAttention`` (and
+tensor-parallel layer) of the model, gives the ``DistributedSampler`` the data-parallel axis only and
+shards each batch along the sequence before ``training_step``, wraps the model in DDP / FSDP2 over
+``dp x sp`` (Note [Gradient reduction over dp x sp] in ``lightning_sp.data_parallel``), sums replicated
+gradients over ``tp`` before each optimizer step, and saves sharded checkpoints when asked.
 """
 
 from __future__ import annotations
@@ -58,10 +35,10 @@ from typing_extensions import override
 from lightning_sp.batch_sharding import DEFAULT_SEQUENCE_KEYS, BatchSharder
 from lightning_sp.binding import auto_backend_message, bind_attention_modules
 from lightning_sp.context import SequenceParallelContext
-from lightning_sp.data_parallel import DATA_PARALLEL, broadcast_replicas, ddp_process_group, fully_shard_model, is_fsdp_root
-from lightning_sp.faults import append_hint, collective_failure_hint
-from lightning_sp.mesh import ParallelMesh, build_strategy_groups, strategy_dims
-from lightning_sp.ops.backends import BACKENDS
+from lightning_sp.data_parallel import (DATA_PARALLEL, broadcast_replicas, check_data_parallel, ddp_process_group,
+                                        fully_shard_model, is_fsdp_root)
+from lightning_sp.faults import append_hint, as_process_group_timeout, collective_failure_hint
+from lightning_sp.mesh import ParallelMesh, build_strategy_groups, check_strategy_degrees, destroy_groups, strategy_dims
 from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel_layers
 from lightning_sp.tensor_parallel.grads import clip_grad_norm_, reduce_replicated_gradients
 from lightning_sp.topology import MeshAxis, ParallelDims
@@ -73,6 +50,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["DATA_PARALLEL", "DEFAULT_SEQUENCE_KEYS", "SequenceParallelStrategy"]
+
+
+def _set_up(value: Any, name: str) -> Any:
+    """``value``, or a clear error if the Trainer has not created it yet."""
+    if value is None:
+        raise RuntimeError(f"SequenceParallelStrategy.{name} is created in Trainer setup")
+    return value
 
 
 def _sharder_attribute(name: str) -> property:
@@ -146,31 +130,11 @@ class SequenceParallelStrategy(DDPStrategy):
         distributed_checkpoint: bool | None = None,
         **kwargs: Any,
     ) -> None:
-        if "timeout" in kwargs:
-            raise ValueError("pass `process_group_timeout=` instead of `timeout=` to SequenceParallelStrategy")
-        if not isinstance(process_group_timeout, timedelta):
-            process_group_timeout = timedelta(seconds=float(process_group_timeout))
-        if process_group_timeout.total_seconds() <= 0:
-            raise ValueError(f"process_group_timeout must be positive, got {process_group_timeout}")
+        process_group_timeout = as_process_group_timeout(process_group_timeout, kwargs)
         super().__init__(timeout=process_group_timeout, **kwargs)
-        if sequence_parallel_size is not None and (
-            not isinstance(sequence_parallel_size, int) or isinstance(sequence_parallel_size, bool) or sequence_parallel_size < 1
-        ):
-            raise ValueError(f"sequence_parallel_size must be a positive integer or None (all ranks), got {sequence_parallel_size!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-        if ulysses_degree is not None and backend != "usp":
-            raise ValueError(
-                f"ulysses_degree={ulysses_degree} only applies to backend='usp' (got backend={backend!r}); "
-                f"use backend='usp' for a ring x ulysses split, or drop ulysses_degree"
-            )
-        if ulysses_degree is not None and sequence_parallel_size is not None:
-            ParallelDims(world_size=sequence_parallel_size, sequence_parallel_size=sequence_parallel_size,
-                         ulysses_degree=ulysses_degree)  # eager check: ulysses_degree divides sp
-        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
-        if data_parallel not in DATA_PARALLEL:
-            raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL}")
+        check_strategy_degrees(sequence_parallel_size, backend=backend, ulysses_degree=ulysses_degree,
+                               tensor_parallel_size=tensor_parallel_size)
+        check_data_parallel(data_parallel)
         self._sp_size_arg = sequence_parallel_size
         self._tp_size = tensor_parallel_size
         self._mesh: ParallelMesh | None = None
@@ -254,9 +218,7 @@ class SequenceParallelStrategy(DDPStrategy):
     @property
     def dp_group(self) -> dist.ProcessGroup:
         """This rank's data-parallel group (one rank per sp group, same sp index)."""
-        if self._dp_group is None:
-            raise RuntimeError("SequenceParallelStrategy.dp_group is created in Trainer setup")
-        return self._dp_group
+        return _set_up(self._dp_group, "dp_group")
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -265,23 +227,17 @@ class SequenceParallelStrategy(DDPStrategy):
     @property
     def device_mesh(self) -> "DeviceMesh":
         """The 4-D ``DeviceMesh`` with axes ``("dp", "ring", "ulysses", "tp")`` (``lightning_sp.mesh``)."""
-        if self._mesh is None:
-            raise RuntimeError("SequenceParallelStrategy.device_mesh is created in Trainer setup")
-        return self._mesh.mesh
+        return _set_up(self._mesh, "device_mesh").mesh
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
         """This rank's tensor-parallel group (the innermost mesh axis)."""
-        if self._mesh is None:
-            raise RuntimeError("SequenceParallelStrategy.tp_group is created in Trainer setup")
-        return self._mesh.group(MeshAxis.TP)
+        return _set_up(self._mesh, "tp_group").group(MeshAxis.TP)
 
     @property
     def tensor_parallel_context(self) -> TensorParallelContext:
         """What the model's tensor-parallel layers are bound to (group, comm counters); set in ``setup``."""
-        if self._tp_context is None:
-            raise RuntimeError("SequenceParallelStrategy.tensor_parallel_context is created in Trainer setup")
-        return self._tp_context
+        return _set_up(self._tp_context, "tensor_parallel_context")
 
     @property
     def layout(self):
@@ -587,12 +543,7 @@ class SequenceParallelStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        if dist.is_initialized():
-            for group in self._owned_groups:
-                try:
-                    dist.destroy_process_group(group)
-                except Exception:  # noqa: BLE001 - best effort; the world group may already be gone
-                    pass
+        destroy_groups(self._owned_groups)
         self._owned_groups.clear()
         self._context = None
         self._dp_group = None
