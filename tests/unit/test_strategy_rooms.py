@@ -68,8 +68,11 @@ def test_batch_sharder_without_a_trainer():
     sharder = BatchSharder(source)
     ids = torch.arange(14).view(2, 7)
     out = sharder.shard_batch({"input_ids": ids, "labels": ids, "other": torch.ones(3)})
-    assert torch.equal(out["input_ids"], ids) and torch.equal(out["other"], torch.ones(3))
-    assert torch.equal(out["position_ids"], torch.arange(7).expand(2, 7))  # added: requested and absent
+    # zigzag splits into 2P chunks: 7 tokens are padded to 8 (labels with ignore_index), N = 7 recorded
+    assert torch.equal(out["input_ids"], torch.cat([ids, torch.zeros(2, 1, dtype=ids.dtype)], 1))
+    assert torch.equal(out["labels"], torch.cat([ids, torch.full((2, 1), -100)], 1))
+    assert torch.equal(out["other"], torch.ones(3))  # not a sequence key: untouched
+    assert torch.equal(out["position_ids"], torch.arange(8).clamp(max=6).expand(2, 8))  # added, padding clamped
     assert context.global_seq_len == 7
     with pytest.raises(ValueError, match="disagree on the sequence length"):
         sharder.shard_batch({"input_ids": ids, "labels": ids[:, :5]})
