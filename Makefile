@@ -21,6 +21,7 @@ demo: $(STAMP)
 	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports  # the layering contract in pyproject.toml [tool.importlinter]
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "not gpu" tests
 
 test-gpu: $(STAMP)

@@ -10,6 +10,7 @@ binds it (``bind``), so one model runs with and without sequence parallelism.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -37,6 +38,23 @@ gives the lowest peak measured (at P = 4, <= 0.35 of one process's for every bac
 benchmarks/README.md, section 4)."""
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def _compiler_disabled(fn):
+    """``torch.compiler.disable(fn)`` built at the first call under ``torch.compile``, not at import:
+    decorating at import loads ``torch._dynamo`` (seconds; Note [A light import] in ``lightning_sp._registry``).
+    Eager calls run ``fn`` itself; traced calls run it eagerly, one graph break per call as before."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return wrapper
 
 
 def default_ulysses_degree(group_size: int, *, ranks_per_node: int | None = None, num_heads: int | None = None) -> int:
@@ -386,7 +404,7 @@ class SequenceParallelAttention(nn.Module):
         with torch.autocast(q.device.type, enabled=False):
             return backends.local_attention(q, k, v, call)
 
-    @torch.compiler.disable  # one graph break per call: collectives, host-side plans and checks
+    @_compiler_disabled  # one graph break per call: collectives, host-side plans and checks
     def _parallel_forward(self, q, k, v, cu_seqlens, seq_len, softmax_scale, world) -> torch.Tensor:
         group, ctx = self.process_group, self.context
         backend = self.resolved_backend()

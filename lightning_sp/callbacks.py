@@ -41,6 +41,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_sp.flops import megatron_flops_per_iteration
+
 __all__ = ["TENSORBOARD_LAYOUT", "SequenceParallelMonitor", "megatron_flops_per_iteration", "write_tensorboard_layout"]
 
 # Custom Scalars layout: category -> chart title -> ["Multiline", [tag regexes]]; categories in this order.
@@ -83,12 +85,6 @@ def write_tensorboard_layout(trainer: "pl.Trainer", layout: dict | None = None) 
 # dense bf16 peak FLOP/s per device, used when peak_flops is not given
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A800": 312e12, "H800": 989e12, "L40S": 362e12,
               "A10G": 125e12, "V100": 125e12}
-
-
-def megatron_flops_per_iteration(*, batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int) -> float:
-    """Model FLOPs of one forward + backward: ``72 B L s h^2 (1 + s/(6h) + V/(12 h L))``."""
-    b, s, n_l, h, v = batch, seq_len, num_layers, hidden, vocab
-    return 72.0 * b * n_l * s * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * h * n_l))
 
 
 def _find(config: Any, names: tuple[str, ...]) -> int | None:

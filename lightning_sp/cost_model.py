@@ -56,6 +56,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from lightning_sp.comm.volume import forward_elements, replicated_kv_heads
+from lightning_sp.flops import causal_attention_flops_saved, megatron_flops_per_iteration
 
 MODEL_BACKENDS = ("ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal", "megatron_sp")
 """Backends the model knows (``megatron_sp``: Megatron TP+SP over the same ranks, attention half)."""
@@ -523,16 +524,14 @@ def layer_time(model: ModelShape, seq_len: int, batch: int, backend: str, world:
 
 def model_flops(model: ModelShape, seq_len: int, batch: int, *, causal: bool = True) -> float:
     """Model FLOPs of one fwd+bwd: Megatron's ``72 B L s h^2 (1 + s/(6h) + V/(12 h L))``
-    (``callbacks.megatron_flops_per_iteration``), whose attention term counts the whole score matrix;
-    ``causal=True`` counts the half a causal kernel computes (``s/(12h)``), so TFLOP/s stays below peak."""
-    from lightning_sp.callbacks import megatron_flops_per_iteration
-
+    (``lightning_sp.flops``), whose attention term counts the whole score matrix; ``causal=True``
+    counts the half a causal kernel computes (``s/(12h)``), so TFLOP/s stays below peak."""
     full = megatron_flops_per_iteration(batch=batch, seq_len=seq_len, num_layers=model.num_layers,
                                         hidden=model.hidden, vocab=model.vocab)
     if not causal:
         return full
-    h, s = model.hidden, seq_len
-    return full - 72.0 * batch * model.num_layers * s * h * h * s / (12.0 * h)
+    return full - causal_attention_flops_saved(batch=batch, seq_len=seq_len, num_layers=model.num_layers,
+                                               hidden=model.hidden)
 
 
 def tflops_per_rank(model: ModelShape, seq_len: int, batch: int, backend: str, world: int, hw: HardwareProfile, **kw) -> float:

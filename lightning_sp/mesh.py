@@ -1,5 +1,8 @@
 """The ``dp x cp(ring x ulysses) x tp`` ``DeviceMesh`` of ``SequenceParallelStrategy``, and its groups.
 
+``strategy_dims`` picks the strategy's degrees, ``build_strategy_groups`` creates the mesh and the
+contexts the model is bound to; both run without a Trainer.
+
 One named 4-D mesh (``MeshAxis`` names, TP innermost: Note [Mesh axis order] in ``topology``) built
 with ``init_device_mesh``, plus two flattened 1-D views: ``sp`` (= ``cp``, ring x ulysses: the
 attention's group, Ulysses-inner as the ``usp`` contract needs) and ``dp_sp`` (ranks holding the same
@@ -15,6 +18,10 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_sp.attention import default_ulysses_degree
+from lightning_sp.context import SequenceParallelContext
+from lightning_sp.ops.backends import BACKENDS
+from lightning_sp.tensor_parallel import TensorParallelContext
 from lightning_sp.topology import MeshAxis, ParallelDims
 
 MESH_AXES = (MeshAxis.DP, MeshAxis.RING, MeshAxis.ULYSSES, MeshAxis.TP)
@@ -90,3 +97,111 @@ def build_parallel_mesh(dims: ParallelDims, device_type: str, *, timeout: timede
         if got != want:  # the mesh and the pure rank math must agree (Note [Mesh axis order])
             raise AssertionError(f"rank {rank}: DeviceMesh {axis.value} group {got} != topology {want}")
     return pm
+
+
+# ------------------------------------------------------------------------- the strategy's degrees and groups
+def check_strategy_degrees(sequence_parallel_size: int | None, *, backend: str, ulysses_degree: int | None,
+                           tensor_parallel_size: int) -> None:
+    """``SequenceParallelStrategy``'s eager checks of its degrees and backend (before any device is known)."""
+    if sequence_parallel_size is not None and (
+        not isinstance(sequence_parallel_size, int) or isinstance(sequence_parallel_size, bool) or sequence_parallel_size < 1
+    ):
+        raise ValueError(f"sequence_parallel_size must be a positive integer or None (all ranks), got {sequence_parallel_size!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if ulysses_degree is not None and backend != "usp":
+        raise ValueError(
+            f"ulysses_degree={ulysses_degree} only applies to backend='usp' (got backend={backend!r}); "
+            f"use backend='usp' for a ring x ulysses split, or drop ulysses_degree"
+        )
+    if ulysses_degree is not None and sequence_parallel_size is not None:
+        ParallelDims(world_size=sequence_parallel_size, sequence_parallel_size=sequence_parallel_size,
+                     ulysses_degree=ulysses_degree)  # eager check: ulysses_degree divides sp
+    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+
+
+def strategy_dims(world_size: int, *, sequence_parallel_size: int | None, backend: str, ulysses_degree: int | None,
+                  tensor_parallel_size: int, ranks_per_node: int | None, num_nodes: int, devices: int) -> ParallelDims:
+    """``SequenceParallelStrategy``'s degrees on ``world_size`` ranks: ``sp`` defaults to every rank a
+    ``tp`` group leaves, ``usp`` splits it with ``ulysses_degree`` (default ``default_ulysses_degree``),
+    ``ulysses`` is all-Ulysses, the rest all-ring. Errors name every argument and the devices."""
+    sp = max(world_size // tensor_parallel_size, 1) if sequence_parallel_size is None else sequence_parallel_size
+    if backend == "usp":
+        u = ulysses_degree or default_ulysses_degree(sp, ranks_per_node=ranks_per_node)
+    elif backend == "ulysses":
+        u = sp
+    else:
+        u = 1
+    try:
+        return ParallelDims(world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u,
+                            tensor_parallel_size=tensor_parallel_size)
+    except ValueError as err:
+        raise ValueError(
+            f"SequenceParallelStrategy(sequence_parallel_size={sp}, backend={backend!r}, "
+            f"ulysses_degree={ulysses_degree}, tensor_parallel_size={tensor_parallel_size}) on num_nodes={num_nodes} x "
+            f"devices={devices}: {err}"
+        ) from None
+
+
+@dataclass(kw_only=True)
+class StrategyGroups:
+    """What ``build_strategy_groups`` creates on this rank."""
+
+    mesh: ParallelMesh
+    """The ``dp x ring x ulysses x tp`` mesh and its flattened views."""
+    context: SequenceParallelContext
+    """What the model's ``SequenceParallelAttention`` modules are bound to (sp / ring / ulysses groups)."""
+    tensor_parallel: TensorParallelContext
+    """What the model's tensor-parallel layers are bound to (group ``None`` when ``tp == 1``)."""
+    dp_group: dist.ProcessGroup
+    """One rank per sp group (same sp index): the data-parallel axis."""
+    summary: list[str]
+    """Lines for the log (rank zero): the degrees, the backend, the mesh."""
+
+
+def build_strategy_groups(dims: ParallelDims, device_type: str, *, backend: str, kernel: str, data_parallel: str,
+                          ranks_per_node: int | None, timeout: timedelta | None,
+                          **context_options) -> StrategyGroups:
+    """Create the mesh (a collective: every rank, same order) and the contexts bound to it.
+    ``context_options``: further ``SequenceParallelContext`` fields (``hardware``, ``memory_budget``,
+    ``auto_policy``)."""
+    mesh = build_parallel_mesh(dims, device_type, timeout=timeout)
+    usp = backend == "usp"
+    context = SequenceParallelContext(
+        group=mesh.group(MeshAxis.SP),
+        backend=backend,
+        ulysses_degree=dims.ulysses if usp else None,
+        ulysses_group=mesh.group(MeshAxis.ULYSSES) if usp else None,
+        ring_group=mesh.group(MeshAxis.RING) if usp else None,
+        kernel=kernel,
+        ranks_per_node=ranks_per_node,
+        **context_options,
+    )
+    described = backend
+    if backend == "auto":
+        described = (f"auto (chosen at the first attention call from the shapes, sp={dims.sp} "
+                     f"and {ranks_per_node} ranks per node, among ulysses, zigzag_ring, allgather_kv "
+                     f"and usp on the zigzag layout)")
+    summary = [f"SequenceParallelStrategy: world={dims.world_size} dp={dims.dp} sp={dims.sp} (ring={dims.ring} x "
+               f"ulysses={dims.ulysses}) backend={described} data_parallel={data_parallel}"]
+    tensor_parallel = TensorParallelContext(
+        group=mesh.group(MeshAxis.TP) if dims.tp > 1 else None, sequence_parallel=True,
+        ulysses_degree=dims.ulysses if backend in ("ulysses", "usp") else 1,
+    )
+    if dims.tp > 1:
+        summary.append(f"SequenceParallelStrategy: tensor_parallel_size={dims.tp} (Megatron TP+SP, innermost axis); "
+                       f"mesh dp x ring x ulysses x tp = {' x '.join(map(str, dims.mesh_shape))}")
+    return StrategyGroups(mesh=mesh, context=context, tensor_parallel=tensor_parallel,
+                          dp_group=mesh.group(MeshAxis.DP), summary=summary)
+
+
+def destroy_groups(groups: list[dist.ProcessGroup]) -> None:
+    """Destroy the groups this rank created (best effort: the world group may already be gone)."""
+    if not dist.is_initialized():
+        return
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - best effort; the world group may already be gone
+            pass

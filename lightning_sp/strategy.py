@@ -1,35 +1,19 @@
 """``SequenceParallelStrategy``: Lightning training over orthogonal sequence- and data-parallel groups.
 
+The strategy only wires Lightning's lifecycle; the machinery lives in rooms of its own, each usable
+without a Trainer: degrees and groups in ``lightning_sp.mesh``, binding the attention modules in
+``lightning_sp.binding``, batch sharding in ``lightning_sp.batch_sharding``, DDP / FSDP2 in
+``lightning_sp.data_parallel``, tensor-parallel binding, gradient sums and clipping in
+``lightning_sp.tensor_parallel``, checkpoints in ``lightning_sp.checkpoint``, fault messages in
+``lightning_sp.faults``.
+
 Built on Lightning's ``DDPStrategy``, so launching (``popen``/``spawn``, torchrun, SLURM, multi-node),
-precision plugins, checkpoint IO and cluster environments are Lightning's own. On top it
-
-- lays the world out as a ``(dp, sp)`` mesh, ``sp = ring x ulysses`` (``lightning_sp.topology``),
-  creates the groups on every rank and binds every ``SequenceParallelAttention`` of the model to a
-  ``SequenceParallelContext`` (no globals);
-- gives the ``DistributedSampler`` the data-parallel axis only, so every rank of an sp group reads
-  the same sample, then shards each tensor under ``sequence_keys`` along dim 1 with the backend's
-  layout (``batch_to_device``), padding lengths that do not divide (labels with ``ignore_index``),
-  setting ``context.global_seq_len`` so padded keys are never attended, and supplying global
-  ``position_ids`` when the key is requested but absent (right under the zigzag layout too);
-- with ``tensor_parallel_size=t``, adds the innermost ``tp`` axis (Megatron TP+SP, ``lightning_sp.
-  tensor_parallel``): one ``DeviceMesh`` ``dp x ring x ulysses x tp`` (``lightning_sp.mesh``), the
-  model's tensor-parallel layers keep their weight slices, DDP / FSDP2 run over ``dp x sp`` only, and
-  replicated parameters' gradients are summed over ``tp`` before each optimizer step; checkpoints
-  are sharded ``torch.distributed.checkpoint`` directories (``lightning_sp.checkpoint``);
-- reduces gradients over the whole world: see Note [Gradient reduction over dp x sp]
-    Replica ``d`` (an sp group of ``P`` ranks) has loss ``L_d = sum_s l_{d,s} / n_d``, the token mean of
-    its sequence, where ``l_{d,s}`` sums the token losses of shard ``s``. ``sequence_parallel_cross_entropy``
-    returns ``L_d`` on every sp rank and its backward is that of an all-reduce: each of the ``P`` copies
-    of ``L_d`` sends gradient 1 back, so rank ``(d, s)`` holds ``P * dL_d/dtheta`` *through its shard*
-    (attention communication routes the cross-shard terms)::
-
-        rank (d, s) grad  = P * g_{d,s}              sum_s g_{d,s} = dL_d/dtheta
-        mean over s       = sum_s g_{d,s}            = replica d's gradient
-        mean over d       = global-batch gradient    (equal token counts per replica)
-
-    So a plain MEAN over all ``dp * sp`` ranks is exactly the non-parallel gradient: DDP over the
-    world (``data_parallel="ddp"``) or FSDP2's reduce-scatter over the flattened world mesh
-    (``"fsdp"``). The distributed tests check it to 1e-10 in float64.
+precision plugins, checkpoint IO and cluster environments are Lightning's own. On top it lays the world
+out as one ``dp x ring x ulysses x tp`` mesh, binds every ``SequenceParallelAttention`` (and
+tensor-parallel layer) of the model, gives the ``DistributedSampler`` the data-parallel axis only and
+shards each batch along the sequence before ``training_step``, wraps the model in DDP / FSDP2 over
+``dp x sp`` (Note [Gradient reduction over dp x sp] in ``lightning_sp.data_parallel``), sums replicated
+gradients over ``tp`` before each optimizer step, and saves sharded checkpoints when asked.
 """
 
 from __future__ import annotations
@@ -44,19 +28,22 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
-from lightning_sp.attention import default_ulysses_degree
+from lightning_sp.batch_sharding import DEFAULT_SEQUENCE_KEYS, BatchSharder
+from lightning_sp.binding import auto_backend_message, bind_attention_modules
 from lightning_sp.context import SequenceParallelContext
 from lightning_sp.dependency_noise import silence_dependency_noise
-from lightning_sp.mesh import ParallelMesh, build_parallel_mesh
-from lightning_sp.ops.backends import BACKENDS
-from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel
+from lightning_sp.data_parallel import (DATA_PARALLEL, broadcast_replicas, check_data_parallel, ddp_process_group,
+                                        fully_shard_model, is_fsdp_root)
+from lightning_sp.faults import append_hint, as_process_group_timeout, collective_failure_hint
+from lightning_sp.mesh import ParallelMesh, build_strategy_groups, check_strategy_degrees, destroy_groups, strategy_dims
+from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel_layers
+from lightning_sp.tensor_parallel.grads import clip_grad_norm_, reduce_replicated_gradients
 from lightning_sp.topology import MeshAxis, ParallelDims
 
 if TYPE_CHECKING:
@@ -67,22 +54,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DATA_PARALLEL = ("ddp", "fsdp")
-DEFAULT_SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "loss_mask", "inputs_embeds")
+__all__ = ["DATA_PARALLEL", "DEFAULT_SEQUENCE_KEYS", "SequenceParallelStrategy"]
 
 
-def _recompute_in_backward(module: nn.Module) -> None:
-    """Make ``module``'s forward non-reentrant-checkpointed (idempotent). The recomputation repeats the
-    module's collectives during backward, in the same order on every rank."""
-    if getattr(module, "_lightning_sp_checkpointed", False):
-        return
-    forward = module.forward
+def _set_up(value: Any, name: str) -> Any:
+    """``value``, or a clear error if the Trainer has not created it yet."""
+    if value is None:
+        raise RuntimeError(f"SequenceParallelStrategy.{name} is created in Trainer setup")
+    return value
 
-    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    module.forward = checkpointed_forward
-    module._lightning_sp_checkpointed = True
+def _sharder_attribute(name: str) -> property:
+    """A strategy attribute kept on its ``BatchSharder`` (read and set through the strategy)."""
+    return property(lambda self: getattr(self._sharder, name), lambda self, value: setattr(self._sharder, name, value))
 
 
 class SequenceParallelStrategy(DDPStrategy):
@@ -164,38 +148,16 @@ class SequenceParallelStrategy(DDPStrategy):
         auto_policy: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if "timeout" in kwargs:
-            raise ValueError("pass `process_group_timeout=` instead of `timeout=` to SequenceParallelStrategy")
-        if not isinstance(process_group_timeout, timedelta):
-            process_group_timeout = timedelta(seconds=float(process_group_timeout))
-        if process_group_timeout.total_seconds() <= 0:
-            raise ValueError(f"process_group_timeout must be positive, got {process_group_timeout}")
+        process_group_timeout = as_process_group_timeout(process_group_timeout, kwargs)
         super().__init__(timeout=process_group_timeout, **kwargs)
         silence_dependency_noise()  # Lightning's per-rank LeafSpec deprecation and its product tips
-        if sequence_parallel_size is not None and (
-            not isinstance(sequence_parallel_size, int) or isinstance(sequence_parallel_size, bool) or sequence_parallel_size < 1
-        ):
-            raise ValueError(f"sequence_parallel_size must be a positive integer or None (all ranks), got {sequence_parallel_size!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-        if ulysses_degree is not None and backend != "usp":
-            raise ValueError(
-                f"ulysses_degree={ulysses_degree} only applies to backend='usp' (got backend={backend!r}); "
-                f"use backend='usp' for a ring x ulysses split, or drop ulysses_degree"
-            )
-        if ulysses_degree is not None and sequence_parallel_size is not None:
-            ParallelDims(world_size=sequence_parallel_size, sequence_parallel_size=sequence_parallel_size,
-                         ulysses_degree=ulysses_degree)  # eager check: ulysses_degree divides sp
-        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
-        if data_parallel not in DATA_PARALLEL:
-            raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL}")
+        check_strategy_degrees(sequence_parallel_size, backend=backend, ulysses_degree=ulysses_degree,
+                               tensor_parallel_size=tensor_parallel_size)
+        check_data_parallel(data_parallel)
         if isinstance(hardware, str):
             from lightning_sp.cost_model import preset
 
             preset(hardware)  # eager check: an unknown name lists the presets
-        if isinstance(sequence_keys, str):
-            raise ValueError(f"sequence_keys must be a sequence of keys, got the string {sequence_keys!r}; use ({sequence_keys!r},)")
         self._sp_size_arg = sequence_parallel_size
         self._tp_size = tensor_parallel_size
         self._mesh: ParallelMesh | None = None
@@ -207,11 +169,8 @@ class SequenceParallelStrategy(DDPStrategy):
         self._backend = backend
         self._ulysses_degree_arg = ulysses_degree
         self._data_parallel = data_parallel
-        self.sequence_keys = tuple(sequence_keys)
-        self.label_keys = tuple(label_keys)
-        self.position_ids_key = position_ids_key
-        self.ignore_index = ignore_index
-        self.pad_value = pad_value
+        self._sharder = BatchSharder(self, sequence_keys=sequence_keys, label_keys=label_keys,
+                                     position_ids_key=position_ids_key, ignore_index=ignore_index, pad_value=pad_value)
         self._kernel = kernel
         self._hardware = hardware
         self._memory_budget = memory_budget
@@ -224,8 +183,6 @@ class SequenceParallelStrategy(DDPStrategy):
         self._dp_group: dist.ProcessGroup | None = None
         self._owned_groups: list[dist.ProcessGroup] = []
         self._layout: Any = None
-        self._warned_tuple_positions = False
-        self._padding_reported: set[tuple[int, int]] = set()
         self._announced_auto = False
 
     # ---------------------------------------------------------------------------------- topology
@@ -261,22 +218,9 @@ class SequenceParallelStrategy(DDPStrategy):
             )
 
     def _make_dims(self, world_size: int) -> ParallelDims:
-        sp = max(world_size // self._tp_size, 1) if self._sp_size_arg is None else self._sp_size_arg
-        if self._backend == "usp":
-            u = self._ulysses_degree_arg or default_ulysses_degree(sp, ranks_per_node=self._ranks_per_node())
-        elif self._backend == "ulysses":
-            u = sp
-        else:
-            u = 1
-        try:
-            return ParallelDims(world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u,
-                                tensor_parallel_size=self._tp_size)
-        except ValueError as err:
-            raise ValueError(
-                f"SequenceParallelStrategy(sequence_parallel_size={sp}, backend={self._backend!r}, "
-                f"ulysses_degree={self._ulysses_degree_arg}, tensor_parallel_size={self._tp_size}) on num_nodes={self.num_nodes} x "
-                f"devices={self.num_processes}: {err}"
-            ) from None
+        return strategy_dims(world_size, sequence_parallel_size=self._sp_size_arg, backend=self._backend,
+                             ulysses_degree=self._ulysses_degree_arg, tensor_parallel_size=self._tp_size,
+                             ranks_per_node=self._ranks_per_node(), num_nodes=self.num_nodes, devices=self.num_processes)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -316,9 +260,7 @@ class SequenceParallelStrategy(DDPStrategy):
     @property
     def dp_group(self) -> dist.ProcessGroup:
         """This rank's data-parallel group (one rank per sp group, same sp index)."""
-        if self._dp_group is None:
-            raise RuntimeError("SequenceParallelStrategy.dp_group is created in Trainer setup")
-        return self._dp_group
+        return _set_up(self._dp_group, "dp_group")
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -327,23 +269,17 @@ class SequenceParallelStrategy(DDPStrategy):
     @property
     def device_mesh(self) -> "DeviceMesh":
         """The 4-D ``DeviceMesh`` with axes ``("dp", "ring", "ulysses", "tp")`` (``lightning_sp.mesh``)."""
-        if self._mesh is None:
-            raise RuntimeError("SequenceParallelStrategy.device_mesh is created in Trainer setup")
-        return self._mesh.mesh
+        return _set_up(self._mesh, "device_mesh").mesh
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
         """This rank's tensor-parallel group (the innermost mesh axis)."""
-        if self._mesh is None:
-            raise RuntimeError("SequenceParallelStrategy.tp_group is created in Trainer setup")
-        return self._mesh.group(MeshAxis.TP)
+        return _set_up(self._mesh, "tp_group").group(MeshAxis.TP)
 
     @property
     def tensor_parallel_context(self) -> TensorParallelContext:
         """What the model's tensor-parallel layers are bound to (group, comm counters); set in ``setup``."""
-        if self._tp_context is None:
-            raise RuntimeError("SequenceParallelStrategy.tensor_parallel_context is created in Trainer setup")
-        return self._tp_context
+        return _set_up(self._tp_context, "tensor_parallel_context")
 
     @property
     def layout(self):
@@ -351,6 +287,13 @@ class SequenceParallelStrategy(DDPStrategy):
         if self._layout is None:
             raise RuntimeError("SequenceParallelStrategy.layout is known after Trainer setup binds the model")
         return self._layout
+
+    # batch keys: held by the BatchSharder, read and set here as before
+    sequence_keys = _sharder_attribute("sequence_keys")
+    label_keys = _sharder_attribute("label_keys")
+    position_ids_key = _sharder_attribute("position_ids_key")
+    ignore_index = _sharder_attribute("ignore_index")
+    pad_value = _sharder_attribute("pad_value")
 
     @override
     def _configure_launcher(self) -> None:
@@ -389,79 +332,25 @@ class SequenceParallelStrategy(DDPStrategy):
                 f"num_nodes={self.num_nodes} x devices={self.num_processes}"
             )
         self._dims = dims
-        # one DeviceMesh dp x ring x ulysses x tp (collective: every rank, same order)
-        self._mesh = build_parallel_mesh(dims, self.root_device.type, timeout=self._timeout)
-        self._owned_groups.extend(self._mesh.transient_groups())
-        mesh = self._mesh
-        log.debug("rank %d: mesh %s", dist.get_rank(), mesh.mesh)
-        self._dp_group = mesh.group(MeshAxis.DP)
-        usp = self._backend == "usp"
-        self._context = SequenceParallelContext(
-            group=mesh.group(MeshAxis.SP),
-            backend=self._backend,
-            ulysses_degree=dims.ulysses if usp else None,
-            ulysses_group=mesh.group(MeshAxis.ULYSSES) if usp else None,
-            ring_group=mesh.group(MeshAxis.RING) if usp else None,
-            kernel=self._kernel,
-            ranks_per_node=self._ranks_per_node(),
-            hardware=self._hardware,
-            memory_budget=self._memory_budget,
-            auto_policy=self._auto_policy,
-        )
-        backend = self._backend
-        if backend == "auto":
-            backend = (f"auto (chosen at the first attention call from the shapes, sp={dims.sp} "
-                       f"and {self._ranks_per_node()} ranks per node, among ulysses, zigzag_ring, allgather_kv "
-                       f"and usp on the zigzag layout)")
-        rank_zero_info(
-            f"SequenceParallelStrategy: world={world} dp={dims.dp} sp={dims.sp} (ring={dims.ring} x "
-            f"ulysses={dims.ulysses}) backend={backend} data_parallel={self._data_parallel}"
-        )
-        self._tp_context = TensorParallelContext(
-            group=mesh.group(MeshAxis.TP) if dims.tp > 1 else None, sequence_parallel=True,
-            ulysses_degree=dims.ulysses if self._backend in ("ulysses", "usp") else 1,
-        )
-        if dims.tp > 1:
-            rank_zero_info(f"SequenceParallelStrategy: tensor_parallel_size={dims.tp} (Megatron TP+SP, innermost axis); "
-                           f"mesh dp x ring x ulysses x tp = {' x '.join(map(str, dims.mesh_shape))}")
+        groups = build_strategy_groups(dims, self.root_device.type, backend=self._backend, kernel=self._kernel,
+                                       data_parallel=self._data_parallel, ranks_per_node=self._ranks_per_node(),
+                                       timeout=self._timeout, hardware=self._hardware,
+                                       memory_budget=self._memory_budget, auto_policy=self._auto_policy)
+        self._mesh, self._context, self._tp_context, self._dp_group = (
+            groups.mesh, groups.context, groups.tensor_parallel, groups.dp_group)
+        self._owned_groups.extend(groups.mesh.transient_groups())
+        log.debug("rank %d: mesh %s", dist.get_rank(), groups.mesh.mesh)
+        for line in groups.summary:
+            rank_zero_info(line)
 
     def _bind_model(self, module: nn.Module) -> None:
-        from lightning_sp.attention import SequenceParallelAttention, layout_for_backend
-
-        layouts = {}
-        for name, m in module.named_modules():
-            if isinstance(m, SequenceParallelAttention):
-                m.bind(self.context)
-                if m.resolved_backend() != "local":  # local modules attend over whatever they are given
-                    layouts[name] = m.layout
-                if self.checkpoint_attention:
-                    _recompute_in_backward(m)
-        distinct = set(layouts.values())
-        if len(distinct) > 1:
-            raise ValueError(
-                "the model's SequenceParallelAttention modules need different sequence layouts "
-                f"({ {k: str(v) for k, v in layouts.items()} }), but a batch can be sharded only one way: "
-                "build them with backend=None (the strategy's backend) or backends of the same layout"
-            )
+        # attention modules (and the layout batches are sharded with), then tensor-parallel layers
+        layout = bind_attention_modules(module, self.context, backend=self._backend,
+                                        sequence_parallel_size=self.parallel_dims.sp,
+                                        checkpoint_attention=self.checkpoint_attention)
         if self._tp_context is not None and self._tp_context.world > 1:
-            self._bind_tensor_parallel(module)
-        if distinct:
-            self._layout = distinct.pop()
-        else:
-            self._layout = layout_for_backend(
-                self._backend, group_size=self.parallel_dims.sp, ulysses_degree=self.context.ulysses_degree
-            )
-
-    def _bind_tensor_parallel(self, module: nn.Module) -> None:
-        """Split the model's ``TensorParallelModule`` weights over the ``tp`` axis (Note [Megatron tensor +
-        sequence parallelism]); remember which parameters are split (the others are replicated)."""
-        self._tp_sharded = set(bind_tensor_parallel(module, self._tp_context))
-        if not self._tp_sharded:
-            raise ValueError(
-                f"tensor_parallel_size={self._tp_size} but the model has no tensor-parallel layers "
-                "(lightning_sp.tensor_parallel.ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding): "
-                "build it from them (as lightning_sp.models does), or use tensor_parallel_size=1"
-            )
+            self._tp_sharded = bind_tensor_parallel_layers(module, self._tp_context, tensor_parallel_size=self._tp_size)
+        self._layout = layout
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -485,22 +374,8 @@ class SequenceParallelStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if not self._is_fsdp_root():
-            self._broadcast_replicas(self.model)
+            broadcast_replicas(self.model, self._mesh)
         self.setup_precision_plugin()
-
-    def _broadcast_replicas(self, module: nn.Module) -> None:
-        """Copy every parameter and buffer from the first rank of this rank's ``dp x sp`` group."""
-        from torch.distributed.tensor import DTensor
-
-        group = self._mesh.group(MeshAxis.DP_SP)
-        if dist.get_world_size(group) == 1:
-            return
-        src = dist.get_process_group_ranks(group)[0]
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                if isinstance(t, DTensor):
-                    continue  # sharded by FSDP: consistent by construction
-                dist.broadcast(t.data, src=src, group=group)
 
     # ---------------------------------------------------------------------------------- batches
     @override
@@ -510,176 +385,27 @@ class SequenceParallelStrategy(DDPStrategy):
         # sets `shards_its_own_batches = True` and shards in `on_after_batch_transfer` instead.
         if self._context is not None:
             if getattr(self.lightning_module, "shards_its_own_batches", False):
-                items, lengths, _ = self._sequence_tensors(batch)  # its shard_inputs judges the batch: agree only
-                self._agree_on_batch(batch, items, lengths, None)
+                items, lengths, _ = self._sharder.sequence_tensors(batch)  # its shard_inputs judges the batch: agree only
+                self._sharder.agree_on_batch(batch, items, lengths, None)
             else:
                 batch = self.shard_batch(batch)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def shard_batch(self, batch: Any) -> Any:
         """Shard every tensor under ``sequence_keys`` along dim 1 (``[B, N, ...] -> [B, N_pad/P, ...]``),
-        set ``context.global_seq_len = N`` and add global ``position_ids`` if requested and absent."""
-        from lightning_sp.layout import sequence_positions, shard_sequence
-
-        group, layout = self.context.group, self.layout
-        sharding = self.parallel_dims.sp > 1
-        items, lengths, error = self._sequence_tensors(batch)
-        self._agree_on_batch(batch, items, lengths, error)
-        if not lengths:
-            return batch
-        seq_len = next(iter(lengths.values()))
-        if sharding and isinstance(batch, (list, tuple)) and not self._warned_tuple_positions:
-            self._warned_tuple_positions = True
-            rank_zero_warn(
-                f"SequenceParallelStrategy shards the {type(batch).__name__} batch at positions "
-                f"{sorted(lengths)} but cannot add `position_ids` to it. Positions from `arange(S_local)` are "
-                f"wrong under sequence parallelism: use a dict batch (the strategy then adds global "
-                f"`{self.position_ids_key}`), or lightning_sp.sequence_positions(N, strategy.sp_group, "
-                f"layout=strategy.layout)."
-            )
-        sharded = {}
-        for k, t in items:
-            if t.dim() < 2:
-                continue
-            pad = self.ignore_index if k in self.label_keys else self.pad_value
-            sharded[k] = shard_sequence(t, group, dim=1, layout=layout, pad_value=pad)
-        if isinstance(batch, Mapping):
-            key = self.position_ids_key
-            if key is not None and key in self.sequence_keys and key not in batch:
-                ref = next(iter(sharded.values()))
-                # [S_local] global positions; padding (>= N) clamped so embedding lookups stay in range
-                pos = sequence_positions(seq_len, group, layout=layout, device=ref.device).clamp_(max=seq_len - 1)
-                sharded[key] = pos.unsqueeze(0).expand(ref.size(0), -1)  # [B, S_local]
-            out: Any = dict(batch)
-            out.update(sharded)
-            if not isinstance(batch, dict):
-                try:
-                    out = type(batch)(out)
-                except TypeError:
-                    pass
-        else:
-            as_list = list(batch)
-            for k, t in sharded.items():
-                as_list[k] = t
-            out = type(batch)(as_list) if not hasattr(batch, "_fields") else type(batch)(*as_list)
-        self.context.global_seq_len = seq_len
-        self._report_padding(seq_len)
-        return out
-
-    def _sequence_tensors(self, batch: Any) -> tuple[list, dict, tuple[int, str] | None]:
-        """``(items, lengths, error)``: the ``(key, tensor)`` pairs under ``sequence_keys``, the length (dim 1)
-        of each that has one, and ``(code, message)`` if the batch cannot be sharded (raised after
-        ``_agree_on_batch``, so every rank raises)."""
-        if isinstance(batch, Mapping):
-            items = [(k, batch[k]) for k in self.sequence_keys if k in batch and isinstance(batch[k], torch.Tensor)]
-        elif isinstance(batch, (list, tuple)):
-            items = [(k, batch[k]) for k in self.sequence_keys
-                     if isinstance(k, int) and -len(batch) <= k < len(batch) and isinstance(batch[k], torch.Tensor)]
-        else:
-            items = []
-        lengths = {k: t.size(1) for k, t in items if t.dim() >= 2}
-        error = None
-        if not lengths and self.parallel_dims.sp > 1:  # every rank would silently train on the whole sequence
-            error = (1, self._unsharded_batch_message(batch))
-        elif len(set(lengths.values())) > 1:
-            error = (2, f"sequence_keys tensors disagree on the sequence length (dim 1): {lengths}")
-        return items, lengths, error
-
-    _BATCH_ERRORS = ("", "no sequence tensor under sequence_keys", "sequence_keys tensors disagree on the length")
-    _BATCH_FIELDS = ("error", "dp rank", "seq_len", "batch size", "hash(keys, shapes, dtypes)")
-
-    def _agree_on_batch(self, batch: Any, items: list, lengths: dict, error: tuple[int, str] | None) -> None:
-        """Every rank of the world joins one tiny all-gather per batch (whatever its batch holds), then all
-        raise if any rank's batch is bad, or if ranks of one data-parallel replica (which must shard the
-        same sample) got batches of different lengths, sizes, keys or dtypes: every rank raises at once,
-        naming the ranks and values, before any collective of the step could hang on it (Note [Cross-rank
-        checks are decided together] in ``comm/agree.py``). Replicas may differ from each other."""
-        from lightning_sp.comm.agree import describe_disagreement, gather_rows, stable_hash
-
-        if dist.get_world_size() == 1:
-            if error is not None:
-                raise ValueError(error[1])
-            return
-        # [B, N, ...] of every sequence tensor, N left out (it is seq_len); the batch's keys (a key present
-        # on some ranks only makes a model take another branch, e.g. a metric's all-reduce)
-        described = [(str(k), tuple(t.shape[:1]) + tuple(t.shape[2:]), str(t.dtype)) for k, t in items]
-        keys = (sorted(map(str, batch.keys())) if isinstance(batch, Mapping)
-                else len(batch) if isinstance(batch, (list, tuple)) else type(batch).__name__)
-        seq_len = next(iter(lengths.values())) if lengths and error is None else -1
-        batch_size = next((t.size(0) for _, t in items if t.dim() >= 1), -1)
-        me = dist.get_rank()
-        row = (error[0] if error is not None else 0, self.parallel_dims.dp_rank(me), seq_len, batch_size,
-               stable_hash(keys, described))
-        rows = gather_rows(row, dist.group.WORLD)  # on NCCL: the current CUDA device, which Lightning set
-        if error is not None:
-            raise ValueError(error[1])
-        failed = {r: self._BATCH_ERRORS[row[0]] for r, row in enumerate(rows) if row[0]}
-        if failed:
-            raise ValueError(f"SequenceParallelStrategy: other ranks could not shard their batch (each raises the "
-                             f"details; global rank: problem): {failed}")
-        replicas: dict[int, list[int]] = {}
-        for r, row in enumerate(rows):
-            replicas.setdefault(row[1], []).append(r)
-        lines = []
-        for dp_rank, ranks in sorted(replicas.items()):
-            differ = describe_disagreement([rows[r][2:] for r in ranks], self._BATCH_FIELDS[2:], ranks)
-            if differ is not None:
-                lines.append(f" data-parallel replica {dp_rank} (global ranks {ranks}):\n{differ}")
-        if lines:
-            raise ValueError(
-                "SequenceParallelStrategy: ranks that shard the same sample got different batches at this step "
-                "(every rank raises this; a data loader must give every rank of a sequence-parallel group the same "
-                "sample, e.g. the same seed and the strategy's distributed sampler):\n" + "\n".join(lines)
-                + f"\n this rank ({me}): seq_len={seq_len}, sequence tensors (key, shape without dim 1, dtype): "
-                f"{described}"
-            )
-
-    def _unsharded_batch_message(self, batch: Any) -> str:
-        found = (f"keys {sorted(map(str, batch.keys()))}" if isinstance(batch, Mapping)
-                 else f"{len(batch)} positions" if isinstance(batch, (list, tuple)) else f"a {type(batch).__name__}")
-        return (
-            f"SequenceParallelStrategy(sequence_parallel_size={self.parallel_dims.sp}) found no sequence tensor "
-            f"([B, N, ...]) in the batch ({found}) under sequence_keys={self.sequence_keys}: without sharding, "
-            f"every rank would train on the whole sequence. Return a dict batch with one of those keys, pass "
-            f"sequence_keys=<your keys> (for a tuple batch, positions such as (0, 1)), or use "
-            f"sequence_parallel_size=1."
-        )
-
-    def _report_padding(self, seq_len: int) -> None:
-        from lightning_sp.layout import padded_length
-
-        padded = padded_length(seq_len, self.parallel_dims.sp, self.layout)
-        if padded == seq_len or (seq_len, padded) in self._padding_reported:
-            return
-        first = not self._padding_reported
-        self._padding_reported.add((seq_len, padded))
-        message = (f"SequenceParallelStrategy: sequences of {seq_len} tokens are padded to {padded} (+{padded - seq_len}) "
-                   f"for an even {self.layout} split over sp={self.parallel_dims.sp} ranks; padded positions are never "
-                   f"attended and labels there are ignore_index={self.ignore_index}")
-        if first:
-            rank_zero_info(message + " (other lengths: logged at debug level)")
-        else:
-            log.debug(message)
+        set ``context.global_seq_len = N`` and add global ``position_ids`` if requested and absent
+        (``lightning_sp.batch_sharding``)."""
+        return self._sharder.shard_batch(batch)
 
     # ---------------------------------------------------------------------------------- model wrapping
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         # DDP / FSDP2 over dp x sp (the world when tp = 1): see Note [Gradient reduction over dp x sp]
-        if self._data_parallel == "ddp":
-            if self.parallel_dims.tp > 1:  # tp ranks hold different shards: never average across them
-                if self._ddp_kwargs.get("process_group") is not None:  # LightningCLI passes None explicitly
-                    raise ValueError("SequenceParallelStrategy builds DDP's process group (dp x sp) itself; "
-                                     "do not pass process_group=")
-                self._ddp_kwargs["process_group"] = self._mesh.group(MeshAxis.DP_SP)
-            return super()._setup_model(model)
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self._mesh.dp_sp  # flattened dp x sp mesh, in global rank order
-        for m in model.modules():
-            if m is not model and isinstance(m, self._fsdp_shard_modules):
-                fully_shard(m, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
+        if self._data_parallel == "fsdp":
+            return fully_shard_model(model, self._mesh, self._fsdp_shard_modules)
+        if self.parallel_dims.tp > 1:
+            ddp_process_group(self._ddp_kwargs, self._mesh)
+        return super()._setup_model(model)
 
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
         # an FSDP2 root only unshards in its forward hooks: route the step through __call__
@@ -697,12 +423,10 @@ class SequenceParallelStrategy(DDPStrategy):
 
     def _announce_auto_backend(self) -> None:
         """Say once what ``backend="auto"`` resolved to (known after the first attention call)."""
-        if self._announced_auto or self._context is None or self._context.resolved_backend is None:
-            return
-        self._announced_auto = True
-        choice = self._context.auto_choice
-        rank_zero_info(f"SequenceParallelStrategy: backend='auto' runs "
-                       f"{choice.summary() if choice is not None else self._context.resolved_backend}")
+        message = None if self._announced_auto else auto_backend_message(self._context)
+        if message is not None:
+            self._announced_auto = True
+            rank_zero_info(message)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -726,24 +450,18 @@ class SequenceParallelStrategy(DDPStrategy):
     def reduce_tensor_parallel_gradients(self) -> None:
         """Sum replicated parameters' partial gradients over ``tp`` (``tensor_parallel.grads``); runs once
         per optimizer step. (Manual optimization: call it before ``optimizer.step()``.)"""
-        from lightning_sp.tensor_parallel.grads import reduce_replicated_gradients
-
         reduce_replicated_gradients(self.lightning_module, self._tp_sharded, self._tp_context.group,
                                     self._tp_context.comm)
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, clip_val: float) -> torch.Tensor:
         """Clip by the norm of the whole (tp-split, FSDP-sharded) model, as one process would."""
-        from lightning_sp.tensor_parallel.grads import clip_grad_norm_
-
         params = [p for g in optimizer.param_groups for p in g["params"]]
         shard_group = self._mesh.group(MeshAxis.DP_SP) if self._is_fsdp_root() else None
         return clip_grad_norm_(self.lightning_module, params, clip_val, sharded=self._tp_sharded,
                                tp_group=self._tp_context.group, shard_group=shard_group)
 
     def _is_fsdp_root(self) -> bool:
-        from torch.distributed.fsdp import FSDPModule
-
-        return isinstance(self.model, FSDPModule)
+        return is_fsdp_root(self.model)
 
     @contextmanager
     @override
@@ -865,29 +583,15 @@ class SequenceParallelStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        text = str(exception)
-        if re.search(r"timed? ?out|timeout|Connection closed|Connection reset|peer", text, re.IGNORECASE):
-            hint = (
-                f"\n[lightning_sp] rank {self.global_rank} (dp rank {self.parallel_dims.dp_rank(self.global_rank)}, "
-                f"sp rank {self.parallel_dims.sp_rank(self.global_rank)}) failed in a collective: another rank died or "
-                f"stalled, or ranks issued collectives in different orders. process_group_timeout="
-                f"{self._timeout.total_seconds():.0f}s, global step {self._global_step_or_none()}. Resume from the "
-                f"last saved checkpoint with `trainer.fit(..., ckpt_path=...)`."
-            )
-            try:
-                exception.args = (f"{exception.args[0] if exception.args else ''}{hint}",) + tuple(exception.args[1:])
-            except Exception:  # noqa: BLE001 - never mask the original error
-                pass
+        hint = collective_failure_hint(exception, rank=self.global_rank, dims=self.parallel_dims,
+                                       timeout=self._timeout, global_step=self._global_step_or_none())
+        if hint is not None:
+            append_hint(exception, hint)
 
     @override
     def teardown(self) -> None:
         super().teardown()
-        if dist.is_initialized():
-            for group in self._owned_groups:
-                try:
-                    dist.destroy_process_group(group)
-                except Exception:  # noqa: BLE001 - best effort; the world group may already be gone
-                    pass
+        destroy_groups(self._owned_groups)
         self._owned_groups.clear()
         self._context = None
         self._dp_group = None
@@ -898,21 +602,6 @@ class SequenceParallelStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls,
-                description="Sequence parallelism (ulysses/ring/zigzag/usp) x data parallelism (DDP/FSDP2)",
-            )
-        if "sequence_parallel_spawn" not in strategy_registry:
-            strategy_registry.register(
-                "sequence_parallel_spawn", cls,
-                description="SequenceParallelStrategy with start_method='spawn'", start_method="spawn",
-            )
-
-
-def register_strategy() -> None:
-    """Make ``Trainer(strategy="sequence_parallel")`` work (idempotent)."""
-    SequenceParallelStrategy.register_strategies(StrategyRegistry)
-
-
-register_strategy()
+        # "sequence_parallel" is registered by lightning_sp._registry when Lightning loads (Note [A light
+        # import]); not DDPStrategy's names ("ddp", ...), which this subclass must not take over
+        return None

@@ -14,6 +14,7 @@ from lightning_sp.tensor_parallel.layers import (
     TensorParallelModule,
     VocabParallelEmbedding,
     bind_tensor_parallel,
+    bind_tensor_parallel_layers,
     column_parallel_linear,
     gather_sequence_parallel_output,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "TensorParallelModule",
     "VocabParallelEmbedding",
     "bind_tensor_parallel",
+    "bind_tensor_parallel_layers",
     "column_parallel_linear",
     "gather_sequence_parallel_output",
     "shard_range",

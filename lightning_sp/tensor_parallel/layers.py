@@ -255,3 +255,17 @@ def bind_tensor_parallel(model: nn.Module, ctx: TensorParallelContext) -> list[s
             m.bind_tensor_parallel(ctx)
             sharded += [f"{name}.{p}" if name else p for p in m.tensor_parallel_parameter_names()]
     return sharded
+
+
+def bind_tensor_parallel_layers(model: nn.Module, ctx: TensorParallelContext, *, tensor_parallel_size: int) -> set[str]:
+    """``bind_tensor_parallel`` for ``SequenceParallelStrategy(tensor_parallel_size=t)``: split the model's
+    ``TensorParallelModule`` weights over the ``tp`` axis (Note [Megatron tensor + sequence parallelism]);
+    return the names of the split parameters (the others are replicated). Raises if there are none."""
+    sharded = set(bind_tensor_parallel(model, ctx))
+    if not sharded:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} but the model has no tensor-parallel layers "
+            "(lightning_sp.tensor_parallel.ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding): "
+            "build it from them (as lightning_sp.models does), or use tensor_parallel_size=1"
+        )
+    return sharded
