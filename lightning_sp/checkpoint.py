@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import TensorProperties, TensorWriteData, WriteItem, WriteItemType
@@ -597,7 +598,7 @@ def load(path: str | os.PathLike, tensors: dict[str, ChunkedTensor], *, process_
                  process_group=process_group)
     except CheckpointError:
         raise
-    except Exception as err:  # noqa: BLE001 - DCP gathers every rank's read errors and raises them on all
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP gathers every rank's read errors, raises them on all
         raise _damaged(path, "its shards (*.distcp)", f"{type(err).__name__}: {err}") from None
 
 
