@@ -1,5 +1,8 @@
-"""Sharded checkpoints through ``torch.distributed.checkpoint`` that reshard across tp / sp / dp degrees
-and between DDP and FSDP2. No rank ever gathers the whole state; loading never unpickles objects.
+"""Checkpoint IO: sharded checkpoints through ``torch.distributed.checkpoint`` that reshard across tp /
+sp / dp degrees and between DDP and FSDP2 (no rank ever gathers the whole state), and single-file ones
+loaded into any layout. Saves are crash-consistent (Note [Crash-consistent checkpoints]); loading runs
+no code from any file (allowlisted unpickler for DCP's ``.metadata``, ``weights_only`` for torch files)
+and a damaged checkpoint raises ``CheckpointError`` on every rank, naming the file.
 
 Note [Checkpoint chunks]
     Every parameter (and each optimizer state of its shape) is saved in its *global* shape, the shape
@@ -14,8 +17,9 @@ Note [Checkpoint chunks]
     ``torch.distributed.checkpoint`` writes each distinct chunk once (replicas are de-duplicated) and,
     on load, reads whatever saved chunks overlap the chunks the *new* layout asks for: resharding is
     its job. Non-tensor state (loops, schedulers, hyper-parameters) goes to ``meta.pt``, written by
-    rank 0 and read back with ``torch.load(weights_only=True)``; DCP's own byte items are loaded with
-    ``weights_only=True`` too (``SafeLoadPlanner``).
+    rank 0 and read back with ``torch.load(weights_only=True)``; DCP reads tensor items ``weights_only``,
+    ``SafeLoadPlanner`` refuses byte items and ``SafeFileSystemReader`` reads ``.metadata`` through an
+    allowlist of DCP's metadata classes.
 """
 
 from __future__ import annotations
@@ -394,17 +398,17 @@ def save(path: str | os.PathLike, tensors: dict[str, ChunkedTensor], meta: dict[
     consistently (Note [Crash-consistent checkpoints]). Collective over ``process_group`` (default: world)."""
     path = Path(path)
     rank = _group_rank(process_group)
-    meta_bytes, problem = b"", None
+    number, meta_bytes, problem = secrets.randbits(62), b"", None
     if rank == 0:
         buf = io.BytesIO()
-        torch.save(_plain(meta), buf)
+        torch.save(_plain(meta) | {_SAVE_ID_KEY: f"{number:016x}"}, buf)
         try:  # fail now, not at resume time
             torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
         except Exception as err:  # noqa: BLE001 - reported on every rank below
             problem = err
         meta_bytes = buf.getvalue()
-    # the save id doubles as rank 0's verdict on meta (-1: refused), so no rank is left in dcp.save alone
-    number = _broadcast_from_first(-1 if problem is not None else secrets.randbits(62), process_group)
+    # rank 0's save id doubles as its verdict on meta (-1: refused), so no rank is left in dcp.save alone
+    number = _broadcast_from_first(-1 if problem is not None else number, process_group)
     if number < 0:
         raise ValueError(
             f"checkpoint metadata holds objects that weights_only loading refuses ({problem if rank == 0 else 'see rank 0'}); "
@@ -418,11 +422,7 @@ def save(path: str | os.PathLike, tensors: dict[str, ChunkedTensor], meta: dict[
     failure = None
     if rank == 0:
         try:
-            meta_obj = torch.load(io.BytesIO(meta_bytes), weights_only=True)
-            meta_obj[_SAVE_ID_KEY] = save_id
-            buf = io.BytesIO()
-            torch.save(meta_obj, buf)
-            _write_durably(staging / META_FILE, buf.getvalue())
+            _write_durably(staging / META_FILE, meta_bytes)
             _write_durably(staging / COMMIT_FILE, json.dumps(_commit_record(staging, save_id), indent=1).encode())
             _fsync_dir(staging)
             _move_into_place(staging, path)
@@ -618,11 +618,11 @@ def load_single_file(path: str | os.PathLike, read, *, process_group=None) -> di
     except FileNotFoundError as err:
         problem = err
     except pickle.UnpicklingError as err:
-        problem = _unsafe(path.parent, path.name, err)
+        problem = _unsafe(path, path.name, err)
     except Exception as err:  # noqa: BLE001 - truncated or garbled
-        problem = _damaged(path.parent, path.name, f"{type(err).__name__}: {err}")
+        problem = _damaged(path, path.name, f"{type(err).__name__}: {err}")
     if problem is None and not isinstance(checkpoint, Mapping):
-        problem = _damaged(path.parent, path.name, f"holds a {type(checkpoint).__name__}, not a checkpoint dict")
+        problem = _damaged(path, path.name, f"holds a {type(checkpoint).__name__}, not a checkpoint dict")
     bad = _agree(problem is None, process_group)
     if problem is not None:
         raise problem

@@ -119,7 +119,8 @@ class SequenceParallelStrategy(DDPStrategy):
         distributed_checkpoint: save checkpoints as a ``torch.distributed.checkpoint`` directory in which
             every rank writes only the chunks it holds, resumable under other tp / sp / dp degrees and
             DDP <-> FSDP (``lightning_sp.checkpoint``). ``None``: on with FSDP or tensor parallelism,
-            otherwise Lightning's single file. Sharded directories are always recognised when loading.
+            otherwise Lightning's single file. Both formats resume under every layout (a directory is
+            recognised as sharded when loading); a single file cannot hold a tensor-parallel model.
         **kwargs: passed to ``DDPStrategy`` (``start_method``, ``process_group_backend``,
             ``find_unused_parameters``, ...).
     """

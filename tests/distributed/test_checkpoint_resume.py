@@ -31,7 +31,7 @@ from tests.distributed.test_strategy_tp import (
 pytestmark = pytest.mark.distributed
 
 N_SAMPLES = 4  # with b=1: 2 optimizer steps per epoch at dp=2, 1 at dp=1 (b=2: 1)
-KILL_PG_TIMEOUT_S = 10  # survivors of a killed rank fail in their next collective after this
+KILL_PG_TIMEOUT_S = 15  # survivors of a killed rank fail in their next collective after this
 
 
 def _layout(name, *, sp=2, tp=1, dp="ddp", dcp=False, b=1):
@@ -162,20 +162,20 @@ def test_single_file_cannot_be_asked_for_under_tensor_parallelism():
 KILLED = _layout("fsdp sp2xdp2 dcp", dp="fsdp", dcp=True)  # the issue's layout
 KILL_CASES = {  # point -> (layout, rank that dies)
     "dcp/between_shards": (KILLED, 1),  # rank 1's new shard is written, the other ranks' are not all
-    "dcp/before_rename": (KILLED, 0),  # complete in the staging directory, not yet in place
     "file/before_rename": (_layout("ddp sp2xdp2 file"), 0),  # Lightning's temp file written, not moved
 }
-KILL_EPOCHS = 3  # one save per epoch (2 steps); the second save is killed
+KILL_EPOCHS = 3  # 2 steps each; at each epoch's end ModelCheckpoint saves epoch=E-step=S.ckpt, then last.ckpt
+KILLED_SAVE = 4  # the rewrite of last.ckpt at the end of epoch 1 (other kill points: tests/unit/test_checkpoint_safety.py)
 
 
 def _checkpoint_callback(dirpath):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    return ModelCheckpoint(dirpath=dirpath, save_top_k=0, save_last=True)
+    return ModelCheckpoint(dirpath=dirpath, save_last=True)  # (save_top_k=0 would skip last.ckpt until the end)
 
 
 def _arm_kill(point: str, rank: int, victim: int) -> None:
-    """Make ``victim`` exit (as if SIGKILLed) at ``point`` of the second save."""
+    """Make ``victim`` exit (as if SIGKILLed) at ``point`` of save number ``KILLED_SAVE``."""
     if rank != victim:
         return
     saves = {"n": 0}
@@ -191,24 +191,12 @@ def _arm_kill(point: str, rank: int, victim: int) -> None:
         def write_then_die(self, plan, planner):
             result = write(self, plan, planner)
             saves["n"] += 1
-            if saves["n"] == 2:
+            if saves["n"] == KILLED_SAVE:
                 result.wait()
                 die()
             return result
 
         FileSystemWriter.write_data = write_then_die
-    elif point == "dcp/before_rename":
-        from lightning_sp import checkpoint
-
-        move = checkpoint._move_into_place
-
-        def die_before_move(staging, path):
-            saves["n"] += 1
-            if saves["n"] == 2:
-                die()
-            return move(staging, path)
-
-        checkpoint._move_into_place = die_before_move
     else:
         from fsspec.implementations.local import LocalFileOpener
 
@@ -216,7 +204,7 @@ def _arm_kill(point: str, rank: int, victim: int) -> None:
 
         def die_before_commit(self):
             saves["n"] += 1
-            if saves["n"] == 2:
+            if saves["n"] == KILLED_SAVE:
                 die()
             return commit(self)
 
@@ -228,7 +216,12 @@ def _kill_worker(rank: int, world_size: int, point: str, dirpath: str) -> dict:
 
     cfg, victim = KILL_CASES[point]
     _arm_kill(point, rank, victim)
-    dist.barrier()  # line the ranks up: the short timeout also bounds building the strategy's groups
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    dist.barrier()  # line the ranks up (60 s: a loaded machine starts them slowly), then the short timeout
+    _set_pg_timeout(timedelta(seconds=KILL_PG_TIMEOUT_S))  # the world group's, used by torch.distributed.checkpoint
     start = time.monotonic()
     try:
         trainer = _trainer(cfg, epochs=KILL_EPOCHS, callbacks=[_checkpoint_callback(dirpath)], timeout=KILL_PG_TIMEOUT_S)
@@ -244,8 +237,8 @@ def killed(tmp_path_factory):
     out = {}
     for point, (_, victim) in KILL_CASES.items():
         dirpath = str(tmp_path_factory.mktemp(point.replace("/", "_")))
-        out[point] = (dirpath, run_on_ranks(_kill_worker, WORLD, args=(point, dirpath), timeout_s=180,
-                                            pg_timeout_s=KILL_PG_TIMEOUT_S, may_die=(victim,)))
+        out[point] = (dirpath, run_on_ranks(_kill_worker, WORLD, args=(point, dirpath), timeout_s=300,
+                                            may_die=(victim,)))
     return out
 
 
@@ -334,7 +327,7 @@ def _resume_worker(rank: int, world_size: int, killed_dirs: dict, tmpdir: str) -
         trainer.fit(_perturbed(), _loader(cfg, DATA), ckpt_path="last")
         out["diff"][point] = _max_diff(_params(trainer, cfg, rank), _reference(_replica_batches(cfg, N_SAMPLES) * KILL_EPOCHS))
 
-    good_dir = os.path.join(killed_dirs["dcp/before_rename"], "last.ckpt")
+    good_dir = os.path.join(killed_dirs["dcp/between_shards"], "last.ckpt")
     good_file = os.path.join(killed_dirs["file/before_rename"], "last.ckpt")
     marker = os.path.join(tmpdir, "pwned")
     for kind in ATTACKS:
@@ -342,7 +335,7 @@ def _resume_worker(rank: int, world_size: int, killed_dirs: dict, tmpdir: str) -
         touched = _craft(kind, good_dir, good_file, dst, marker) if rank == 0 else None
         objs = [touched]
         dist.broadcast_object_list(objs, src=0)  # test plumbing only (the library never unpickles)
-        cfg = KILL_CASES["dcp/before_rename" if kind.startswith("dcp") else "file/before_rename"][0]
+        cfg = KILL_CASES["dcp/between_shards" if kind.startswith("dcp") else "file/before_rename"][0]
         start = time.monotonic()
         try:
             _trainer(cfg, epochs=KILL_EPOCHS).fit(_perturbed(), _loader(cfg, DATA), ckpt_path=dst)
@@ -363,7 +356,7 @@ def resumed(killed, tmp_path_factory):
 @pytest.mark.parametrize("point", list(KILL_CASES))
 def test_resume_last_after_a_killed_save_equals_uninterrupted(resumed, point):
     for rank, res in enumerate(resumed):
-        # the save at the end of epoch 0 (step 2) is the newest complete one: the killed one never replaced it
+        # last.ckpt of epoch 0 (step 2): the killed rewrite at the end of epoch 1 never replaced it
         assert res["resumed_step"][point] == 2, (point, res["resumed_step"][point])
         assert res["diff"][point] < TOL, f"rank {rank} {point}: {res['diff'][point]:.3e}"
 
