@@ -299,13 +299,18 @@ def _group_rank(process_group) -> int:
     return dist.get_rank(process_group) if _is_distributed(process_group) else 0
 
 
-def _agree(ok: bool, process_group) -> list[int]:
-    """The group ranks whose ``ok`` is False, identical on every rank (one all-gather, always issued)."""
+def _gather_ints(value: int, process_group) -> list[int]:
+    """Every group rank's ``value``, identical on every rank (one all-gather, always issued)."""
     if not _is_distributed(process_group):
-        return [] if ok else [0]
-    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(flags, torch.tensor([0 if ok else 1]), group=process_group)
-    return [r for r, f in enumerate(flags) if int(f)]
+        return [value]
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(process_group))]
+    dist.all_gather(out, torch.tensor([value], dtype=torch.int64), group=process_group)
+    return [int(v) for v in out]
+
+
+def _agree(ok: bool, process_group) -> list[int]:
+    """The group ranks whose ``ok`` is False, identical on every rank."""
+    return [r for r, bad in enumerate(_gather_ints(0 if ok else 1, process_group)) if bad]
 
 
 def _broadcast_from_first(value: int, process_group) -> int:
@@ -602,9 +607,15 @@ def load(path: str | os.PathLike, tensors: dict[str, ChunkedTensor], *, process_
         raise _damaged(path, "its shards (*.distcp)", f"{type(err).__name__}: {err}") from None
 
 
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    """A directory (whole or damaged) is a sharded checkpoint; a file is a single-file one."""
-    return Path(path).is_dir()
+def is_sharded_checkpoint(path: str | os.PathLike, *, process_group=None) -> bool:
+    """A directory (whole or damaged) is a sharded checkpoint; a file is a single-file one. With a process
+    group initialised, the ranks agree (each format's loader issues other collectives) and raise
+    ``CheckpointError`` together if they see ``path`` differently."""
+    kinds = _gather_ints(int(Path(path).is_dir()), process_group)
+    if len(set(kinds)) > 1:
+        raise CheckpointError(f"checkpoint {path} is a directory on rank(s) {[r for r, k in enumerate(kinds) if k]} "
+                              f"and not on the others: is it on a filesystem every rank shares?")
+    return bool(kinds[0])
 
 
 def load_single_file(path: str | os.PathLike, read, *, process_group=None) -> dict[str, Any]:
