@@ -233,7 +233,7 @@ def _kill_worker(rank: int, world_size: int, point: str, dirpath: str) -> dict:
     try:
         trainer.fit(_make("decoder"), _loader(cfg, DATA))
     except Exception as err:  # noqa: BLE001 - the error is what is tested
-        return {"error": f"{type(err).__name__}: {err}", "saves": len(started), "since_save": time.monotonic() - started[-1]}
+        return {"error": f"{type(err).__name__}: {err}", "saves": len(started), "since_save": time.monotonic() - started[-1] if started else None}
     return {"error": None, "saves": len(started), "since_save": None}
 
 

@@ -286,3 +286,48 @@ def test_single_file_payload_never_runs(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="refuses to unpickle"):
         checkpoint.load_single_file(file, lambda: torch.load(file, weights_only=True))
     assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- single files into any layout
+def _trained(seed: int):
+    model = _model(seed)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=0.1)
+    for _ in range(2):
+        model(torch.randn(5, 3, dtype=torch.float64)).square().sum().backward()
+        opt.step()
+    opt.param_groups[0]["lr"] = 0.05  # a scheduler moved it: restored from the file
+    return model, opt
+
+
+@pytest.mark.parametrize("keyed", ["numbered", "by_name"])
+def test_full_optimizer_state_loads_from_either_format(keyed):
+    model, opt = _trained(1)
+    saved = opt.state_dict()
+    if keyed == "by_name":  # what get_optimizer_state_dict(full_state_dict=True) writes under FSDP
+        names = [n for n, _ in model.named_parameters()]
+        order = [n for g in checkpoint._param_names(model, opt) for n in g]
+        number_to_name = dict(zip(range(len(order)), order))
+        saved = {"state": {number_to_name[k]: v for k, v in saved["state"].items()},
+                 "param_groups": [g | {"params": [number_to_name[i] for i in g["params"]]} for g in saved["param_groups"]]}
+        assert set(saved["state"]) <= set(names)
+    assert checkpoint.is_name_keyed([saved]) == (keyed == "by_name")
+    fresh, fresh_opt = _model(2), None
+    decay = [p for p in fresh.parameters() if p.dim() >= 2]
+    rest = [p for p in fresh.parameters() if p.dim() < 2]
+    fresh_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=0.1)
+    checkpoint.load_full_model_state(fresh, model.state_dict())
+    checkpoint.load_full_optimizer_states(fresh, [fresh_opt], [saved])
+    got, want = fresh_opt.state_dict(), opt.state_dict()
+    assert got["param_groups"] == want["param_groups"]  # lr 0.05 included
+    for i, state in want["state"].items():
+        for k, v in state.items():
+            assert torch.equal(got["state"][i][k], v), (i, k)
+    assert _equal(fresh.state_dict(), model.state_dict())
+    # negative control: another optimizer layout is refused by name, not loaded into the wrong parameters
+    other = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="parameter groups of sizes"):
+        checkpoint.load_full_optimizer_states(fresh, [other], [saved])
+    with pytest.raises(ValueError, match="missing .*unexpected"):
+        checkpoint.load_full_model_state(fresh, {"0.weight": torch.zeros(4, 3)})
