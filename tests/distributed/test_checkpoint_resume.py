@@ -257,7 +257,7 @@ def test_killed_save_fails_the_other_ranks(killed):
                 assert res["error"] is not None, f"{point}: rank {rank} finished although rank {victim} died"
                 assert res["saves"] == KILLED_SAVE, (point, res)  # it failed in the killed save, not elsewhere
                 # within the process-group timeout of the kill, not the world's 60 s or a hang
-                assert res["since_save"] < 4 * KILL_PG_TIMEOUT_S, (point, res)
+                assert res["since_save"] < 6 * KILL_PG_TIMEOUT_S, (point, res)
 
 
 # --------------------------------------------------------------------------- 3. resume; payloads; damage
