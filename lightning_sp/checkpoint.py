@@ -1,5 +1,8 @@
-"""Sharded checkpoints through ``torch.distributed.checkpoint`` that reshard across tp / sp / dp degrees
-and between DDP and FSDP2. No rank ever gathers the whole state; loading never unpickles objects.
+"""Checkpoint IO: sharded checkpoints through ``torch.distributed.checkpoint`` that reshard across tp /
+sp / dp degrees and between DDP and FSDP2 (no rank ever gathers the whole state), and single-file ones
+loaded into any layout. Saves are crash-consistent (Note [Crash-consistent checkpoints]); loading runs
+no code from any file (allowlisted unpickler for DCP's ``.metadata``, ``weights_only`` for torch files)
+and a damaged checkpoint raises ``CheckpointError`` on every rank, naming the file.
 
 Note [Checkpoint chunks]
     Every parameter (and each optimizer state of its shape) is saved in its *global* shape, the shape
@@ -14,14 +17,22 @@ Note [Checkpoint chunks]
     ``torch.distributed.checkpoint`` writes each distinct chunk once (replicas are de-duplicated) and,
     on load, reads whatever saved chunks overlap the chunks the *new* layout asks for: resharding is
     its job. Non-tensor state (loops, schedulers, hyper-parameters) goes to ``meta.pt``, written by
-    rank 0 and read back with ``torch.load(weights_only=True)``; DCP's own byte items are loaded with
-    ``weights_only=True`` too (``SafeLoadPlanner``).
+    rank 0 and read back with ``torch.load(weights_only=True)``; DCP reads tensor items ``weights_only``,
+    ``SafeLoadPlanner`` refuses byte items and ``SafeFileSystemReader`` reads ``.metadata`` through an
+    allowlist of DCP's metadata classes.
 """
 
 from __future__ import annotations
 
+import collections
+import glob
 import io
+import json
 import os
+import pickle
+import secrets
+import shutil
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +42,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import TensorProperties, TensorWriteData, WriteItem, WriteItemType
 
 from lightning_sp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_range
-
-META_FILE = "meta.pt"
 
 
 # ------------------------------------------------------------------------------------------ chunks
@@ -226,6 +236,50 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 # ------------------------------------------------------------------------------------------ io
+# Note [Crash-consistent checkpoints]
+#     A sharded checkpoint ``<dir>/<name>`` is never written in place. Every save goes to a staging
+#     sibling and is swapped into place only once it is complete::
+#
+#         <dir>/.<name>.saving-<save_id>/   every rank: __<rank>_0.distcp; coordinator: .metadata (DCP)
+#                                           rank 0, after dcp.save returned everywhere: meta.pt, then
+#                                           commit.json (save id, DCP's save id, every file's size)
+#         rank 0: exchange(staging, <name>) (renameat2 RENAME_EXCHANGE: one atomic step), then delete
+#                 the staging name, which now holds the previous checkpoint
+#
+#     A rank killed at any instant leaves ``<name>`` either the previous complete checkpoint or the
+#     new one, so ``ckpt_path="last"`` always finds a complete checkpoint. On load, every rank checks
+#     the commit record (files present, sizes, ``meta.pt`` and ``.metadata`` of the same save) and the
+#     ranks agree on the verdict with one all-gather, so a damaged checkpoint fails on every rank at
+#     once, naming the file. Where the exchange is unsupported (not Linux, NFS), the old checkpoint is
+#     renamed aside first: a kill between the two renames leaves ``<name>`` missing and the error on
+#     load names the complete staging copy to rename back.
+META_FILE = "meta.pt"
+COMMIT_FILE = "commit.json"
+METADATA_FILE = ".metadata"  # written by torch.distributed.checkpoint
+COMMIT_FORMAT = "lightning_sp.dcp/1"
+_SAVE_ID_KEY = "_lightning_sp_save_id"  # in meta.pt, popped by load_meta
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted: incomplete, corrupted, or holding objects that are not plain
+    data. Raised on every rank, naming the checkpoint and the file."""
+
+
+def _damaged(path: Path, file: str, reason: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is incomplete or corrupted: {file}: {reason}. Resume from another checkpoint "
+        f"(an interrupted save never replaces the previous one) or delete this one"
+    )
+
+
+def _unsafe(path: Path, file: str, err: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path}: {file} holds objects that loading refuses to unpickle ({err}); lightning_sp "
+        f"checkpoints hold plain data only, so this file was crafted or written by other code. Loading never "
+        f"runs code from a file; load a file you trust yourself with torch.load(weights_only=False)"
+    )
+
+
 def _plain(obj: Any) -> Any:
     """Containers as plain dict / list / tuple so ``torch.load(weights_only=True)`` reads them."""
     if isinstance(obj, Mapping):
@@ -237,36 +291,356 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def _is_distributed(process_group) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _group_rank(process_group) -> int:
+    return dist.get_rank(process_group) if _is_distributed(process_group) else 0
+
+
+def _gather_ints(value: int, process_group) -> list[int]:
+    """Every group rank's ``value``, identical on every rank (one all-gather, always issued)."""
+    if not _is_distributed(process_group):
+        return [value]
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(process_group))]
+    dist.all_gather(out, torch.tensor([value], dtype=torch.int64), group=process_group)
+    return [int(v) for v in out]
+
+
+def _agree(ok: bool, process_group) -> list[int]:
+    """The group ranks whose ``ok`` is False, identical on every rank."""
+    return [r for r, bad in enumerate(_gather_ints(0 if ok else 1, process_group)) if bad]
+
+
+def _broadcast_from_first(value: int, process_group) -> int:
+    """``value`` of group rank 0 on every rank."""
+    if not _is_distributed(process_group):
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(t, src=dist.get_global_rank(process_group, 0) if process_group is not None else 0, group=process_group)
+    return int(t)
+
+
+def _staging_path(path: Path, save_id: str) -> Path:
+    # not ``last*.ckpt``: Lightning's ``ckpt_path="last"`` never picks a staging directory
+    return path.parent / f".{path.name}.saving-{save_id}"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not supported on this platform / filesystem
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the names ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    platform or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import errno
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(code, f"cannot exchange {a} and {b}: {os.strerror(code)}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink(missing_ok=True)
+
+
+def _move_into_place(staging: Path, path: Path) -> None:
+    """Make the complete ``staging`` directory the checkpoint ``path`` (rank 0); see Note [Crash-consistent
+    checkpoints]."""
+    if not (path.exists() or path.is_symlink()):
+        os.rename(staging, path)
+    elif _exchange(staging, path):
+        _remove(staging)  # now the previous checkpoint
+    else:
+        retired = path.parent / f".{path.name}.retired-{staging.name.rsplit('-', 1)[-1]}"
+        os.rename(path, retired)
+        os.rename(staging, path)
+        _remove(retired)
+    _fsync_dir(path.parent)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.saving-*"):  # left by saves that were killed
+        _remove(stale)
+
+
+def _commit_record(staging: Path, save_id: str) -> dict[str, Any]:
+    files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file() and p.name != COMMIT_FILE}
+    dcp_save_id = _read_dcp_metadata(staging).storage_meta.save_id
+    return {"format": COMMIT_FORMAT, "save_id": save_id, "dcp_save_id": dcp_save_id, "files": files}
+
+
 def save(path: str | os.PathLike, tensors: dict[str, ChunkedTensor], meta: dict[str, Any], *, process_group=None) -> None:
-    """Write ``tensors`` (every rank its chunks) and ``meta`` (rank 0) to the directory ``path``."""
+    """Write ``tensors`` (every rank its chunks) and ``meta`` (rank 0) as the directory ``path``, crash-
+    consistently (Note [Crash-consistent checkpoints]). Collective over ``process_group`` (default: world)."""
     path = Path(path)
-    meta = _plain(meta)
-    if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
+    rank = _group_rank(process_group)
+    number, meta_bytes, problem = secrets.randbits(62), b"", None
+    if rank == 0:
         buf = io.BytesIO()
-        torch.save(meta, buf)
+        torch.save(_plain(meta) | {_SAVE_ID_KEY: f"{number:016x}"}, buf)
         try:  # fail now, not at resume time
             torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-        except Exception as err:
-            raise ValueError(
-                f"checkpoint metadata holds objects that weights_only loading refuses ({err}); keep hyper-parameters, "
-                "callback and loop states to numbers, strings, tensors and containers of them"
-            ) from None
-        (path / META_FILE).write_bytes(buf.getvalue())
-    dcp.save(tensors, checkpoint_id=str(path), planner=ChunkedSavePlanner(), process_group=process_group)
+        except Exception as err:  # noqa: BLE001 - reported on every rank below
+            problem = err
+        meta_bytes = buf.getvalue()
+    # rank 0's save id doubles as its verdict on meta (-1: refused), so no rank is left in dcp.save alone
+    number = _broadcast_from_first(-1 if problem is not None else number, process_group)
+    if number < 0:
+        raise ValueError(
+            f"checkpoint metadata holds objects that weights_only loading refuses ({problem if rank == 0 else 'see rank 0'}); "
+            "keep hyper-parameters, callback and loop states to numbers, strings, tensors and containers of them"
+        ) from None
+    save_id = f"{number:016x}"
+    staging = _staging_path(path, save_id)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(staging)), planner=ChunkedSavePlanner(),
+             process_group=process_group)
+    # dcp.save has returned on every rank: every shard and .metadata are written
+    failure = None
+    if rank == 0:
+        try:
+            _write_durably(staging / META_FILE, meta_bytes)
+            _write_durably(staging / COMMIT_FILE, json.dumps(_commit_record(staging, save_id), indent=1).encode())
+            _fsync_dir(staging)
+            _move_into_place(staging, path)
+        except Exception as err:  # noqa: BLE001 - re-raised below, after every rank knows
+            failure = err
+    # every rank returns only once the checkpoint is in place, and fails if rank 0 could not commit it
+    if _broadcast_from_first(0 if failure is None else 1, process_group):
+        if failure is not None:
+            raise failure
+        raise CheckpointError(f"rank 0 failed to commit the checkpoint {path} (see its error); the previous one is unchanged")
+
+
+# ------------------------------------------------------------------------------------------ loading
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    """The classes a DCP ``.metadata`` file is made of (nothing that can run code)."""
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+    }
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex",
+                 "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+        if hasattr(metadata, name):
+            allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
+    for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+        allowed[("pathlib", name)] = getattr(pathlib, name)
+    for name, value in vars(torch).items():
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = value
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: any other global (a function, a class with side effects)
+    raises ``pickle.UnpicklingError``."""
+
+    _allowed: dict[tuple[str, str], Any] | None = None
+
+    def find_class(self, module: str, name: str) -> Any:
+        if _MetadataUnpickler._allowed is None:
+            _MetadataUnpickler._allowed = _allowed_globals()
+        try:
+            return _MetadataUnpickler._allowed[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a torch.distributed.checkpoint metadata class") from None
+
+
+def _read_dcp_metadata(path: Path):
+    """DCP's ``.metadata`` of ``path`` through the allowlisted unpickler."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    file = path / METADATA_FILE
+    try:
+        with open(file, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as err:
+        if "not a torch.distributed.checkpoint metadata class" in str(err):
+            raise _unsafe(path, METADATA_FILE, err) from None
+        raise _damaged(path, METADATA_FILE, f"{type(err).__name__}: {err}") from None
+    except FileNotFoundError:
+        raise _damaged(path, METADATA_FILE, "missing") from None
+    except Exception as err:  # noqa: BLE001 - truncated / garbled: say which file
+        raise _damaged(path, METADATA_FILE, f"{type(err).__name__}: {err}") from None
+    if not isinstance(md, Metadata):
+        raise _damaged(path, METADATA_FILE, f"holds a {type(md).__name__}, not torch.distributed.checkpoint Metadata")
+    return md
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` goes through an allowlisted unpickler (DCP's own uses
+    plain ``pickle``, which runs whatever a crafted file asks); shards are read ``weights_only`` by DCP."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        md = _read_dcp_metadata(Path(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+def _verify_locally(path: Path) -> CheckpointError | None:
+    """What is wrong with the sharded checkpoint ``path`` as this rank sees it, or None."""
+    if not path.exists():
+        staged = sorted(path.parent.glob(f".{glob.escape(path.name)}.saving-*"))
+        complete = [s for s in staged if (s / COMMIT_FILE).is_file()]
+        hint = f"; a complete copy was left by an interrupted rename: rename {complete[-1]} to {path}" if complete else ""
+        return CheckpointError(f"checkpoint {path} does not exist{hint}")
+    if not path.is_dir():
+        return _damaged(path, path.name, "a sharded checkpoint is a directory; this is a file")
+    try:
+        record = json.loads((path / COMMIT_FILE).read_text())
+        files, save_id = dict(record["files"]), str(record["save_id"])
+        if record.get("format") != COMMIT_FORMAT:
+            return _damaged(path, COMMIT_FILE, f"format {record.get('format')!r}, expected {COMMIT_FORMAT!r}")
+    except FileNotFoundError:
+        return _damaged(path, COMMIT_FILE, "missing: the save that wrote this directory never completed (or it was "
+                                           "written before lightning_sp wrote commit records)")
+    except Exception as err:  # noqa: BLE001
+        return _damaged(path, COMMIT_FILE, f"unreadable ({type(err).__name__}: {err})")
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return _damaged(path, name, "missing")
+        if file.stat().st_size != size:
+            return _damaged(path, name, f"{file.stat().st_size} bytes, the commit record says {size}")
+    if META_FILE not in files or METADATA_FILE not in files:
+        return _damaged(path, COMMIT_FILE, f"does not list {META_FILE} and {METADATA_FILE}")
+    try:
+        md = _read_dcp_metadata(path)
+    except CheckpointError as err:
+        return err
+    if md.storage_meta is None or md.storage_meta.save_id != record.get("dcp_save_id"):
+        return _damaged(path, METADATA_FILE, "written by another save than the commit record's")
+    shards = {info.relative_path for info in (md.storage_data or {}).values()}
+    if not shards <= set(files):
+        return _damaged(path, sorted(shards - set(files))[0], "not listed in the commit record")
+    try:
+        meta_id = _load_meta_unverified(path).get(_SAVE_ID_KEY)
+    except CheckpointError as err:
+        return err
+    if meta_id != save_id:
+        return _damaged(path, META_FILE, f"written by save {meta_id}, the commit record is save {save_id}")
+    return None
+
+
+def verify(path: str | os.PathLike, *, process_group=None) -> None:
+    """Check the sharded checkpoint ``path`` against its commit record on every rank of ``process_group``
+    (default: world) and agree: if any rank finds a problem, every rank raises ``CheckpointError``.
+    Collective: every rank must call it."""
+    path = Path(path)
+    problem = _verify_locally(path)
+    bad = _agree(problem is None, process_group)
+    if problem is not None:
+        raise problem
+    if bad:
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupted as rank(s) {bad} see it (their errors name "
+                              f"the file); this rank found no problem: is the directory on a shared filesystem?")
+
+
+def _load_meta_unverified(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path / META_FILE, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        raise _unsafe(path, META_FILE, err) from None
+    except FileNotFoundError:
+        raise _damaged(path, META_FILE, "missing") from None
+    except Exception as err:  # noqa: BLE001
+        raise _damaged(path, META_FILE, f"{type(err).__name__}: {err}") from None
 
 
 def load_meta(path: str | os.PathLike) -> dict[str, Any]:
-    return torch.load(Path(path) / META_FILE, weights_only=True, map_location="cpu")
+    """The non-tensor part (``meta.pt``) of the checkpoint ``path``, read ``weights_only``."""
+    meta = _load_meta_unverified(Path(path))
+    meta.pop(_SAVE_ID_KEY, None)
+    return meta
 
 
-def load(path: str | os.PathLike, tensors: dict[str, ChunkedTensor], *, process_group=None) -> None:
-    """Read every chunk of ``tensors`` (in place) from the directory ``path``, whatever layout saved it."""
-    dcp.load(tensors, checkpoint_id=str(path), planner=SafeLoadPlanner(), process_group=process_group)
+def load(path: str | os.PathLike, tensors: dict[str, ChunkedTensor], *, process_group=None, verified: bool = False) -> None:
+    """Read every chunk of ``tensors`` (in place) from the directory ``path``, whatever layout saved it.
+    Collective; checks the commit record first (every rank agrees) unless ``verified``."""
+    path = Path(path)
+    if not verified:
+        verify(path, process_group=process_group)
+    try:
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+                 process_group=process_group)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP gathers every rank's read errors, raises them on all
+        raise _damaged(path, "its shards (*.distcp)", f"{type(err).__name__}: {err}") from None
 
 
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
+def is_sharded_checkpoint(path: str | os.PathLike, *, process_group=None) -> bool:
+    """A directory (whole or damaged) is a sharded checkpoint; a file is a single-file one. With a process
+    group initialised, the ranks agree (each format's loader issues other collectives) and raise
+    ``CheckpointError`` together if they see ``path`` differently."""
+    kinds = _gather_ints(int(Path(path).is_dir()), process_group)
+    if len(set(kinds)) > 1:
+        raise CheckpointError(f"checkpoint {path} is a directory on rank(s) {[r for r, k in enumerate(kinds) if k]} "
+                              f"and not on the others: is it on a filesystem every rank shares?")
+    return bool(kinds[0])
+
+
+def load_single_file(path: str | os.PathLike, read, *, process_group=None) -> dict[str, Any]:
+    """``read()`` the single-file checkpoint ``path`` (e.g. Lightning's ``CheckpointIO.load_checkpoint``
+    with ``weights_only=True``) on every rank; if any rank cannot, every rank raises ``CheckpointError``
+    naming the file. Collective."""
+    path = Path(path)
+    checkpoint, problem = None, None
+    try:
+        checkpoint = read()
+    except FileNotFoundError as err:
+        problem = err
+    except pickle.UnpicklingError as err:
+        problem = _unsafe(path, path.name, err)
+    except Exception as err:  # noqa: BLE001 - truncated or garbled
+        problem = _damaged(path, path.name, f"{type(err).__name__}: {err}")
+    if problem is None and not isinstance(checkpoint, Mapping):
+        problem = _damaged(path, path.name, f"holds a {type(checkpoint).__name__}, not a checkpoint dict")
+    bad = _agree(problem is None, process_group)
+    if problem is not None:
+        raise problem
+    if bad:
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupted as rank(s) {bad} read it (their errors "
+                              f"say why); is it on a shared filesystem?")
+    return checkpoint
 
 
 # ------------------------------------------------------------------------------------------ Lightning
@@ -288,7 +662,9 @@ def load_lightning_checkpoint(path: str | os.PathLike, module: nn.Module,
                               optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     """Load the model (and, if the checkpoint has as many, the optimizers) in place from ``path``, in
     whatever layout ``module`` and ``optimizers`` are now; return the rest of the Lightning checkpoint
-    with empty ``state_dict`` / ``optimizer_states`` placeholders (already loaded)."""
+    with empty ``state_dict`` / ``optimizer_states`` placeholders (already loaded). Collective: checks the
+    commit record on every rank first (``verify``); raises ``CheckpointError`` on every rank if damaged."""
+    verify(path)
     meta = load_meta(path)
     tensors = {f"model/{k}": v for k, v in model_state(module).items()}
     saved_groups = meta.pop("optimizer_param_groups", [])
@@ -298,7 +674,7 @@ def load_lightning_checkpoint(path: str | os.PathLike, module: nn.Module,
             init_optimizer_state(opt)
             state, _ = optimizer_state(module, opt)
             tensors.update({f"optimizer{i}/{k}": v for k, v in state.items()})
-    load(path, tensors)  # every rank reads the chunks it holds, in place
+    load(path, tensors, verified=True)  # every rank reads the chunks it holds, in place
     if restore_optim:
         for opt, groups in zip(optimizers, saved_groups):
             for group, saved in zip(opt.param_groups, groups):
@@ -306,3 +682,78 @@ def load_lightning_checkpoint(path: str | os.PathLike, module: nn.Module,
         meta["optimizer_states"] = [{} for _ in optimizers]
     meta["state_dict"] = {}
     return meta
+
+
+# ------------------------------------------------------------------------------------------ single files
+def _copy_full_into(full: torch.Tensor, target: "ChunkedTensor | torch.Tensor", name: str) -> None:
+    """Copy the whole (one-process) tensor ``full`` into this rank's chunks of it, in place."""
+    if not isinstance(full, torch.Tensor):
+        raise ValueError(f"checkpoint entry {name!r} is a {type(full).__name__}, not a tensor")
+    if isinstance(target, ChunkedTensor):
+        if tuple(full.shape) != tuple(target.global_size):
+            raise ValueError(f"checkpoint entry {name!r} has shape {tuple(full.shape)}, the model's is "
+                             f"{tuple(target.global_size)}")
+        with torch.no_grad():
+            for offsets, view in target.chunks:
+                index = tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))
+                view.copy_(full[index])
+        return
+    if full.shape != target.shape:
+        raise ValueError(f"checkpoint entry {name!r} has shape {tuple(full.shape)}, the model's is {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(full)
+
+
+def load_full_model_state(module: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Load a whole (unsharded) model state dict, as a single-file checkpoint holds it, into ``module``
+    in place, whatever its layout now (DDP, FSDP2, tensor-parallel): each rank copies the chunks it holds."""
+    chunks = model_state(module)
+    missing, unexpected = sorted(set(chunks) - set(state_dict)), sorted(set(state_dict) - set(chunks))
+    if strict and (missing or unexpected):
+        raise ValueError(f"the checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+    for name, target in chunks.items():
+        if name in state_dict:
+            _copy_full_into(state_dict[name], target, name)
+
+
+def _optimizer_state_by_name(saved: Mapping[str, Any], names: list[list[str]]) -> tuple[dict[str, dict], list[dict]]:
+    """A whole optimizer state dict keyed by parameter name, from either format a single file holds:
+    ``optimizer.state_dict()`` (parameters numbered in param-group order: DDP) or FQN-keyed
+    (``get_optimizer_state_dict(full_state_dict=True)``: FSDP)."""
+    groups = list(saved.get("param_groups", []))
+    if [len(g["params"]) for g in groups] != [len(n) for n in names]:
+        raise ValueError(f"the checkpoint's optimizer has parameter groups of sizes {[len(g['params']) for g in groups]}, "
+                         f"this optimizer {[len(n) for n in names]}: configure_optimizers must build the same groups")
+    key_to_name = {key: name for g, group_names in zip(groups, names) for key, name in zip(g["params"], group_names)}
+    state = {}
+    for key, value in saved.get("state", {}).items():
+        if key not in key_to_name:
+            raise ValueError(f"the checkpoint's optimizer state has an entry {key!r} that is in no parameter group")
+        state[key_to_name[key]] = value
+    return state, groups
+
+
+def is_name_keyed(saved_states: list[Mapping[str, Any]]) -> bool:
+    """Whether single-file optimizer states key parameters by name (FSDP's full state dict), not by number."""
+    return any(isinstance(p, str) for s in saved_states for g in s.get("param_groups", []) for p in g.get("params", []))
+
+
+def load_full_optimizer_states(module: nn.Module, optimizers: list[torch.optim.Optimizer],
+                               saved_states: list[Mapping[str, Any]]) -> None:
+    """Load whole optimizer state dicts (either single-file format, see ``_optimizer_state_by_name``) into
+    ``optimizers`` of ``module`` in place, whatever the layout now; restores the groups' hyper-parameters."""
+    if len(saved_states) != len(optimizers):
+        raise ValueError(f"the checkpoint has {len(saved_states)} optimizer state(s), the model {len(optimizers)}")
+    for optimizer, saved in zip(optimizers, saved_states):
+        names = _param_names(module, optimizer)
+        by_name, groups = _optimizer_state_by_name(saved, names)
+        init_optimizer_state(optimizer)
+        targets, _ = optimizer_state(module, optimizer)  # "<param>/<state>" -> this rank's chunks
+        for pname, values in by_name.items():
+            for key, value in values.items():
+                target = targets.get(f"{pname}/{key}")
+                if target is None:
+                    raise ValueError(f"the checkpoint's optimizer state {pname}/{key} does not exist in this optimizer")
+                _copy_full_into(value if isinstance(value, torch.Tensor) else torch.tensor(value), target, f"{pname}/{key}")
+        for group, saved_group in zip(optimizer.param_groups, groups):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})

@@ -107,7 +107,8 @@ class SequenceParallelStrategy(DDPStrategy):
         distributed_checkpoint: save checkpoints as a ``torch.distributed.checkpoint`` directory in which
             every rank writes only the chunks it holds, resumable under other tp / sp / dp degrees and
             DDP <-> FSDP (``lightning_sp.checkpoint``). ``None``: on with FSDP or tensor parallelism,
-            otherwise Lightning's single file. Sharded directories are always recognised when loading.
+            otherwise Lightning's single file. Both formats resume under every layout (a directory is
+            recognised as sharded when loading); a single file cannot hold a tensor-parallel model.
         hardware: the cost-model profile ``backend="auto"`` prices the backends with (a
             ``lightning_sp.cost_model`` preset name such as ``"h100-80gb"``, or a calibrated
             ``HardwareProfile``); its ranks per node are replaced by the launch's (``devices``).
@@ -163,6 +164,9 @@ class SequenceParallelStrategy(DDPStrategy):
         self._mesh: ParallelMesh | None = None
         self._tp_context: TensorParallelContext | None = None
         self._tp_sharded: set[str] = set()
+        if tensor_parallel_size > 1 and distributed_checkpoint is False:
+            raise ValueError("distributed_checkpoint=False (one file) cannot hold a tensor-parallel model; drop it: "
+                             "sharded checkpoints resume under any layout, DDP and FSDP included")
         self._distributed_checkpoint = (tensor_parallel_size > 1 or data_parallel == "fsdp") \
             if distributed_checkpoint is None else bool(distributed_checkpoint)
         self._restored_sharded = False
@@ -487,8 +491,9 @@ class SequenceParallelStrategy(DDPStrategy):
 
     # Single file (distributed_checkpoint=False; the default for DDP without tensor parallelism):
     # DDP: Lightning's checkpoint (nothing is sharded by sp, so any sp degree can resume).
-    # FSDP: the full (unsharded) state dict is gathered on every rank and written once by rank 0, so
-    # a checkpoint also resumes under another degree or under DDP.
+    # FSDP: the full (unsharded) state dict is gathered on every rank and written once by rank 0.
+    # Either resumes under any layout: lightning_sp.checkpoint copies the whole tensors into the chunks
+    # each rank holds (load_full_model_state / load_full_optimizer_states). Read weights_only.
     def _fsdp_options(self, **kw):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -512,11 +517,12 @@ class SequenceParallelStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from lightning_sp.checkpoint import is_sharded_checkpoint, load_lightning_checkpoint
+        from lightning_sp.checkpoint import is_sharded_checkpoint, load_lightning_checkpoint, load_single_file
 
         self._restored_sharded = False
         if not is_sharded_checkpoint(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            read = super().load_checkpoint  # weights_only unless the caller passes False for a file they trust
+            return load_single_file(checkpoint_path, lambda: read(checkpoint_path, weights_only=weights_only is not False))
         checkpoint = load_lightning_checkpoint(checkpoint_path, self.lightning_module, list(self.optimizers))
         self._restored_sharded = True
         return checkpoint
@@ -550,15 +556,10 @@ class SequenceParallelStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._restored_sharded:
             return
-        if self._tp_size > 1:
-            raise ValueError(
-                "a single-file (full) checkpoint cannot be loaded into a tensor-parallel model; save it with "
-                "SequenceParallelStrategy(distributed_checkpoint=True), which reshards across degrees"
-            )
-        if self._data_parallel == "fsdp" and self._is_fsdp_root():
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        if self._tp_size > 1 or (self._data_parallel == "fsdp" and self._is_fsdp_root()):
+            from lightning_sp.checkpoint import load_full_model_state
 
-            set_model_state_dict(self.model, checkpoint["state_dict"], options=self._fsdp_options(strict=strict))
+            load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
             return
         super().load_model_state_dict(checkpoint, strict=strict)
 
@@ -566,11 +567,11 @@ class SequenceParallelStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._restored_sharded:
             return
-        if self._data_parallel == "fsdp" and self._is_fsdp_root():
-            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from lightning_sp.checkpoint import is_name_keyed, load_full_optimizer_states
 
-            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-                set_optimizer_state_dict(self.model, optimizer, state, options=self._fsdp_options())
+        states = checkpoint["optimizer_states"]
+        if self._tp_size > 1 or (self._data_parallel == "fsdp" and self._is_fsdp_root()) or is_name_keyed(states):
+            load_full_optimizer_states(self.lightning_module, list(self.optimizers), states)
             return
         super().load_optimizer_state_dict(checkpoint)
 
