@@ -231,8 +231,6 @@ def _checked_arguments(module: nn.Module, sp: SequenceParallelAttention, state: 
                              "with shard_inputs(global_batch, model) after apply_sequence_parallel(model)")
         else:
             cu_seqlens = info.chunk_cu_seqlens
-    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
-        query = _global_attention_temperature(module, query, info)
     window = kwargs.get("sliding_window")
     if window is not None and _longest_document(seq_len, cu_seqlens) > int(window):
         raise NotImplementedError(
@@ -271,6 +269,8 @@ def sequence_parallel_attention(
         seq_len, cu_seqlens = _checked_arguments(module, sp, state, query, key, attention_mask, dropout, kwargs)
     except (ValueError, NotImplementedError) as err:
         sp.raise_on_every_rank(err, query)
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        query = _global_attention_temperature(module, query, state.info)  # Llama-4 NoPE layers: global positions
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):  # as autocast runs HF's sdpa: q, k, v in the autocast dtype
         dtype = torch.get_autocast_dtype(device_type)  # (rotary often leaves q, k in float32 and v in bf16)
