@@ -138,6 +138,23 @@ def grad_seed(out, dout):
     return _SeedGrad.apply(out, dout)
 
 
+def attention_peak_bytes(attn, q, k, v, dout, *, seq_len: int, group=None) -> tuple[int, int]:
+    """``(allocator peak of one fwd+bwd, bytes of q, k, v, dout)`` of ``attn`` on these leaf inputs (``q, k, v``
+    with ``requires_grad``): one warm-up call first (usp sub-groups, plans), ranks aligned by a barrier over
+    ``group``, the backward seeded without holding the output (``grad_seed``); gradients cleared after."""
+    attn(q, k, v, seq_len=seq_len).backward(dout)
+    q.grad = k.grad = v.grad = None
+    if group is not None:
+        torch.distributed.barrier(group)
+    with AllocatorPeak() as peak:
+        out = attn(q, k, v, seq_len=seq_len)
+        seed = grad_seed(out, dout)
+        del out
+        seed.backward()
+    q.grad = k.grad = v.grad = None
+    return peak.peak_bytes, sum(t.numel() * t.element_size() for t in (q, k, v, dout))
+
+
 class _SeedGrad(torch.autograd.Function):
     """A scalar whose backward hands ``dout`` to ``x``."""
 

@@ -313,6 +313,17 @@ def _agree(ok: bool, process_group) -> list[int]:
     return [r for r, bad in enumerate(_gather_ints(0 if ok else 1, process_group)) if bad]
 
 
+def _raise_on_every_rank(problem: CheckpointError | None, path: Path, process_group) -> None:
+    """Agree (collective), then raise ``problem`` on the ranks that found it and a ``CheckpointError`` naming
+    those ranks on the others: a damaged checkpoint fails everywhere, never on some ranks only."""
+    bad = _agree(problem is None, process_group)
+    if problem is not None:
+        raise problem
+    if bad:
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupted as rank(s) {bad} read it (their errors "
+                              f"name the file); this rank found no problem: is it on a shared filesystem?")
+
+
 def _broadcast_from_first(value: int, process_group) -> int:
     """``value`` of group rank 0 on every rank."""
     if not _is_distributed(process_group):
@@ -566,12 +577,7 @@ def verify(path: str | os.PathLike, *, process_group=None) -> None:
     Collective: every rank must call it."""
     path = Path(path)
     problem = _verify_locally(path)
-    bad = _agree(problem is None, process_group)
-    if problem is not None:
-        raise problem
-    if bad:
-        raise CheckpointError(f"checkpoint {path} is incomplete or corrupted as rank(s) {bad} see it (their errors name "
-                              f"the file); this rank found no problem: is the directory on a shared filesystem?")
+    _raise_on_every_rank(problem, path, process_group)
 
 
 def _load_meta_unverified(path: Path) -> dict[str, Any]:
@@ -634,12 +640,7 @@ def load_single_file(path: str | os.PathLike, read, *, process_group=None) -> di
         problem = _damaged(path, path.name, f"{type(err).__name__}: {err}")
     if problem is None and not isinstance(checkpoint, Mapping):
         problem = _damaged(path, path.name, f"holds a {type(checkpoint).__name__}, not a checkpoint dict")
-    bad = _agree(problem is None, process_group)
-    if problem is not None:
-        raise problem
-    if bad:
-        raise CheckpointError(f"checkpoint {path} is incomplete or corrupted as rank(s) {bad} read it (their errors "
-                              f"say why); is it on a shared filesystem?")
+    _raise_on_every_rank(problem, path, process_group)
     return checkpoint
 
 

@@ -32,7 +32,7 @@ def _worker(rank: int, world: int) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from experiments.peak_memory import AllocatorPeak, grad_seed
+    from experiments.peak_memory import attention_peak_bytes
     from lightning_sp import SequenceParallelAttention, shard_sequence
     from lightning_sp.ops import ring_attention
 
@@ -47,17 +47,9 @@ def _worker(rank: int, world: int) -> list[dict]:
                                                  kv_pieces=pieces, validate_inputs=False)
                 q, k, v, dout = (shard_sequence(t, dist.group.WORLD, layout=attn.layout).clone() for t in full)
                 q, k, v = (t.requires_grad_() for t in (q, k, v))
-                attn(q, k, v, seq_len=n).backward(dout)  # warm-up: sub-groups, plans
-                q.grad = k.grad = v.grad = None
-                dist.barrier()
-                with AllocatorPeak() as peak:
-                    out = attn(q, k, v, seq_len=n)
-                    seed = grad_seed(out, dout)
-                    del out
-                    seed.backward()
-                q.grad = k.grad = v.grad = None
-                rows.append({"shape": (n, h, h_kv, d), "backend": backend, "pieces": pieces, "peak": peak.peak_bytes,
-                             "inputs": sum(t.numel() * t.element_size() for t in (q, k, v, dout)),
+                peak, inputs = attention_peak_bytes(attn, q, k, v, dout, seq_len=n, group=dist.group.WORLD)
+                rows.append({"shape": (n, h, h_kv, d), "backend": backend, "pieces": pieces, "peak": peak,
+                             "inputs": inputs,
                              "u": q.numel() * q.element_size(), "u_kv": k.numel() * k.element_size()})
     return rows
 

@@ -83,7 +83,7 @@ def _auto_worker(rank, world, cache_root):
 def _pieces_worker(rank, world):
     import torch.distributed as dist
 
-    from experiments.peak_memory import AllocatorPeak, grad_seed
+    from experiments.peak_memory import attention_peak_bytes
     from lightning_sp import SequenceParallelAttention, choices, shard_sequence
     from lightning_sp.ops import ring_attention
 
@@ -121,16 +121,8 @@ def _pieces_worker(rank, world):
                                                  kv_pieces=pieces, validate_inputs=False)
                 q, k, v, dout = (shard_sequence(t, group, layout=attn.layout).clone() for t in full)
                 q, k, v = (t.requires_grad_() for t in (q, k, v))
-                attn(q, k, v, seq_len=n).backward(dout)  # warm-up: sub-groups, plans
-                q.grad = k.grad = v.grad = None
-                dist.barrier(group)
-                with AllocatorPeak() as measured:
-                    o = attn(q, k, v, seq_len=n)
-                    seed = grad_seed(o, dout)
-                    del o
-                    seed.backward()
-                q.grad = k.grad = v.grad = None
-                actual = measured.peak_bytes + sum(t.numel() * t.element_size() for t in (q, k, v, dout))
+                peak, inputs = attention_peak_bytes(attn, q, k, v, dout, seq_len=n, group=group)
+                actual = peak + inputs
                 predicted = choices.predicted_peak_bytes(
                     backend, batch=1, shard_len=n // world, num_heads=h, num_kv_heads=h_kv, head_dim=d,
                     element_size=4, world=world, pieces=pieces)

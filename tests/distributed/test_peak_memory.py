@@ -32,25 +32,15 @@ BUDGETED = ["ring", "zigzag_ring", "usp"]  # kv_pieces="auto" (the default) with
 
 def _footprint(attn, full, group) -> tuple[int, int]:
     """(allocator peak of one fwd+bwd + bytes of q, k, v, dout on this rank, gathered K/V bytes)."""
-    from experiments.peak_memory import AllocatorPeak, grad_seed
+    from experiments.peak_memory import attention_peak_bytes
     from lightning_sp import shard_sequence
 
     q, k, v, dout = (t.clone() if group is None else shard_sequence(t, group, layout=attn.layout).clone() for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    attn(q, k, v, seq_len=N).backward(dout)  # warm-up: usp sub-groups, plans
-    for t in (q, k, v):
-        t.grad = None
-    if group is not None:
-        torch.distributed.barrier(group)
-    with AllocatorPeak() as peak:
-        out = attn(q, k, v, seq_len=N)
-        seed = grad_seed(out, dout)
-        del out
-        seed.backward()
-    inputs = sum(t.numel() * t.element_size() for t in (q, k, v, dout))
+    peak, inputs = attention_peak_bytes(attn, q, k, v, dout, seq_len=N, group=group)
     world = 1 if group is None else torch.distributed.get_world_size(group)
     gathered = 2 * world * k.numel() * k.element_size() if attn.backend == "allgather_kv" else 0
-    return peak.peak_bytes + inputs, gathered
+    return peak + inputs, gathered
 
 
 def _worker(rank, world):
