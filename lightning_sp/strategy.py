@@ -49,10 +49,10 @@ log = logging.getLogger(__name__)
 __all__ = ["DATA_PARALLEL", "DEFAULT_SEQUENCE_KEYS", "SequenceParallelStrategy"]
 
 
-def _set_up(value: Any, name: str) -> Any:
-    """``value``, or a clear error if the Trainer has not created it yet."""
+def _set_up(value: Any, name: str, when: str = "is created in Trainer setup") -> Any:
+    """``value``, or a clear error saying when the Trainer creates it."""
     if value is None:
-        raise RuntimeError(f"SequenceParallelStrategy.{name} is created in Trainer setup")
+        raise RuntimeError(f"SequenceParallelStrategy.{name} {when}")
     return value
 
 
@@ -62,17 +62,11 @@ def _sharder_attribute(name: str) -> property:
 
 
 class SequenceParallelStrategy(DDPStrategy):
-    """Sequence (context) parallelism x data parallelism (and tensor parallelism) for a Lightning ``Trainer``.
-
-    Every argument is documented in the README's "Arguments" section. In short: ``sequence_parallel_size``
-    ranks share one sequence (``None``: all ranks a ``tp`` group leaves); ``backend`` / ``ulysses_degree`` /
-    ``kernel`` are those of modules built with ``None`` / ``"auto"``; ``data_parallel``: ``"ddp"`` or
-    ``"fsdp"`` (FSDP2 over ``dp x sp``); ``sequence_keys`` (dim 1 of these batch entries is sharded),
-    ``label_keys``, ``position_ids_key``, ``ignore_index``, ``pad_value``: the batch (``BatchSharder``);
-    ``tensor_parallel_size``: Megatron TP+SP on the innermost mesh axis; ``distributed_checkpoint``: a
-    resharding DCP directory (``None``: on with FSDP or TP); ``hardware``, ``memory_budget``,
-    ``auto_policy``: ``backend="auto"`` and ``kv_pieces="auto"`` (``SequenceParallelContext``);
-    ``process_group_timeout``: seconds a collective may wait; ``**kwargs``: ``DDPStrategy``'s.
+    """Sequence (context) parallelism x data parallelism (and tensor parallelism) for a Lightning ``Trainer``:
+    ``sequence_parallel_size`` ranks share one sequence (``None``: every rank a ``tp`` group leaves), each
+    batch is sharded along dim 1 of its ``sequence_keys``, and modules built with ``backend=None`` run
+    ``backend``. Every argument is documented in the README's "Arguments" section; ``**kwargs`` go to
+    ``DDPStrategy``.
     """
 
     strategy_name = "sequence_parallel"
@@ -167,22 +161,12 @@ class SequenceParallelStrategy(DDPStrategy):
             self._dims = self._make_dims(self.num_nodes * max(self.num_processes, 1))
         return self._dims
 
-    @property
-    def context(self) -> SequenceParallelContext:
-        """This rank's ``SequenceParallelContext`` (groups, backend, comm counters); set in ``setup``."""
-        if self._context is None:
-            raise RuntimeError(
-                "SequenceParallelStrategy.context is created in Trainer setup (after the process group "
-                "exists); access it from a LightningModule hook such as `setup`, `training_step` or a callback"
-            )
-        return self._context
-
-    @property
-    def layout(self):
-        """The ``SequenceLayout`` batches are sharded with (that of the bound attention modules)."""
-        if self._layout is None:
-            raise RuntimeError("SequenceParallelStrategy.layout is known after Trainer setup binds the model")
-        return self._layout
+    context = property(
+        lambda self: _set_up(self._context, "context", "is created in Trainer setup (after the process group exists); "
+                             "access it from a LightningModule hook such as `setup`, `training_step` or a callback"),
+        doc="This rank's ``SequenceParallelContext`` (groups, backend, comm counters); set in ``setup``.")
+    layout = property(lambda self: _set_up(self._layout, "layout", "is known after Trainer setup binds the model"),
+                      doc="The ``SequenceLayout`` batches are sharded with (that of the bound attention modules).")
 
     # batch keys: held by the BatchSharder, read and set here as before
     sequence_keys = _sharder_attribute("sequence_keys")
@@ -228,9 +212,8 @@ class SequenceParallelStrategy(DDPStrategy):
 
     def _build_groups(self) -> None:
         world = dist.get_world_size()
-        dims = self._make_dims(world)
+        self._dims = dims = self._make_dims(world)
         check_world_matches(world, devices=self.num_processes, num_nodes=self.num_nodes)
-        self._dims = dims
         groups = build_strategy_groups(dims, self.root_device.type, backend=self._backend, kernel=self._kernel,
                                        data_parallel=self._data_parallel, ranks_per_node=self.num_processes or None,
                                        timeout=self._timeout, **self._context_options)
@@ -263,10 +246,9 @@ class SequenceParallelStrategy(DDPStrategy):
                 # tp ranks (and from one process): use the global norm instead
                 self.precision_plugin.clip_grad_by_norm = self.clip_grad_norm_
             return
-        # validate / test / predict. DDPStrategy.setup would broadcast every tensor from global rank 0,
-        # which breaks FSDP2-sharded parameters ("Cannot flatten unevenly sharded tensor" when a first
-        # dim does not divide the world: trainer.validate() after fit) and tensor-parallel shards.
-        # Synchronise over dp x sp only: the ranks that hold the same shard.
+        # validate / test / predict. DDPStrategy.setup would broadcast every tensor from global rank 0, which
+        # breaks FSDP2-sharded parameters ("Cannot flatten unevenly sharded tensor" when a first dim does not
+        # divide the world: validate() after fit) and TP shards: sync over dp x sp, the ranks of one shard.
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
@@ -281,12 +263,10 @@ class SequenceParallelStrategy(DDPStrategy):
         # shard first: only this rank's N/P tokens travel to the device, never the whole sequence. A module
         # whose batches need global work before sharding (HFSequenceParallelModule: label shift, packing)
         # sets `shards_its_own_batches = True` and shards in `on_after_batch_transfer` instead.
-        if self._context is not None:
-            if getattr(self.lightning_module, "shards_its_own_batches", False):
-                items, lengths, _ = self._sharder.sequence_tensors(batch)  # its shard_inputs judges the batch: agree only
-                self._sharder.agree_on_batch(batch, items, lengths, None)
-            else:
-                batch = self.shard_batch(batch)
+        if self._context is not None and getattr(self.lightning_module, "shards_its_own_batches", False):
+            self._sharder.agree_only(batch)
+        elif self._context is not None:
+            batch = self.shard_batch(batch)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def shard_batch(self, batch: Any) -> Any:
