@@ -118,14 +118,13 @@ class SequenceParallelStrategy(DDPStrategy):
         self._kernel = kernel
         self._context_options = dict(hardware=hardware, memory_budget=memory_budget, auto_policy=auto_policy)
         self._fsdp_shard_modules = tuple(fsdp_shard_modules)
-        self.checkpoint_attention = checkpoint_attention
-        self.shuffle = shuffle
+        self.checkpoint_attention, self.shuffle = checkpoint_attention, shuffle
         # set in Trainer setup (`_build_groups`, `_bind_model`), cleared in teardown
         self._dims: ParallelDims | None = None
         self._mesh: ParallelMesh | None = None
         self._context: SequenceParallelContext | None = None
         self._tp_context: TensorParallelContext | None = None
-        self._tp_grads: TensorParallelGradients | None = None  # only with tensor_parallel_size > 1
+        self._tp_grads: TensorParallelGradients | None = None
         self._dp_group: dist.ProcessGroup | None = None
         self._owned_groups: list[dist.ProcessGroup] = []
         self._layout: Any = None
@@ -229,9 +228,9 @@ class SequenceParallelStrategy(DDPStrategy):
         self._layout = bind_attention_modules(module, self.context, backend=self._backend,
                                               sequence_parallel_size=self.parallel_dims.sp,
                                               checkpoint_attention=self.checkpoint_attention)
-        if self._tp_context is not None and self._tp_context.world > 1:
-            sharded = bind_tensor_parallel_layers(module, self._tp_context, tensor_parallel_size=self._tp_size)
-            self._tp_grads = TensorParallelGradients(module, sharded, self._tp_context)
+        tp = self._tp_context.world if self._tp_context is not None else 1
+        sharded = bind_tensor_parallel_layers(module, self._tp_context, tensor_parallel_size=self._tp_size) if tp > 1 else ()
+        self._tp_grads = TensorParallelGradients(module, sharded, self._tp_context or TensorParallelContext())
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -241,7 +240,7 @@ class SequenceParallelStrategy(DDPStrategy):
         self._bind_model(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)
-            if self._tp_grads is not None:
+            if self._tp_grads.active:
                 # Lightning's clip-by-norm takes each rank's local norm; under TP that differs across
                 # tp ranks (and from one process): use the global norm instead
                 self.precision_plugin.clip_grad_by_norm = self.clip_grad_norm_
@@ -285,15 +284,12 @@ class SequenceParallelStrategy(DDPStrategy):
             ddp_process_group(self._ddp_kwargs, self._mesh)
         return super()._setup_model(model)
 
-    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        # an FSDP2 root only unshards in its forward hooks: route the step through __call__
-        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # an FSDP2 root only unshards in its forward hooks: route its steps through __call__
         if self._data_parallel == "fsdp" and self.model is self.lightning_module:
             with self.precision_plugin.train_step_context():
-                out = self._redirect("training_step", *args, **kwargs)
+                out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
         else:
             out = super().training_step(*args, **kwargs)
         self._announce_auto_backend()
@@ -310,12 +306,12 @@ class SequenceParallelStrategy(DDPStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._data_parallel == "fsdp" and self._is_fsdp_root():
             with self.precision_plugin.val_step_context():
-                return self._redirect("validation_step", *args, **kwargs)
+                return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
         return super().validation_step(*args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self._tp_grads is not None:  # DDP/FSDP reduce over dp x sp in the closure's backward; then sum over tp
+        if self._tp_grads is not None and self._tp_grads.active:  # after DDP/FSDP's dp x sp reduction: sum over tp
             closure = self._tp_grads.reducing_after(closure)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
@@ -341,8 +337,7 @@ class SequenceParallelStrategy(DDPStrategy):
             yield None
 
     # ---------------------------------------------------------------------------------- checkpoints
-    # Lightning's hooks, each handed to lightning_sp.checkpoint.StrategyCheckpointIO (single files and
-    # sharded directories, each resumable under every layout)
+    # each hook hands over to lightning_sp.checkpoint.StrategyCheckpointIO (single files and sharded directories)
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -392,11 +387,7 @@ class SequenceParallelStrategy(DDPStrategy):
         super().teardown()
         destroy_groups(self._owned_groups)
         self._owned_groups.clear()
-        self._context = None
-        self._dp_group = None
-        self._mesh = None
-        self._tp_context = None
-        self._tp_grads = None
+        self._context = self._dp_group = self._mesh = self._tp_context = self._tp_grads = None
 
     # ---------------------------------------------------------------------------------- registry
     @classmethod

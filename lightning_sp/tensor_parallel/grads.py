@@ -71,9 +71,14 @@ class TensorParallelGradients:
         self.sharded = set(sharded)
         self.context = context  # a TensorParallelContext
 
+    @property
+    def active(self) -> bool:
+        """There is a tensor-parallel group of more than one rank (else ``reduce`` has nothing to do)."""
+        return self.context.world > 1
+
     def reduce(self) -> None:
         """``reduce_replicated_gradients`` over the tensor-parallel group, bytes counted in ``context.comm``."""
-        if self.context.world > 1:
+        if self.active:
             reduce_replicated_gradients(self.module, self.sharded, self.context.group, self.context.comm)
 
     def reducing_after(self, closure):
