@@ -143,6 +143,12 @@ class BatchSharder:
     _BATCH_ERRORS = ("", "no sequence tensor under sequence_keys", "sequence_keys tensors disagree on the length")
     _BATCH_FIELDS = ("error", "dp rank", "seq_len", "batch size", "hash(keys, shapes, dtypes)")
 
+    def agree_only(self, batch: Any) -> None:
+        """``agree_on_batch`` without sharding, for a module that shards its own batches (its ``shard_inputs``
+        judges what it cannot shard): the ranks still compare their batches every step."""
+        items, lengths, _ = self.sequence_tensors(batch)
+        self.agree_on_batch(batch, items, lengths, None)
+
     def agree_on_batch(self, batch: Any, items: list, lengths: dict, error: tuple[int, str] | None) -> None:
         """Every rank of the world joins one tiny all-gather per batch (whatever its batch holds), then all
         raise if any rank's batch is bad, or if ranks of one data-parallel replica (which must shard the

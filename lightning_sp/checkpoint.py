@@ -33,7 +33,7 @@ import pickle
 import secrets
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -758,3 +758,105 @@ def load_full_optimizer_states(module: nn.Module, optimizers: list[torch.optim.O
                 _copy_full_into(value if isinstance(value, torch.Tensor) else torch.tensor(value), target, f"{pname}/{key}")
         for group, saved_group in zip(optimizer.param_groups, groups):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+
+# ------------------------------------------------------------------------------------------ the strategy's hooks
+class StrategyCheckpointIO:
+    """What ``SequenceParallelStrategy``'s checkpoint hooks do, with no Lightning import: each method gets the
+    ``LightningModule`` (``module``), and Lightning's own hook as a callable for the cases where the format
+    is Lightning's. ``is_fsdp_root()``: whether the model is wrapped by FSDP2 now (it is only while fitting).
+
+    Single file (``distributed=False``; the default for DDP without tensor parallelism): with DDP, Lightning's
+    checkpoint (nothing is sharded by sp, so any sp degree resumes); with FSDP the full (unsharded) state dict
+    is gathered on every rank and written once by rank 0. Either resumes under any layout: each rank copies
+    the whole tensors into the chunks it holds (``load_full_model_state`` / ``load_full_optimizer_states``).
+    Read ``weights_only``.
+
+    Sharded (``distributed=True``): Note [Checkpoint chunks]. Model and optimizer state stay chunked until
+    ``save`` hands them to DCP; ``load`` reads them in place (after setup: the model is converted, wrapped
+    and split), so the restore hooks that follow have nothing left to do (``restored_sharded``).
+    """
+
+    def __init__(self, *, distributed: bool | None, data_parallel: str, tensor_parallel_size: int,
+                 is_fsdp_root: Callable[[], bool]) -> None:
+        if tensor_parallel_size > 1 and distributed is False:
+            raise ValueError("distributed_checkpoint=False (one file) cannot hold a tensor-parallel model; drop it: "
+                             "sharded checkpoints resume under any layout, DDP and FSDP included")
+        self.distributed = (tensor_parallel_size > 1 or data_parallel == "fsdp") if distributed is None else bool(distributed)
+        self.data_parallel = data_parallel
+        self.tensor_parallel_size = tensor_parallel_size
+        self.is_fsdp_root = is_fsdp_root
+        self.restored_sharded = False
+        """The last ``load`` read a sharded checkpoint into the model and optimizers already."""
+
+    def _fsdp_full_state(self) -> bool:
+        return self.data_parallel == "fsdp" and self.is_fsdp_root()
+
+    def _whole_tensors_to_chunks(self) -> bool:
+        """A single file's whole tensors must be copied into this rank's chunks (not loaded as they are)."""
+        return self.tensor_parallel_size > 1 or self._fsdp_full_state()
+
+    @staticmethod
+    def _fsdp_options(**kw: Any):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
+
+    def save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, *, dims, lightning_save) -> None:
+        """``Strategy.save_checkpoint``; ``dims``: the ``ParallelDims`` recorded with a sharded checkpoint."""
+        if not self.distributed:
+            return lightning_save(checkpoint, path, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported with distributed_checkpoint=True")
+        save_lightning_checkpoint(checkpoint, path, dp=dims.dp, sp=dims.sp, tp=dims.tp, data_parallel=self.data_parallel)
+
+    def load(self, path: Any, weights_only: bool | None, module: nn.Module, optimizers: list[torch.optim.Optimizer],
+             lightning_load) -> dict[str, Any]:
+        """``Strategy.load_checkpoint``: a directory is sharded (read in place), a file Lightning's
+        (``weights_only`` unless the caller passes ``False`` for a file they trust)."""
+        self.restored_sharded = False
+        if not is_sharded_checkpoint(path):
+            return load_single_file(path, lambda: lightning_load(path, weights_only=weights_only is not False))
+        checkpoint = load_lightning_checkpoint(path, module, optimizers)
+        self.restored_sharded = True
+        return checkpoint
+
+    def model_state(self, module: nn.Module, wrapped: nn.Module, lightning_state) -> dict[str, Any]:
+        """``Strategy.lightning_module_state_dict`` (``wrapped``: the DDP / FSDP2 model)."""
+        if self.distributed:
+            return model_state(module)
+        if self._fsdp_full_state():
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return get_model_state_dict(wrapped, options=self._fsdp_options())
+        return lightning_state()
+
+    def optimizer_state(self, module: nn.Module, wrapped: nn.Module, optimizer: torch.optim.Optimizer,
+                        lightning_state) -> dict[str, Any]:
+        """``Strategy.optimizer_state``."""
+        if self.distributed:
+            tensors, groups = optimizer_state(module, optimizer)
+            return {"tensors": tensors, "param_groups": groups}
+        if self._fsdp_full_state():
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            return get_optimizer_state_dict(wrapped, optimizer, options=self._fsdp_options())
+        return lightning_state(optimizer)
+
+    def load_model_state(self, module: nn.Module, checkpoint: Mapping[str, Any], strict: bool, lightning_load) -> None:
+        """``Strategy.load_model_state_dict``."""
+        if self.restored_sharded:
+            return
+        if self._whole_tensors_to_chunks():
+            return load_full_model_state(module, checkpoint["state_dict"], strict=strict)
+        lightning_load(checkpoint, strict=strict)
+
+    def load_optimizer_states(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
+                              checkpoint: Mapping[str, Any], lightning_load) -> None:
+        """``Strategy.load_optimizer_state_dict``."""
+        if self.restored_sharded:
+            return
+        states = checkpoint["optimizer_states"]
+        if self._whole_tensors_to_chunks() or is_name_keyed(states):
+            return load_full_optimizer_states(module, optimizers, states)
+        lightning_load(checkpoint)

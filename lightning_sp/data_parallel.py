@@ -21,7 +21,8 @@ distributed tests check it to 1e-10 in float64.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -67,6 +68,17 @@ def is_fsdp_root(model: Any) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def fsdp_gradient_sync_off(model: Any) -> Iterator[None]:
+    """Inside, an FSDP2 root accumulates unsharded gradients locally (gradient accumulation's early
+    micro-batches); the backward after it reduce-scatters them once."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield None
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def broadcast_replicas(module: nn.Module, mesh: ParallelMesh) -> None:

@@ -12,6 +12,7 @@ tensor-parallel shard: DDP's process group and FSDP2's mesh). Every group gets t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -119,6 +120,32 @@ def check_strategy_degrees(sequence_parallel_size: int | None, *, backend: str, 
                      ulysses_degree=ulysses_degree)  # eager check: ulysses_degree divides sp
     if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+
+
+def check_launch_matches_nodes(*, devices: int, num_nodes: int) -> None:
+    """Under torchrun, ``devices`` must be the ranks it started per node (``LOCAL_WORLD_SIZE``): Lightning
+    checks only ``num_nodes * devices == WORLD_SIZE``, and a wrong split would place Ulysses
+    all-to-alls (``ulysses``, ``usp``'s inner axis, ``auto``'s pricing) across nodes without a word."""
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not (local_world or "").isdigit():
+        return
+    if int(local_world) != devices:
+        world = os.environ.get("WORLD_SIZE", "?")
+        raise ValueError(
+            f"torchrun started {local_world} ranks per node (LOCAL_WORLD_SIZE={local_world}, WORLD_SIZE={world}) "
+            f"but the Trainer has devices={devices}, num_nodes={num_nodes}: pass "
+            f"devices={local_world}, num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE (torchrun's --nnodes), so the "
+            "strategy knows which ranks share a node"
+        )
+
+
+def check_world_matches(world_size: int, *, devices: int, num_nodes: int) -> None:
+    """The process group has the ``num_nodes x devices`` ranks the Trainer was configured with."""
+    if world_size != num_nodes * max(devices, 1):
+        raise ValueError(
+            f"the process group has {world_size} ranks but the Trainer was configured with "
+            f"num_nodes={num_nodes} x devices={devices}"
+        )
 
 
 def strategy_dims(world_size: int, *, sequence_parallel_size: int | None, backend: str, ulysses_degree: int | None,

@@ -58,3 +58,42 @@ def clip_grad_norm_(module: nn.Module, parameters: Iterable[nn.Parameter], max_n
     for _, g in grads:
         g.mul_(coef.to(g.dtype))
     return total
+
+
+class TensorParallelGradients:
+    """The gradient work tensor parallelism adds to a training step of ``module``, whose tensor-parallel
+    layers ``bind_tensor_parallel_layers`` bound to ``context`` (it returns ``sharded``, the names of the
+    split parameters): sum the replicated parameters' partial gradients over ``tp`` once per optimizer
+    step, and clip by the norm of the whole model. Nothing to do when ``context.world == 1``."""
+
+    def __init__(self, module: nn.Module, sharded: Iterable[str], context) -> None:
+        self.module = module
+        self.sharded = set(sharded)
+        self.context = context  # a TensorParallelContext
+
+    @property
+    def active(self) -> bool:
+        """There is a tensor-parallel group of more than one rank (else ``reduce`` has nothing to do)."""
+        return self.context.world > 1
+
+    def reduce(self) -> None:
+        """``reduce_replicated_gradients`` over the tensor-parallel group, bytes counted in ``context.comm``."""
+        if self.active:
+            reduce_replicated_gradients(self.module, self.sharded, self.context.group, self.context.comm)
+
+    def reducing_after(self, closure):
+        """``closure`` (forward + backward of the last micro-batch), then ``reduce``: what the optimizer runs."""
+
+        def closure_then_reduce():
+            result = closure()
+            self.reduce()
+            return result
+
+        return closure_then_reduce
+
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float, *, shard_group=None) -> torch.Tensor:
+        """``clip_grad_norm_`` of ``optimizer``'s parameters by the whole model's norm (``shard_group``: the
+        group FSDP2 shards them over, if it does)."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return clip_grad_norm_(self.module, params, max_norm, sharded=self.sharded, tp_group=self.context.group,
+                               shard_group=shard_group)

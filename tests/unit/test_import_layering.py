@@ -66,7 +66,7 @@ def test_layering_contracts_hold_and_each_breaks_on_a_planted_violation(tmp_path
 def test_package_import_and_standalone_use_leave_lightning_and_transformers_out(tmp_path):
     out = _python(f"""
         import sys, torch, torch.distributed as dist
-        HEAVY = ("lightning", "pytorch_lightning", "transformers", "torch._dynamo")
+        HEAVY = ("lightning", "pytorch_lightning", "transformers", "torch._dynamo", "torchmetrics")
         import lightning_sp
         from lightning_sp import (SequenceParallelAttention, gather_sequence, sequence_parallel_cross_entropy,
                                   shard_sequence)
