@@ -103,6 +103,7 @@ def _worker(rank, world, cfg):
     from experiments.peak_memory import attention_peak_bytes
     from experiments.throughput import time_alternating
     from lightning_sp import SequenceParallelAttention, shard_sequence
+    from lightning_sp.ops.kernels import make_kernel
 
     group = dist.group.WORLD
     torch.set_num_threads(cfg["threads_per_rank"])
@@ -148,7 +149,8 @@ def _worker(rank, world, cfg):
                 "pair": backend, "peer": peer_name, "peer_version": peer_version, "world": world, "seq_len": n,
                 "batch": b, "heads": h, "head_dim": d, "dtype": "float32", "causal": True,
                 "ours_settings": "defaults (kernel='auto', kv_pieces='auto', validate_inputs=True)",
-                "ours_kernel": ours.context.kernel,
+                "ours_kernel": type(make_kernel(ours.kernel)).__name__,  # what kernel="auto" resolved to
+                "ours_kv_pieces": ours._kv_pieces(backend, *sides["ours"][1][:2], world, None),  # "auto" resolved
                 "same_positions": bool(torch.equal(ours_pos, peer_pos)),
                 "ours_median_s": med["ours"], "peer_median_s": med["peer"],
                 "time_ratio": med["ours"] / med["peer"],
