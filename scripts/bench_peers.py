@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """lightning-sp against every peer that runs here, on time and memory at once (issue 17), side by side in one run.
 
-    .venv/bin/python scripts/bench_peers.py             # P=2, N=4096 and 8192, H=8, D=64, fp32 causal (~4 min on 2 cores)
-    .venv/bin/python scripts/bench_peers.py --quick     # N=512, 1 rep: a smoke run (~15 s)
+    .venv/bin/python scripts/bench_peers.py             # P=2, N=4096 and 8192, H=8, D=64, fp32 causal (~5 min on 2 cores)
+    .venv/bin/python scripts/bench_peers.py --quick     # N=256, 1 rep: a smoke run (15-30 s)
 
 Pairs (ours = ``SequenceParallelAttention(backend=..., causal=True, group=...)`` with every other argument at
 its default: ``kernel="auto"``, ``kv_pieces="auto"``, ``validate_inputs=True``; peers in ``experiments/peers.py``):
@@ -89,6 +89,20 @@ def _to_global(x_local: torch.Tensor, positions: torch.Tensor, seq_len: int, gro
     return full
 
 
+def agreement(ours: list[torch.Tensor], peer: list[torch.Tensor], tol: float, what: str) -> tuple[float, float]:
+    """``(max |ours - peer|, negative control)`` over ``[out, dq, dk, dv]``, each ``[B, N, H, D]`` at global
+    positions; raises ``AssertionError`` (before anything is timed) if they differ by more than ``tol``, or if
+    ``out`` shifted by one position is not 100x farther (then the comparison could not fail)."""
+    max_diff = max(float((a - c).abs().max()) for a, c in zip(ours, peer))
+    control = float((ours[0] - peer[0].roll(1, dims=1)).abs().max())
+    if not max_diff <= tol:
+        raise AssertionError(f"{what} disagree: max |diff| over out, dq, dk, dv {max_diff:.3g} > tol {tol:.3g}")
+    if not control > 100 * tol:
+        raise AssertionError(f"{what}: negative control {control:.3g} is not > 100 x tol {tol:.3g} (the comparison "
+                             "cannot fail at this tolerance)")
+    return max_diff, control
+
+
 def _fwd_bwd(fn, q, k, v, dout, seq_len):
     for t in (q, k, v):
         t.grad = None
@@ -127,12 +141,8 @@ def _worker(rank, world, cfg):
             for side, (fn, (q, k, v, dout), pos) in sides.items():
                 out = _fwd_bwd(fn, q, k, v, dout, n).detach()
                 results[side] = [_to_global(t, pos, n, group) for t in (out, q.grad, k.grad, v.grad)]
-            max_diff = max(float((a - c).abs().max()) for a, c in zip(results["ours"], results["peer"]))
-            control = float((results["ours"][0] - results["peer"][0].roll(1, dims=1)).abs().max())
-            if not max_diff <= cfg["tol"]:
-                raise AssertionError(f"{backend} and {peer_name} disagree at N={n}, P={world}: max |diff| {max_diff}")
-            if not control > 100 * cfg["tol"]:
-                raise AssertionError(f"negative control too close at N={n}: {control} (the comparison cannot fail)")
+            max_diff, control = agreement(results["ours"], results["peer"], cfg["tol"],
+                                          f"{backend} and {peer_name} at N={n}, P={world}")
             del results
             calls = {side: (lambda fn=fn, t=t: _fwd_bwd(fn, *t, n)) for side, (fn, t, _) in sides.items()}
             times = time_alternating(calls, warmup=cfg["warmup"], reps=cfg["reps"], group=group)
@@ -183,15 +193,15 @@ def _table(rows) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="N=512, 1 warm-up + 1 rep: a smoke run")
+    p.add_argument("--quick", action="store_true", help="N=256, no warm-up, 1 rep: a smoke run")
     p.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated subset of {PAIRS}")
     p.add_argument("--world", type=int, default=2, help="ranks (P)")
-    p.add_argument("--seq-lens", default=None, help="global N, comma-separated (default 4096,8192; quick 512)")
+    p.add_argument("--seq-lens", default=None, help="global N, comma-separated (default 4096,8192; quick 256)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--reps", type=int, default=None, help="timed reps per pair (default 5; quick 1)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=None, help="warm-up reps per pair (default 1; quick 0)")
     p.add_argument("--tol", type=float, default=1e-3, help="max |ours - peer| over out, dq, dk, dv")
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory for the JSON/CSV results")
@@ -213,9 +223,10 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     cfg = {
         "pairs": args.pairs.split(","),
-        "seq_lens": [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else ([512] if args.quick else [4096, 8192]),
+        "seq_lens": [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else ([256] if args.quick else [4096, 8192]),
         "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch,
-        "reps": args.reps or (1 if args.quick else 5), "warmup": args.warmup, "tol": args.tol,
+        "reps": args.reps or (1 if args.quick else 5),
+        "warmup": args.warmup if args.warmup is not None else (0 if args.quick else 1), "tol": args.tol,
         "threads_per_rank": args.threads_per_rank,
     }
     meta = run_metadata(__file__, argv, config=cfg, load_average_1m_start=os.getloadavg()[0],

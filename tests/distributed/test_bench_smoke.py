@@ -100,14 +100,3 @@ def test_bench_peers_quick_deepspeed(peers_quick):
     r = peers_quick["ulysses"]
     _check_row(r)
     assert r["peer"].startswith("deepspeed.sequence.layer.DistributedAttention") and r["peer_version"]
-
-
-def test_bench_peers_refuses_to_time_disagreeing_sides(tmp_path):
-    """Negative control of the agreement check: at a tolerance below fp32 rounding (ours and PyTorch's ring
-    differ by ~1e-6) the script stops before timing, saying which pair disagreed."""
-    cmd = [sys.executable, str(PEERS_SCRIPT), "--quick", "--pairs", "ring", "--tol", "1e-9", "--out", str(tmp_path),
-           "--name", "peers", "--timeout", "120"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "ring and torch _templated_ring_attention (no load balancing, rotate=alltoall) disagree" in proc.stderr
-    assert not (tmp_path / "peers.json").exists()
