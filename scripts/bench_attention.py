@@ -67,6 +67,7 @@ from experiments.peak_memory import (  # noqa: E402
     proc_status_kib,
     reset_peak_rss,
 )
+from experiments.peers import SDPALocal, deepspeed_ulysses  # noqa: E402
 
 # Large allocations through mmap, so the memory they free leaves the process and VmHWM deltas mean
 # "peak bytes this call needed". Must be set before the rank processes start (inherited by spawn).
@@ -132,21 +133,6 @@ class _Projected(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 
 
-class _SDPALocal(torch.nn.Module):
-    """DeepSpeed's local attention. ``DistributedAttention(scatter_idx=2, gather_idx=1)`` with
-    ``batch_dim_idx=0`` hands it ``[B, N, H/P, D]`` and expects the same layout back."""
-
-    def __init__(self, causal: bool):
-        super().__init__()
-        self.causal = causal
-
-    def forward(self, q, k, v, *args, **kwargs):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal
-        )
-        return out.transpose(1, 2)
-
-
 class _NaiveUlysses(torch.nn.Module):
     """Fallback baseline when DeepSpeed is missing: naive all_to_all + SDPA, [B, S/P, H, D] in/out."""
 
@@ -164,7 +150,7 @@ class _NaiveUlysses(torch.nn.Module):
 
     def forward(self, q, k, v):
         qh, kh, vh = (self._a2a(t, 2, 1) for t in (q, k, v))  # [B, S, H/P, D]
-        out = _SDPALocal(self.causal)(qh, kh, vh)
+        out = SDPALocal(self.causal)(qh, kh, vh)
         return self._a2a(out, 1, 2)
 
 
@@ -183,14 +169,7 @@ def _deepspeed_section(rank, world, cfg, group):
 
     baseline_name = "deepspeed.DistributedAttention"
     try:
-        import deepspeed
-        import deepspeed.comm as ds_comm
-        from deepspeed.sequence.layer import DistributedAttention
-
-        ds_comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-        peer = DistributedAttention(_SDPALocal(causal=True), group, scatter_idx=2, gather_idx=1)
-        peer_call = lambda q, k, v: peer(q, k, v, 0)  # noqa: E731 - batch_dim_idx=0: [B, S, H, D]
-        baseline_version = deepspeed.__version__
+        peer_call, baseline_version = deepspeed_ulysses(group, causal=True)
     except Exception as e:  # noqa: BLE001 - any import/init failure falls back to the labelled baseline
         baseline_name = f"naive all_to_all + SDPA (in-script; DeepSpeed unavailable: {type(e).__name__}: {e})"
         peer_call = _NaiveUlysses(True, group)

@@ -1,5 +1,6 @@
-"""Smoke test of ``scripts/bench_attention.py``: the volume and memory sections in ``--quick`` mode
-(the DeepSpeed section is left out: it needs the optional ``bench`` extra and takes minutes)."""
+"""Smoke tests of the benchmark scripts: ``scripts/bench_attention.py``'s volume and memory sections in
+``--quick`` mode (its DeepSpeed section is left out: it takes minutes), and ``scripts/bench_peers.py --quick``
+(one run for every pair that can run here; the DeepSpeed pair needs the optional ``bench`` extra)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,60 @@ def test_bench_quick_volume_and_memory(tmp_path):
         assert r["saved_for_backward_bytes"] > 0
         for key in ("peak_rss_increase_fwd_bytes", "peak_rss_increase_fwd_bwd_bytes", "local_qkv_bytes"):
             assert key in r
+
+
+PEERS_SCRIPT = ROOT / "scripts" / "bench_peers.py"
+
+
+def _has_deepspeed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+TORCH_PAIRS = ["zigzag_ring", "ring", "allgather_kv"]  # PyTorch's ring ships with torch: always runs
+
+
+@pytest.fixture(scope="module")
+def peers_quick(tmp_path_factory):
+    """One ``bench_peers.py --quick`` run over every pair that can run here: ``(rows by pair, stdout)``."""
+    out = tmp_path_factory.mktemp("peers")
+    pairs = TORCH_PAIRS + (["ulysses"] if _has_deepspeed() else [])
+    cmd = [sys.executable, str(PEERS_SCRIPT), "--quick", "--pairs", ",".join(pairs), "--out", str(out),
+           "--name", "peers", "--timeout", "120"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    data = json.loads((out / "peers.json").read_text())
+    assert (out / "peers.csv").stat().st_size > 0
+    for key in ("command", "date", "hardware", "runtime_s", "config", "load_average_1m_start"):
+        assert key in data, key
+    assert [r["pair"] for r in data["results"]] == pairs
+    assert "time ratio" in proc.stdout and "mem ratio" in proc.stdout
+    return {r["pair"]: r for r in data["results"]}
+
+
+def _check_row(r):
+    """Both sides agreed (out, dq, dk, dv) and the negative control is far; both ratios were measured."""
+    assert r["max_abs_diff_out_and_grads"] <= 1e-3 < r["negative_control_diff"] / 100, r
+    assert r["time_ratio"] > 0 and r["time_ratio_best"] > 0 and r["memory_ratio"] > 0, r
+    assert r["ours_peak_bytes"] > 0 and r["peer_peak_bytes"] > 0, r
+    assert len(r["peaks_by_rank"]) == 2
+    assert r["ours_settings"].startswith("defaults")
+
+
+def test_bench_peers_quick_torch_ring(peers_quick):
+    """Ours vs PyTorch's ring in its three forms; the load-balanced pairs shard exactly as PyTorch's
+    head-tail balancer does (our zigzag layout), so both sides hold the same tokens."""
+    for pair in TORCH_PAIRS:
+        r = peers_quick[pair]
+        _check_row(r)
+        assert ("head-tail" in r["peer"]) == (pair != "ring"), r["peer"]
+        assert r["same_positions"], r
+
+
+@pytest.mark.skipif(not _has_deepspeed(), reason="DeepSpeed is not installed (the optional `bench` extra: "
+                    "DS_BUILD_OPS=0 pip install deepspeed)")
+def test_bench_peers_quick_deepspeed(peers_quick):
+    r = peers_quick["ulysses"]
+    _check_row(r)
+    assert r["peer"].startswith("deepspeed.sequence.layer.DistributedAttention") and r["peer_version"]

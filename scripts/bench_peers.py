@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""lightning-sp against every peer that runs here, on time and memory at once (issue 17), side by side in one run.
+
+    .venv/bin/python scripts/bench_peers.py             # P=2, N=4096 and 8192, H=8, D=64, fp32 causal (~5 min on 2 cores)
+    .venv/bin/python scripts/bench_peers.py --quick     # N=256, 1 rep: a smoke run (15-30 s)
+
+Pairs (ours = ``SequenceParallelAttention(backend=..., causal=True, group=...)`` with every other argument at
+its default: ``kernel="auto"``, ``kv_pieces="auto"``, ``validate_inputs=True``; peers in ``experiments/peers.py``):
+
+- ``ulysses`` vs DeepSpeed ``deepspeed.sequence.layer.DistributedAttention`` around ``F.scaled_dot_product_attention``;
+- ``zigzag_ring`` vs PyTorch's ``_templated_ring_attention``, head-tail load-balanced, ``rotate_method=ALL_TO_ALL``;
+- ``ring`` vs PyTorch's ``_templated_ring_attention``, no load balancing, ``rotate_method=ALL_TO_ALL``;
+- ``allgather_kv`` vs PyTorch's ``_templated_ring_attention``, head-tail load-balanced, ``rotate_method=ALL_GATHER``
+  (PyTorch's defaults).
+
+PyTorch's ring runs the CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``), the kernel SDPA
+picks on CPU, so on both sides the same kernel is underneath and only the distributed algorithm differs.
+
+Per (pair, N), on gloo ranks with one thread each: both sides get the same global ``q, k, v, dout`` (one seed),
+each sharded in its own layout (for the load-balanced pairs PyTorch's ``_HeadTailLoadBalancer`` indices); out,
+dq, dk, dv are gathered to global positions and must agree within ``--tol`` (a shifted copy must not: the
+negative control) before anything is timed. Time: fwd+bwd, ``experiments.throughput.time_alternating``
+(the two sides alternate with the order rotated each rep, barriers before and after each call), warm-up reps
+first; median and best-of over the timed reps (rank 0; the barriers align the ranks). Memory: the PyTorch
+allocator's peak during one fwd+bwd over what existed before (``experiments.peak_memory.attention_peak_bytes``:
+the backward seeded without holding the output; the same measure on both sides; not gloo's own buffers), the
+max over ranks. Ratios are ours / peer: time goal <= 1.0, memory goal < 1.0.
+
+Results: ``<out>/<date>_<host kind>_peers[-quick].json`` and ``.csv`` (device, versions, command, load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+PAIRS = ["ulysses", "zigzag_ring", "ring", "allgather_kv"]
+# ours -> PyTorch ring options (ulysses is DeepSpeed's)
+TORCH_RING_OPTIONS = {
+    "zigzag_ring": {"load_balance": True, "rotate": "alltoall"},
+    "ring": {"load_balance": False, "rotate": "alltoall"},
+    "allgather_kv": {"load_balance": True, "rotate": "allgather"},
+}
+
+
+def _peer(backend: str, group):
+    """``(call, name, version)`` of the peer paired with ``backend``; ``call.positions(N)`` where it has its
+    own layout, else ``None`` (DeepSpeed: contiguous)."""
+    from experiments.peers import TorchRing, deepspeed_ulysses
+
+    if backend == "ulysses":
+        call, version = deepspeed_ulysses(group, causal=True)
+        return call, "deepspeed.sequence.layer.DistributedAttention + F.scaled_dot_product_attention", version
+    ring = TorchRing(group, causal=True, **TORCH_RING_OPTIONS[backend])
+    return ring, ring.name, torch.__version__
+
+
+def _short(peer_name: str) -> str:
+    """The peer in a table cell."""
+    if peer_name.startswith("deepspeed"):
+        return "DeepSpeed DistributedAttention"
+    balance = "head-tail" if "head-tail" in peer_name else "no balance"
+    return f"torch ring, {balance}, {peer_name.rsplit('rotate=', 1)[1].rstrip(')')}"
+
+
+def _positions_contiguous(seq_len: int, group) -> torch.Tensor:
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    return torch.arange(seq_len).view(world, -1)[rank]
+
+
+def _to_global(x_local: torch.Tensor, positions: torch.Tensor, seq_len: int, group) -> torch.Tensor:
+    """``[B, S/P, H, D]`` shards at ``positions [S/P]`` on every rank -> ``[B, N, H, D]`` on every rank."""
+    world = torch.distributed.get_world_size(group)
+    shards = [torch.empty_like(x_local) for _ in range(world)]
+    where = [torch.empty_like(positions) for _ in range(world)]
+    torch.distributed.all_gather(shards, x_local.contiguous(), group=group)
+    torch.distributed.all_gather(where, positions.contiguous(), group=group)
+    full = x_local.new_empty(x_local.size(0), seq_len, *x_local.shape[2:])
+    full.index_copy_(1, torch.cat(where), torch.cat(shards, dim=1))
+    return full
+
+
+def agreement(ours: list[torch.Tensor], peer: list[torch.Tensor], tol: float, what: str) -> tuple[float, float]:
+    """``(max |ours - peer|, negative control)`` over ``[out, dq, dk, dv]``, each ``[B, N, H, D]`` at global
+    positions; raises ``AssertionError`` (before anything is timed) if they differ by more than ``tol``, or if
+    ``out`` shifted by one position is not 100x farther (then the comparison could not fail)."""
+    max_diff = max(float((a - c).abs().max()) for a, c in zip(ours, peer))
+    control = float((ours[0] - peer[0].roll(1, dims=1)).abs().max())
+    if not max_diff <= tol:
+        raise AssertionError(f"{what} disagree: max |diff| over out, dq, dk, dv {max_diff:.3g} > tol {tol:.3g}")
+    if not control > 100 * tol:
+        raise AssertionError(f"{what}: negative control {control:.3g} is not > 100 x tol {tol:.3g} (the comparison "
+                             "cannot fail at this tolerance)")
+    return max_diff, control
+
+
+def _fwd_bwd(fn, q, k, v, dout, seq_len):
+    for t in (q, k, v):
+        t.grad = None
+    out = fn(q, k, v, seq_len=seq_len)
+    out.backward(dout)
+    return out
+
+
+def _worker(rank, world, cfg):
+    import torch.distributed as dist
+
+    from experiments.peak_memory import attention_peak_bytes
+    from experiments.throughput import time_alternating
+    from lightning_sp import SequenceParallelAttention, shard_sequence
+    from lightning_sp.ops.kernels import make_kernel
+
+    group = dist.group.WORLD
+    torch.set_num_threads(cfg["threads_per_rank"])
+    b, h, d = cfg["batch"], cfg["heads"], cfg["head_dim"]
+    rows = []
+    for n in cfg["seq_lens"]:
+        g = torch.Generator().manual_seed(n)
+        full = [torch.randn(b, n, h, d, generator=g) for _ in range(4)]  # q, k, v, dout [B, N, H, D]
+        for backend in cfg["pairs"]:
+            ours = SequenceParallelAttention(backend=backend, causal=True, group=group)  # defaults otherwise
+            peer, peer_name, peer_version = _peer(backend, group)
+            ours_pos = shard_sequence(torch.arange(n).view(1, n), group, layout=ours.layout)[0]
+            peer_pos = peer.positions(n) if hasattr(peer, "positions") else _positions_contiguous(n, group)
+            sides = {}
+            for side, fn, pos in (("ours", ours, ours_pos), ("peer", peer, peer_pos)):
+                q, k, v, dout = (t.index_select(1, pos).contiguous() for t in full)
+                q, k, v = (t.requires_grad_() for t in (q, k, v))
+                sides[side] = (fn, (q, k, v, dout), pos)
+            # correctness first: out, dq, dk, dv at global positions
+            results = {}
+            for side, (fn, (q, k, v, dout), pos) in sides.items():
+                out = _fwd_bwd(fn, q, k, v, dout, n).detach()
+                results[side] = [_to_global(t, pos, n, group) for t in (out, q.grad, k.grad, v.grad)]
+            max_diff, control = agreement(results["ours"], results["peer"], cfg["tol"],
+                                          f"{backend} and {peer_name} at N={n}, P={world}")
+            del results
+            calls = {side: (lambda fn=fn, t=t: _fwd_bwd(fn, *t, n)) for side, (fn, t, _) in sides.items()}
+            times = time_alternating(calls, warmup=cfg["warmup"], reps=cfg["reps"], group=group)
+            peaks = {}
+            for side, (fn, (q, k, v, dout), _) in sides.items():
+                peak, _inputs = attention_peak_bytes(fn, q, k, v, dout, seq_len=n, group=group)
+                peaks[side] = peak
+            all_peaks = [None] * world
+            dist.all_gather_object(all_peaks, peaks, group=group)
+            peak_max = {side: max(p[side] for p in all_peaks) for side in peaks}
+            med = {side: t.median_s for side, t in times.items()}
+            best = {side: min(t.wall_s) for side, t in times.items()}
+            rows.append({
+                "pair": backend, "peer": peer_name, "peer_version": peer_version, "world": world, "seq_len": n,
+                "batch": b, "heads": h, "head_dim": d, "dtype": "float32", "causal": True,
+                "ours_settings": "defaults (kernel='auto', kv_pieces='auto', validate_inputs=True)",
+                "ours_kernel": type(make_kernel(ours.kernel)).__name__,  # what kernel="auto" resolved to
+                "ours_kv_pieces": ours._kv_pieces(backend, *sides["ours"][1][:2], world, None),  # "auto" resolved
+                "same_positions": bool(torch.equal(ours_pos, peer_pos)),
+                "ours_median_s": med["ours"], "peer_median_s": med["peer"],
+                "time_ratio": med["ours"] / med["peer"],
+                "ours_best_s": best["ours"], "peer_best_s": best["peer"],
+                "time_ratio_best": best["ours"] / best["peer"],
+                "ours_peak_bytes": peak_max["ours"], "peer_peak_bytes": peak_max["peer"],
+                "memory_ratio": peak_max["ours"] / peak_max["peer"],
+                "peaks_by_rank": all_peaks,
+                "max_abs_diff_out_and_grads": max_diff, "negative_control_diff": control,
+                "ours_all_s": times["ours"].wall_s, "peer_all_s": times["peer"].wall_s,
+                "reps": cfg["reps"], "warmup": cfg["warmup"], "load_average_1m": os.getloadavg()[0],
+            })
+            del sides, calls
+    return rows
+
+
+def _table(rows) -> str:
+    lines = ["pair          peer                                P      N  time ratio  (best)"
+             "  mem ratio  ours s  peer s  ours MiB  peer MiB  max|diff|"]
+    for r in rows:
+        lines.append(
+            f"{r['pair']:<13} {_short(r['peer']):<35} {r['world']:>2} {r['seq_len']:>6} {r['time_ratio']:>10.3f} "
+            f"({r['time_ratio_best']:.3f}) {r['memory_ratio']:>9.3f} {r['ours_median_s']:>7.3f} {r['peer_median_s']:>7.3f} "
+            f"{r['ours_peak_bytes'] / 2**20:>9.1f} {r['peer_peak_bytes'] / 2**20:>9.1f} {r['max_abs_diff_out_and_grads']:>10.1e}"
+        )
+    lines.append("ratios = ours / peer (time: median fwd+bwd over reps, goal <= 1.0; mem: allocator peak added per rank, "
+                 "max over ranks, goal < 1.0); ours with default settings")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="N=256, no warm-up, 1 rep: a smoke run")
+    p.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated subset of {PAIRS}")
+    p.add_argument("--world", type=int, default=2, help="ranks (P)")
+    p.add_argument("--seq-lens", default=None, help="global N, comma-separated (default 4096,8192; quick 256)")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--reps", type=int, default=None, help="timed reps per pair (default 5; quick 1)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up reps per pair (default 1; quick 0)")
+    p.add_argument("--tol", type=float, default=1e-3, help="max |ours - peer| over out, dq, dk, dv")
+    p.add_argument("--threads-per-rank", type=int, default=1)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory for the JSON/CSV results")
+    p.add_argument("--name", default=None, help="file stem (default <date>_<host kind>_peers[-quick])")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the rank processes")
+    args = p.parse_args(argv)
+    unknown = set(args.pairs.split(",")) - set(PAIRS)
+    if unknown:
+        p.error(f"unknown pairs {sorted(unknown)}; choose from {PAIRS}")
+    if args.world < 2:
+        p.error(f"--world must be >= 2 (a peer comparison needs ranks), got {args.world}")
+    return args
+
+
+def main(argv=None) -> int:
+    from experiments.common import run_metadata, run_on_ranks, write_results
+
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    cfg = {
+        "pairs": args.pairs.split(","),
+        "seq_lens": [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else ([256] if args.quick else [4096, 8192]),
+        "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch,
+        "reps": args.reps or (1 if args.quick else 5),
+        "warmup": args.warmup if args.warmup is not None else (0 if args.quick else 1), "tol": args.tol,
+        "threads_per_rank": args.threads_per_rank,
+    }
+    meta = run_metadata(__file__, argv, config=cfg, load_average_1m_start=os.getloadavg()[0],
+                        time_method="fwd+bwd between barriers, sides alternating (experiments.throughput.time_alternating)",
+                        memory_method="PyTorch allocator peak of one fwd+bwd over what existed before "
+                                      "(experiments.peak_memory.attention_peak_bytes), max over ranks")
+    print(f"device: {meta['hardware']['device']}, torch {torch.__version__}; command: {meta['command']}", flush=True)
+    rows = run_on_ranks(_worker, args.world, (cfg,), timeout_s=args.timeout, pg_timeout_s=args.timeout)[0]
+    meta["runtime_s"] = time.perf_counter() - t_start
+    meta["load_average_1m_end"] = os.getloadavg()[0]
+    print(_table(rows))
+    hw = meta["hardware"]
+    kind = "".join(c if c.isalnum() else "-" for c in hw["cpu_model"].lower()).strip("-")
+    kind = "-".join(w for w in kind.split("-") if w)
+    name = args.name or f"{meta['date'][:10]}_cpu-{kind}-{hw['cpu_cores']}c_peers{'-quick' if args.quick else ''}"
+    path = write_results(name, meta, rows, out=args.out)
+    print(f"wrote {path} and .csv; total runtime {meta['runtime_s']:.1f}s; load {meta['load_average_1m_start']:.2f} -> "
+          f"{meta['load_average_1m_end']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""``scripts/bench_peers.py`` without ranks: its agreement check can fail (a peer that disagrees, or a tolerance
+too loose to fail, stops the run before timing), and the ratios the README and benchmarks/README quote are the
+committed results file's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench_peers():
+    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "scripts" / "bench_peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _grads(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 64, 2, 8, generator=g) for _ in range(4)]  # out, dq, dk, dv [B, N, H, D]
+
+
+def test_agreement_passes_close_sides_and_stops_disagreeing_ones():
+    agreement = _bench_peers().agreement
+    ours = _grads(0)
+    peer = [t + 1e-7 for t in ours]
+    diff, control = agreement(ours, peer, 1e-5, "x and y")
+    assert diff == pytest.approx(1e-7, rel=0.5) and control > 1e-3
+    wrong = [t.clone() for t in ours]
+    wrong[2][0, 5, 1, 3] += 1e-3  # one element of dk
+    with pytest.raises(AssertionError, match=r"x and y disagree: max \|diff\| over out, dq, dk, dv 0.001"):
+        agreement(ours, wrong, 1e-5, "x and y")
+    with pytest.raises(AssertionError, match="negative control .* cannot fail at this tolerance"):
+        agreement(ours, peer, 1.0, "x and y")  # a tolerance that a shifted output would pass
+
+
+def test_quoted_ratios_are_the_committed_results():
+    """The README row names its results file (a rerun on another date updates the name with the numbers)."""
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if "scripts/bench_peers.py" in line)
+    results = re.search(r"`(benchmarks/results/[^`]+_peers\.json)`", row)
+    assert results, "the README's bench_peers row names no results file"
+    data = json.loads((ROOT / results.group(1)).read_text())
+    rows = {(r["pair"], r["seq_len"]): r for r in data["results"]}
+    assert {p for p, _ in rows} == {"ulysses", "zigzag_ring", "ring", "allgather_kv"}
+    for pair in ("zigzag_ring", "ring", "allgather_kv", "ulysses"):
+        mem = [f"{rows[(pair, n)]['memory_ratio']:.3f}" for n in (4096, 8192)]
+        time = [f"{rows[(pair, n)]['time_ratio']:.3f}" for n in (4096, 8192)]
+        assert re.search(rf"{pair} \**{mem[0]} / {mem[1]}", row), (pair, mem)
+        assert re.search(rf"{pair} {time[0]} / {time[1]}", row), (pair, time)
+    table = (ROOT / "benchmarks" / "README.md").read_text()
+    for (pair, n), r in rows.items():
+        cells = rf"\| {pair} \| [^|]+ \| {n} \| {r['time_ratio']:.3f} \| {r['time_ratio_best']:.3f} \| \**{r['memory_ratio']:.3f}\**"
+        assert re.search(cells, table), (pair, n)
