@@ -17,6 +17,21 @@ never computed: this is how zigzag and causal rings skip fully masked work.
 Documents: ``doc_bounds`` is the sorted list ``[0, l1, l1+l2, ..., N, (N_pad)]`` of global document
 boundaries (padding, if any, is a last document of its own so no real token attends to it).
 
+Note [One causal call for a rank's own block]
+    Zigzag gives rank ``r`` chunks ``r`` and ``2P-1-r``; attending causally to its own block the plan
+    would make three calls (diagonal of each chunk, and the later chunk's queries over the earlier
+    chunk's keys, FULL), all merged::
+
+        keys ->   c_r   c_2P-1-r                 keys ->  c_r  c_2P-1-r
+        c_r       \                       ==     c_r      \
+        c_2P-1-r  FULL  \                        c_2P-1-r  \ \   (one CAUSAL square)
+
+    Because both sides are the same tokens in increasing global order, "key position <= query
+    position" is "local key row <= local query row": one CAUSAL call on the whole block computes
+    exactly those pairs (the same ``n^2/2`` pairs, no skipped work), with no merge. Any run list
+    that is the same on both sides, increasing, starting at local row 0 and inside one document
+    qualifies (the contiguous layout's single run trivially).
+
 Plans are cached: the same (runs, bounds, causal) recur at every layer and step, so ``plan_blocks``
 computes a plan once (keyed on the runs and bounds as tuples; lists are accepted) and afterwards only
 copies the cached list. ``plan_cache_info()`` reports hits and misses.
@@ -106,10 +121,31 @@ def plan_cache_info():
     return _plan_blocks_cached.cache_info()
 
 
+def _is_causal_self_block(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], doc_bounds) -> bool:
+    """Queries attend causally to the very same tokens, stored in increasing global order from local
+    row 0 and inside one document: the visibility is then exactly ``local key <= local query``, one
+    CAUSAL call however many runs there are (Note [One causal call for a rank's own block])."""
+    if q_runs != k_runs or not q_runs:
+        return False
+    local = 0
+    for i, r in enumerate(q_runs):
+        if r.local_start != local or (i and r.global_start < q_runs[i - 1].global_end):
+            return False
+        local += r.length
+    if doc_bounds is not None:  # one document: the first token's document ends after the last token
+        j = bisect.bisect_right(doc_bounds, q_runs[0].global_start)
+        if j < len(doc_bounds) and doc_bounds[j] < q_runs[-1].global_end:
+            return False
+    return True
+
+
 @lru_cache(maxsize=4096)
 def _plan_blocks_cached(
     q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], causal: bool, doc_bounds: tuple[int, ...] | None
 ) -> tuple[BlockCall, ...]:
+    if causal and _is_causal_self_block(q_runs, k_runs, doc_bounds):
+        n, g0 = sum(r.length for r in q_runs), q_runs[0].global_start
+        return (BlockCall(0, n, 0, n, MaskKind.CAUSAL, g0, g0),)
     calls: list[BlockCall] = []
     for q_run in q_runs:
         for q in _split_at_docs(q_run, doc_bounds):  # each piece lies inside one document

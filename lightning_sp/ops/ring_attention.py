@@ -18,6 +18,19 @@ forward: ``out`` + ``lse`` (kept for backward), the K/V block in flight and the 
 ``dq`` (fp32 accumulator, which *is* the returned gradient for fp32 inputs), the two K/V blocks, one
 dK/dV partial sum (``2u``) and the kernel's per-call ``dq, dk, dv`` results. In pieces: below.
 
+Note [First write assigns]
+    Sums start from the first kernel result that covers them, not from zeros: the merged forward
+    ``out, lse`` is the first result over every query (``_MergedResult``), ``dq`` the first ``dq`` over
+    every query, a K/V block's dK/dV partial sum the first ``dk, dv`` over every key (``add_rows``);
+    plans are reordered so such a call comes first. A sum whose first write covers only part of it
+    is zero-filled then (a query chunk, a plan split at documents). With whole blocks every ring
+    step's first call covers the block (the diagonal at step 0, the off-diagonal block after), so the
+    ring-ish backends fill no accumulator with zeros and run no merge or add for the first result:
+    one zero fill, one ``lerp``/``logaddexp`` or one ``add_`` of a ``[B, S/P, H, D]`` tensor fewer per sum,
+    and the kernel's own result is the only allocation (it used to be a transient next to the
+    zeroed sum). The sums may then be the kernel's strided ``[B, H, S, D] -> [B, S, H, D]`` views, as
+    the one-call local path has always returned; sends make them contiguous.
+
 Note [K/V in pieces]
     A ring that only talks to its neighbours cannot hold less than about one whole K/V block of
     another rank: rank ``r`` uses piece ``j`` of a block one step (``m`` pieces) after rank ``r-1``
@@ -130,6 +143,53 @@ def _single_call(spec: BlockAttentionSpec, q, k):
     return None
 
 
+class _MergedResult:
+    """The merged ``out [B, Sq, H, D]`` and ``lse [B, H, Sq]`` (accumulation dtype) of one forward,
+    built from kernel results without a zero-filled start: the first kernel result that covers every
+    query *becomes* the accumulator (Note [First write assigns]); only a first result that covers
+    part of the queries makes it allocate ``out = 0, lse = -inf`` and merge."""
+
+    def __init__(self, q, head_dim_v: int, acc: torch.dtype):
+        b, self.sq, h, _ = q.shape
+        self.shape, self.acc, self.device = (b, self.sq, h, head_dim_v), acc, q.device
+        self.out = self.lse = None
+
+    def first_write_first(self, calls):
+        """``calls`` with one that covers every query moved to the front while nothing is written."""
+        if self.out is None:
+            calls = sorted(calls, key=lambda c: c.q_len != self.sq)  # stable: the plan's order otherwise
+        return calls
+
+    def absorb(self, qs: slice, o_b, lse_b) -> None:
+        if self.out is None:
+            if qs.start == 0 and qs.stop == self.sq:
+                self.out, self.lse = o_b.to(self.acc), lse_b.to(self.acc)
+                return
+            self._allocate()
+        merge_into(self.out[:, qs], self.lse[:, :, qs], o_b, lse_b)
+
+    def _allocate(self):
+        self.out = torch.zeros(self.shape, dtype=self.acc, device=self.device)
+        self.lse = torch.full((self.shape[0], self.shape[2], self.sq), -math.inf, dtype=self.acc, device=self.device)
+
+    def result(self) -> AttentionResult:
+        if self.out is None:  # no kernel call at all: every row saw no key
+            self._allocate()
+        return AttentionResult(self.out, self.lse)
+
+
+def add_rows(total, rows: slice, value, shape, dtype):
+    """``total[:, rows] += value`` and return ``total``; ``total is None``: nothing written yet. A first
+    write that covers every row (``rows`` = all of ``shape[1]``) becomes the total (the kernel's own
+    result: no zero fill, no add); another first write allocates zeros first (Note [First write assigns])."""
+    if total is None:
+        if rows.start == 0 and rows.stop == shape[1]:
+            return value if value.dtype == dtype else value.to(dtype)
+        total = torch.zeros(shape, dtype=dtype, device=value.device)
+    total[:, rows] += value
+    return total
+
+
 def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResult:
     """``q [B, Sq, H, D]``, ``k, v [B, Sk, H_kv, D]`` (this rank's block) -> merged ``(out, lse)``."""
     acc = accumulation_dtype(q.dtype)
@@ -137,32 +197,32 @@ def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResul
     if single is not None:  # one kernel call covers everything: nothing to merge
         o, l = spec.kernel.forward(q, k, v, scale=spec.scale, kind=single.kind, mask=_mask_for(single, spec, q.device))
         return AttentionResult(o, l.to(acc))
-    b, sq, h, _ = q.shape
-    out = torch.zeros(b, sq, h, v.size(-1), dtype=acc, device=q.device)
-    lse = torch.full((b, h, sq), -math.inf, dtype=acc, device=q.device)
+    merged = _MergedResult(q, v.size(-1), acc)
     pieces = spec.pieces_for(k.size(1))
     if pieces > 1:
-        _pieces_forward(spec, q, k, v, out, lse, pieces)
-        return AttentionResult(out, lse)
+        _pieces_forward(spec, q, k, v, merged, pieces)
+        return merged.result()
 
     def step(_step, src, blocks):
         k_blk, v_blk = blocks
-        for c in plan_blocks(spec.q_runs, spec.k_runs_by_rank[src], causal=spec.causal, doc_bounds=spec.doc_bounds):
+        calls = plan_blocks(spec.q_runs, spec.k_runs_by_rank[src], causal=spec.causal, doc_bounds=spec.doc_bounds)
+        for c in merged.first_write_first(calls):
             qs, ks = slice(c.q_start, c.q_start + c.q_len), slice(c.k_start, c.k_start + c.k_len)
             o_b, lse_b = spec.kernel.forward(
                 q[:, qs], k_blk[:, ks], v_blk[:, ks], scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device)
             )
-            merge_into(out[:, qs], lse[:, :, qs], o_b, lse_b)
+            merged.absorb(qs, o_b, lse_b)
+            del o_b, lse_b
 
     ring_pass(spec.comm(), (k, v), step)
-    return AttentionResult(out, lse)
+    return merged.result()
 
 
-def accumulate_block_grads(spec: BlockAttentionSpec, src: int, dout, q, k_blk, v_blk, out, lse, dq, dkv) -> None:
-    """Add, in place, the gradients of this rank's queries against source ``src``'s K/V block:
-    ``dq [B, Sq, H, D]`` and ``dkv = (dk, dv)``, each ``[B, Sk, H_kv, D]`` (accumulation dtype).
-    ``accumulate_tile_grads`` with all of ``q`` as one chunk."""
-    accumulate_tile_grads(spec, [(0, spec.q_runs)], spec.k_runs_by_rank[src], dout, q, k_blk, v_blk, out, lse, dq, dkv)
+def accumulate_block_grads(spec: BlockAttentionSpec, src: int, dout, q, k_blk, v_blk, out, lse, dq, dkv):
+    """Add the gradients of this rank's queries against source ``src``'s K/V block into ``dq [B, Sq, H, D]``
+    and ``dkv = (dk, dv)``, each ``[B, Sk, H_kv, D]`` (accumulation dtype; ``None``: not written yet).
+    ``accumulate_tile_grads`` with all of ``q`` as one chunk; returns ``(dq, (dk, dv))``."""
+    return accumulate_tile_grads(spec, [(0, spec.q_runs)], spec.k_runs_by_rank[src], dout, q, k_blk, v_blk, out, lse, dq, dkv)
 
 
 def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
@@ -177,18 +237,23 @@ def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
     pieces = spec.pieces_for(k.size(1))
     if pieces > 1:
         return _pieces_backward(spec, dout, q, k, v, out, lse, pieces)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq = None  # first write assigns (Note [First write assigns])
 
     def grads(_step, src, blocks, partial):
+        nonlocal dq
         k_blk, v_blk = blocks
-        if partial is None:  # first visit of this block: start its dK/dV sum
-            partial = (torch.zeros(k_blk.shape, dtype=acc, device=q.device),
-                       torch.zeros(v_blk.shape, dtype=acc, device=q.device))
-        accumulate_block_grads(spec, src, dout, q, k_blk, v_blk, out, lse, dq, partial)
-        return partial
+        # partial None: first visit of this block; its dK/dV sum starts as the first covering kernel result
+        dq, partial = accumulate_block_grads(spec, src, dout, q, k_blk, v_blk, out, lse, dq, (None, None) if partial is None else partial)
+        return _zeros_if_unwritten(partial, (k_blk, v_blk), acc)
 
     dk, dv = ring_pass_accumulating(spec.comm(), (k, v), grads)
+    dq = _zeros_if_unwritten((dq,), (q,), acc)[0]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _zeros_if_unwritten(sums, like, dtype):
+    """``sums`` with every ``None`` (no kernel call wrote it: all masked) replaced by zeros shaped as ``like``."""
+    return tuple(torch.zeros(t.shape, dtype=dtype, device=t.device) if s is None else s for s, t in zip(sums, like))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,18 +299,19 @@ def _piece_schedule(comm: RingComm, k, v, pieces: int):
         del blocks  # freed before the piece after next is allocated
 
 
-def _pieces_forward(spec: BlockAttentionSpec, q, k, v, out, lse, pieces: int) -> None:
-    """Forward over K/V pieces, merged into ``out [B, Sq, H, D]``, ``lse [B, H, Sq]`` in place."""
+def _pieces_forward(spec: BlockAttentionSpec, q, k, v, merged: _MergedResult, pieces: int) -> None:
+    """Forward over K/V pieces, merged into ``merged``."""
     comm = spec.comm()
     kb = piece_bounds(k.size(1), pieces)
     for _t, src, j, (k_p, v_p) in _piece_schedule(comm, k, v, pieces):
         piece_runs = slice_runs(spec.k_runs_by_rank[src], kb[j], kb[j + 1])
-        for c in plan_blocks(spec.q_runs, piece_runs, causal=spec.causal, doc_bounds=spec.doc_bounds):
+        calls = plan_blocks(spec.q_runs, piece_runs, causal=spec.causal, doc_bounds=spec.doc_bounds)
+        for c in merged.first_write_first(calls):
             qs, ks = slice(c.q_start, c.q_start + c.q_len), slice(c.k_start, c.k_start + c.k_len)
             o_b, lse_b = spec.kernel.forward(
                 q[:, qs], k_p[:, ks], v_p[:, ks], scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device)
             )
-            merge_into(out[:, qs], lse[:, :, qs], o_b, lse_b)
+            merged.absorb(qs, o_b, lse_b)
             del o_b, lse_b
         del k_p, v_p
 
@@ -257,23 +323,30 @@ def query_chunks(q_runs, q_len: int, chunks: int) -> list[tuple[int, tuple[Run, 
     return [(qb[i], slice_runs(q_runs, qb[i], qb[i + 1])) for i in range(chunks)]
 
 
-def accumulate_tile_grads(spec: BlockAttentionSpec, q_chunks, k_runs, dout, q, k_blk, v_blk, out, lse, dq, dkv) -> None:
+def accumulate_tile_grads(spec: BlockAttentionSpec, q_chunks, k_runs, dout, q, k_blk, v_blk, out, lse, dq, dkv):
     """The gradients of this rank's queries against a K/V block (or piece) whose positions are ``k_runs``,
     one query chunk (``query_chunks``) at a time, so the kernel's per-call ``dq`` is a chunk, not
-    all of ``q``. ``dq [B, Sq, H, D]``, ``dkv = (dk, dv)`` each ``[B, Sk, H_kv, D]``, in place."""
+    all of ``q``. ``dq [B, Sq, H, D]``, ``dkv = (dk, dv)`` each ``[B, Sk, H_kv, D]``: tensors are added
+    into in place; ``None`` (not written yet) is assigned by a first kernel result that covers it
+    (``add_rows``). Returns ``(dq, (dk, dv))``."""
     dk, dv = dkv
+    acc = accumulation_dtype(q.dtype)
     for q0, chunk_runs in q_chunks:
-        for c in plan_blocks(chunk_runs, k_runs, causal=spec.causal, doc_bounds=spec.doc_bounds):
+        calls = plan_blocks(chunk_runs, k_runs, causal=spec.causal, doc_bounds=spec.doc_bounds)
+        if dk is None:  # a call covering every key first, so its result starts the dK/dV sum
+            calls.sort(key=lambda c: c.k_len != k_blk.size(1))
+        for c in calls:
             qs = slice(q0 + c.q_start, q0 + c.q_start + c.q_len)
             ks = slice(c.k_start, c.k_start + c.k_len)
             dq_c, dk_c, dv_c = spec.kernel.backward(
                 dout[:, qs], q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs], lse[:, :, qs],
                 scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device),
             )
-            dq[:, qs] += dq_c
-            dk[:, ks] += dk_c
-            dv[:, ks] += dv_c
+            dq = add_rows(dq, qs, dq_c, q.shape, acc)
+            dk = add_rows(dk, ks, dk_c, k_blk.shape, acc)
+            dv = add_rows(dv, ks, dv_c, v_blk.shape, acc)
             del dq_c, dk_c, dv_c  # free the kernel's results before the next call allocates its own
+    return dq, (dk, dv)
 
 
 def _pieces_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: int):
@@ -282,7 +355,7 @@ def _pieces_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: 
     straight back to that piece's owner, which adds it into its own ``dk, dv``."""
     comm = spec.comm()
     acc = accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq = None  # first write assigns (Note [First write assigns])
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     kb = piece_bounds(k.size(1), pieces)
@@ -291,10 +364,10 @@ def _pieces_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: 
         piece_runs = slice_runs(spec.k_runs_by_rank[src], kb[j], kb[j + 1])
         if t == 0:  # this rank's own piece: straight into its gradient
             dk_p, dv_p = dk[:, kb[j]:kb[j + 1]], dv[:, kb[j]:kb[j + 1]]
-        else:
-            dk_p = torch.zeros(k_p.shape, dtype=acc, device=q.device)
-            dv_p = torch.zeros(v_p.shape, dtype=acc, device=q.device)
-        accumulate_tile_grads(spec, q_chunks, piece_runs, dout, q, k_p, v_p, out, lse, dq, (dk_p, dv_p))
+        else:  # another rank's piece: the contribution starts as the first covering kernel result
+            dk_p = dv_p = None
+        dq, (dk_p, dv_p) = accumulate_tile_grads(spec, q_chunks, piece_runs, dout, q, k_p, v_p, out, lse, dq, (dk_p, dv_p))
+        dk_p, dv_p = _zeros_if_unwritten((dk_p, dv_p), (k_p, v_p), acc)
         del k_p, v_p
         if t > 0:  # send this contribution to the piece's owner; receive the one for our own piece j
             got_k, got_v = comm.exchange((dk_p, dv_p), -t, op="ring_send_grad").wait()
@@ -302,6 +375,7 @@ def _pieces_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: 
             dk[:, kb[j]:kb[j + 1]] += got_k
             dv[:, kb[j]:kb[j + 1]] += got_v
             del got_k, got_v
+    dq = _zeros_if_unwritten((dq,), (q,), acc)[0]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -106,3 +106,115 @@ def test_merge_bf16_block_into_fp32_accumulator():
     merge_into(out, lse, blk, blk_lse)
     assert out.dtype == torch.float32 and torch.allclose(out, want, atol=1e-6)
 
+
+
+# ---- Note [One causal call for a rank's own block] and Note [First write assigns] (issue 17, per-rank efficiency)
+
+
+def _masked_reference(q, k, v, qpos, kpos, doc_bounds=None):
+    """Dense fp64 attention of ``q [1, Sq, H, D]`` over ``k, v`` with the visibility of the global
+    positions (causal, same document): ``(out, lse [1, H, Sq])``."""
+    from lightning_sp.ops.plan import visibility
+
+    vis = visibility(qpos, kpos, causal=True, doc_bounds=doc_bounds)  # [Sq, Sk]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.size(-1))
+    s = s.masked_fill(~vis, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1).nan_to_num(0.0), v), lse
+
+
+def _spec(q_runs, k_runs, doc_bounds=None):
+    from lightning_sp.ops.ring_attention import BlockAttentionSpec
+
+    return BlockAttentionSpec(kernel=TorchBlockwiseKernel(block_q=8, block_k=16), scale=1 / math.sqrt(8), causal=True,
+                              q_runs=list(q_runs), k_runs_by_rank=[list(k_runs)], doc_bounds=doc_bounds)
+
+
+def _run_block(spec, q, k, v, dout):
+    from lightning_sp.ops.ring_attention import block_attention
+
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = block_attention(q, k, v, spec)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _positions(runs):
+    return torch.cat([torch.arange(r.global_start, r.global_end) for r in runs])
+
+
+def test_own_zigzag_block_is_one_causal_call_and_exact():
+    from lightning_sp.ops.plan import MaskKind
+
+    n = 64
+    for world in (2, 4):
+        for rank in range(world):
+            runs = runs_of(token_indices("zigzag", world, n, rank))
+            calls = plan_blocks(runs, runs, causal=True)
+            assert [(c.q_start, c.q_len, c.k_start, c.k_len, c.kind) for c in calls] == [(0, n // world, 0, n // world, MaskKind.CAUSAL)]
+            g = torch.Generator().manual_seed(world * 10 + rank)
+            q, k, v, dout = (torch.randn(1, n // world, 4, 8, generator=g, dtype=torch.float64) for _ in range(4))
+            pos = _positions(runs)
+            want = _masked_reference(q, k, v, pos, pos)[0]
+            got = _run_block(_spec(runs, runs), q, k, v, dout)
+            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+            _masked_reference(qr, kr, vr, pos, pos)[0].backward(dout)
+            for a, b in zip(got, (want, qr.grad, kr.grad, vr.grad)):
+                assert torch.allclose(a, b, atol=1e-12, rtol=0)
+            if len(runs) == 2:  # control: the later chunk's queries must see the whole earlier chunk; without
+                # that FULL part (each chunk its own causal square) the answer differs
+                split = [0, runs[1].global_start, n]
+                assert (_masked_reference(q, k, v, pos, pos, split)[0] - want).abs().max() > 1e-3
+
+
+def test_causal_self_block_needs_same_increasing_runs_in_one_document():
+    from lightning_sp.layout import Run
+
+    inc = [Run(0, 0, 8), Run(8, 40, 8)]
+    assert len(plan_blocks(inc, inc, causal=True)) == 1
+    for q_runs, k_runs, bounds in (
+        ([Run(0, 40, 8), Run(8, 0, 8)], [Run(0, 40, 8), Run(8, 0, 8)], None),  # decreasing: key 0 is before query 40's row
+        (inc, [Run(0, 0, 8), Run(8, 48, 8)], None),  # other keys
+        (inc, inc, [0, 20, 64]),  # two documents: the later chunk must not see the earlier one
+        ([Run(4, 0, 8), Run(12, 40, 8)], [Run(4, 0, 8), Run(12, 40, 8)], None),  # not from local row 0
+    ):
+        calls = plan_blocks(q_runs, k_runs, causal=True, doc_bounds=bounds)
+        assert len(calls) > 1 or calls[0].q_len != 16, (q_runs, k_runs, bounds, calls)
+        if q_runs[0].local_start == 0:  # exact through the general plan
+            g = torch.Generator().manual_seed(7)
+            q, k, v, dout = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(4))
+            want = _masked_reference(q, k, v, _positions(q_runs), _positions(k_runs), bounds)[0]
+            got = _run_block(_spec(q_runs, k_runs, bounds), q, k, v, dout)[0]
+            assert torch.allclose(got, want, atol=1e-12, rtol=0)
+    # inside one document it still qualifies
+    assert len(plan_blocks(inc, inc, causal=True, doc_bounds=[0, 64, 80])) == 1
+
+
+def test_first_write_assigns_and_mixed_first_writes_stay_exact():
+    """Two calls that both cover every query (keys before the queries, then their diagonal): the first
+    result becomes ``out`` and ``dq``; neither covers every key, so dK/dV start from zeros."""
+    from lightning_sp.layout import Run
+    from lightning_sp.ops.ring_attention import add_rows
+
+    q_runs, k_runs = [Run(0, 100, 16)], [Run(0, 0, 8), Run(8, 100, 16)]
+    assert len(plan_blocks(q_runs, k_runs, causal=True)) == 2
+    g = torch.Generator().manual_seed(11)
+    q, dout = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 24, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    qpos, kpos = _positions(q_runs), _positions(k_runs)
+    got = _run_block(_spec(q_runs, k_runs), q, k, v, dout)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    want_out = _masked_reference(qr, kr, vr, qpos, kpos)[0]
+    want_out.backward(dout)
+    for a, b in zip(got, (want_out.detach(), qr.grad, kr.grad, vr.grad)):
+        assert torch.allclose(a, b, atol=1e-12, rtol=0)
+    # control: only the first call's keys is a different answer
+    assert (_masked_reference(q, k[:, :8], v[:, :8], qpos, kpos[:8])[0] - want_out).abs().max() > 1e-3
+
+    # add_rows: a covering first write is the value itself (no copy); a partial one zero-fills the rest
+    val = torch.randn(1, 6, 2, 4)
+    assert add_rows(None, slice(0, 6), val, val.shape, torch.float32) is val
+    part = add_rows(None, slice(2, 4), val[:, :2], val.shape, torch.float32)
+    assert torch.equal(part[:, 2:4], val[:, :2]) and not part[:, :2].any() and not part[:, 4:].any()
+    half = add_rows(None, slice(0, 6), val.bfloat16(), val.shape, torch.float32)
+    assert half.dtype == torch.float32  # a half-precision kernel result is summed in fp32
