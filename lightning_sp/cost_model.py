@@ -10,38 +10,53 @@ Everything this module returns is *model output*, never a measurement; experimen
 (``scripts/cost_model_experiment.py`` puts it beside measured times and the papers' numbers).
 
 Note [Cost model of one attention layer]
-    Compute. fwd FLOPs of dense attention ``4 N^2 H D`` (QK^T and PV), halved when causal; the
-    backward costs 2.5x the forward (flash-style: recompute P, then dV, dP, dQ, dK), so fwd+bwd is
-    ``3.5 x`` fwd. A kernel on a block of ``c`` query tokens runs at ``hw.attention_rate(c)`` FLOP/s
-    (measured vs block size on CPU; a saturating curve from datasheet peak for GPUs). What bounds a
-    rank's time is its own share, step by step (a ring step ends when its slowest rank ends):
+    What runs is counted, not re-derived: ``lightning_sp.ops.schedule.rank_schedule`` walks each
+    backend's loops on each rank with the backends' own plan code (``plan_blocks`` on the layout's
+    runs, ``piece_count``/``query_chunks`` for K/V pieces, ``head_group_count`` for Ulysses' head
+    groups) and returns its steps: kernel calls ``(q_len, k_len, mask, heads, fwd|bwd)``, merges,
+    in-place gradient sums, copies, ring exchanges (overlapped K/V, waited dK/dV), collectives, and
+    the cross-rank check of every call (one small all-gather). So fully masked blocks are skipped
+    exactly as the code skips them (zigzag: half a block per step; plain ring: the last rank's full
+    block bounds each step), and a change to the loops changes the prediction with it.
 
-        ulysses        one call: N tokens, H/P heads                     work/P, block N
-        allgather_kv   one call: N/P queries vs N keys (zigzag: balanced) work/P, block N/P
-        zigzag_ring    P steps, each half a block (diagonal step: half)  (P/2)    blocks of N/P
-        ring (contig.) the last rank has a full block at every step      (P-1/2)  blocks (causal)
-        usp (U x R)    Ulysses over U, zigzag ring over R = P/U            (R/2) blocks of N/R, H/U heads
-        colossal       full score rows, no causal skipping               P blocks (materialised)
+    Time of one step, per rank ``r``: ``cpu_r`` = its kernel calls (Note [Per-call terms]) + merges +
+    sums + copies; its ring exchange overlaps the K/V transfer with compute and waits for the dK/dV
+    partial sum after it (Note [Gradient partial sums around the ring]):
 
-    Communication: bytes of ``lightning_sp.comm.volume`` times the element size, over the link:
-    ``intra`` when the ranks of the collective share a node (``hw.ranks_per_node``), else ``inter``
-    (the slowest hop bounds a ring step; an all-to-all sends ``(g-n)/(g-1)`` of its bytes off-node).
-    Overlap rules (as the code in ``ops/`` and ``comm/ring.py`` does it):
+        t_r   = max(cpu_r, K/V transfer) + messages x message_time + dK/dV transfer
+        step  = max( max_r t_r ,  sum_r cpu_r / compute_slots + max_r (its exposed comm) )
 
-        ring, zigzag   fwd: K/V send overlapped with the block:  step = max(compute, transfer)
-                       bwd: K/V overlapped, dK/dV partial sums NOT (Note [Gradient partial sums
-                       around the ring]): step = max(compute, transfer) + transfer
-        allgather_kv   fwd: all-gather K,V, then compute (not overlapped); bwd: gather again, then
-                       a ring reduce-scatter of dK/dV (accumulating, not overlapped)
-        ulysses        4 all-to-alls fwd (q, k, v, out), 4 bwd; none overlapped
-        usp            Ulysses all-to-alls over U (not overlapped) + the zigzag ring over R
-        colossal       fwd: ring K, ring V; bwd: ring V + dV, ring K + dK; each overlapped as ring
-        megatron_sp    (Megatron TP+SP on t ranks, attention half of a layer) all-gather before QKV,
-                       reduce-scatter after the projection, fwd and bwd, not overlapped; H/t heads
+    The first term: a step ends when its slowest rank ends. The second: ranks that share
+    ``compute_slots`` cores (``P`` gloo ranks on a 2-core CPU) serialise their compute, so a step
+    cannot end before the cores have done every rank's work. A calibrated profile measures the
+    sharing instead (``compute_sharing``: one rank's kernel loop with ``P`` ranks running it at once,
+    over its time alone, which also sees memory bandwidth and other jobs on the machine) and uses
+    ``mean_r cpu_r x stretch(P)`` for the second term. ``compute_slots=None`` and no sharing (one
+    device per rank): the first term only. A collective step is its calibrated time (latency + bytes /
+    bandwidth, measured at that group size); when more ranks run than the group (usp's sub-groups)
+    and they share cores, it stretches by ``max(1, P/C) / max(1, g/C)``. Communication bytes per
+    tensor are those of ``lightning_sp.comm.volume`` (checked against ``CommStats`` in the tests).
 
-    A collective over ``g`` ranks pays ``(g-1)`` latencies (``P-1`` ring steps, ``g-1`` all-to-all
-    peers). On a CPU several ranks share the cores: ``hw.compute_slots`` ranks compute at once per
-    node, so compute stretches by ``ranks_per_node / compute_slots`` when there are more ranks.
+    Ranks modelled: all up to 16, beyond that ranks 0, 1, P/2 and P-1 (the backends' extremes), so
+    ``backend="auto"`` stays cheap at large P.
+
+Note [Per-call terms]
+    What a calibrated profile (``experiments/cost_model/calibrate.py``) adds to FLOPs / rate; every
+    term is a microbenchmark of a primitive, never a fit to a backend's time:
+
+        kernel_table    one kernel call per head vs (q_len, k_len) for FULL rectangles and CAUSAL
+                        squares at several D (log-linear in between, time per element constant
+                        beyond the table); GPU presets: FLOPs at ``attention_curve(q_len)``
+        kernel_call_s   fixed time of a call (a tiny one), forward and backward
+        merge_s, elementwise_s   merge_into / an in-place add: per call + per element
+        message_s       one RingComm exchange of a tiny tensor at that world size (Python, gloo, wait)
+        collective_fits all-to-all / all-gather latency + bandwidth at each group size
+        colossal_s      the materialised score path (q k^T, mask, softmax, p v; fwd+bwd) per score
+                        element and per element x D, in one process
+
+    ``fwd+bwd`` FLOPs for the GPU presets: backward = 2.5x forward (flash-style recompute), so
+    ``3.5 x`` the forward's ``4 N^2 H D`` (halved for a causal square); ``megatron_sp`` keeps its
+    closed form (all-gather/reduce-scatter around one local call on ``H/t`` heads).
 
     Memory (per rank, one layer, bytes): Korthikanti et al.'s activation formula ``s b h (34 + 5 a
     s / h)`` (REFERENCES.md), the ``5as/h`` score term replaced by flash attention's ``4a/h`` (LSE)
@@ -108,6 +123,10 @@ class HardwareProfile:
     message_s: tuple[tuple[int, float], ...] = ()
     """``(world, seconds)``: one ring exchange of a tiny tensor on ``world`` ranks (Python, gloo
     latency, the wait); empty: ``intra_latency``/``inter_latency``."""
+    compute_sharing: tuple[tuple[int, float], ...] = ()
+    """``(world, stretch)``: how much slower one rank's kernel loop runs when ``world`` ranks run it at
+    once on this machine (measured, Note [Cost model of one attention layer]); replaces the
+    ``compute_slots`` rule when given."""
     colossal_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """``colossal``'s materialised score path on one rank: ``a + E (b + c D)`` seconds fwd+bwd for ``E``
     score elements (``H x rows x keys``); all 0: its matmuls at ``matmul_flops`` instead."""
@@ -170,6 +189,7 @@ class HardwareProfile:
             d[name] = tuple(float(x) for x in d.get(name, (0.0, 0.0)))
         d["message_s"] = tuple((int(w), float(t)) for w, t in d.get("message_s", ()))
         d["colossal_s"] = tuple(float(x) for x in d.get("colossal_s", (0.0, 0.0, 0.0)))
+        d["compute_sharing"] = tuple((int(w), float(x)) for w, x in d.get("compute_sharing", ()))
         d["collective_fits"] = tuple((str(o), int(g), float(la), float(bw)) for o, g, la, bw in d.get("collective_fits", ()))
         return cls(**d)
 
@@ -268,6 +288,17 @@ PRESETS: dict[str, HardwareProfile] = {
         attention_curve=saturating_curve(_H100_PEAK, 0.55, 2048),
         matmul_flops=0.70 * _H100_PEAK,
         intra_bandwidth=450e9, intra_latency=10e-6,
+        inter_bandwidth=50e9, inter_latency=20e-6,
+        ranks_per_node=8, memory_bytes=80e9,
+    ),
+    "h800-80gb": HardwareProfile(
+        name="h800-80gb",
+        source=("datasheet: H800 SXM = H100 SXM compute (989 TFLOP/s bf16 dense) with NVLink 400 GB/s total "
+                "(200 per direction), 80 GB; 8 GPUs/node. assumption: as h100-80gb (attention 55% of peak, "
+                "half at 2K-token blocks; matmuls 70%; 10 us NVLink, 20 us IB)"),
+        attention_curve=saturating_curve(_H100_PEAK, 0.55, 2048),
+        matmul_flops=0.70 * _H100_PEAK,
+        intra_bandwidth=200e9, intra_latency=10e-6,
         inter_bandwidth=50e9, inter_latency=20e-6,
         ranks_per_node=8, memory_bytes=80e9,
     ),
@@ -457,12 +488,14 @@ def _modelled_ranks(world: int) -> list[int]:
 def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: HardwareProfile, u: int | None,
                    kv_pieces: int) -> tuple[float, float, float]:
     """``(total, compute, link busy)`` seconds from the ranks' ``ops.schedule`` steps (Note [Per-call terms])."""
-    from lightning_sp.ops.schedule import rank_schedule
+    from lightning_sp.ops.schedule import rank_schedule  # here, not at import: ops loads torch (a light import)
 
     d, batch = shape.head_dim, shape.batch
     eb = shape.dtype_bytes * batch
     acc_b = max(shape.dtype_bytes, 4) * batch  # accumulation dtype: fp32 for half types
     slots = hw.compute_slots
+    sharing = (min(hw.compute_sharing, key=lambda wx: (abs(math.log(wx[0] / world)), wx[0]))[1]
+               if hw.compute_sharing and world > 1 else None)
     ring = world // u if backend == "usp" else world
     stride = u if backend == "usp" else 1
     bw, lat = hw.link(ring, stride=stride)
@@ -491,11 +524,14 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
     for phase in ("forward", "backward"):
         for steps in zip(*(getattr(s, phase) for s in scheds)):
             work = [cpu(st) for st in steps]
-            shared = sum(work) / slots * (world / len(steps)) if slots else 0.0
+            if sharing:  # measured: the mean rank's work, stretched as P ranks running at once are
+                shared = sum(work) / len(steps) * sharing
+            else:
+                shared = sum(work) / slots * (world / len(steps)) if slots else 0.0
             step_compute = max(max(work), shared)
             if steps[0].collective is not None:
                 op, elems, group = steps[0].collective
-                stretch = max(1.0, world / slots) / max(1.0, group / slots) if slots else 1.0
+                stretch = max(1.0, world / slots) / max(1.0, group / slots) if slots and group < world else 1.0
                 link = hw.collective_time(op, elems * eb, group) * stretch
                 total += step_compute + link
                 compute += step_compute

@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,15 +98,17 @@ def run_calibration(args, argv) -> dict:
         local = calibrate.calibrate_local(reps=2, sides=(32, 128), dims=(32,))
         local["colossal"] = calibrate.calibrate_colossal(reps=2, points=((256, 32), (512, 32), (512, 64)))
         links = calibrate.calibrate_links((2,), reps=2, sizes=(1 << 12, 1 << 18))
+        sharing = calibrate.measure_sharing((2,))
     else:
         local = calibrate.calibrate_local()
         local["colossal"] = calibrate.calibrate_colossal()
         links = calibrate.calibrate_links(WORLDS)
+        sharing = calibrate.measure_sharing(WORLDS)
     cores = len(os.sched_getaffinity(0))
-    hw = calibrate.calibrated_profile(local, links, cores)
+    hw = calibrate.calibrated_profile(local, links, cores, sharing)
     meta = run_metadata(__file__, argv, kind="measured", cores=cores, seconds=round(time.perf_counter() - t0, 1),
                         profile=hw.to_dict(), note="microbenchmarks of primitives only; no backend was timed")
-    write_results("cost_model_calibration", {**meta, "local": local, "links": links}, [], args.out)
+    write_results("cost_model_calibration", {**meta, "local": local, "links": links, "sharing": sharing}, [], args.out)
     write_results("cost_model_cpu_profile", {**meta}, [{"block_tokens": b, "attention_fwd_bwd_flops": r}
                                                       for b, r in hw.attention_curve], args.out)
     print(f"calibrated in {time.perf_counter() - t0:.0f} s: kernel call {hw.kernel_call_s[0] * 1e6:.0f}/"
@@ -154,6 +157,10 @@ def _summary(rows) -> dict:
 def run_grid(args, argv, grid: str) -> list[dict]:
     hw, barriers = load_profile(args.out)
     t0 = time.perf_counter()
+    # the machine's sharing now (a primitive kernel loop on P ranks at once), for the grid's timings
+    sharing = calibrate.measure_sharing((2,) if args.quick else WORLDS)
+    hw = replace(hw, compute_sharing=tuple((w, x) for w, x in sharing.items() if w != "alone_s"))
+    print(f"{grid}: sharing stretch now {sharing}", flush=True)
     measured = {}
     for world in ((2,) if args.quick else WORLDS):
         if args.quick:
@@ -170,7 +177,8 @@ def run_grid(args, argv, grid: str) -> list[dict]:
         __file__, argv, kind="measured", calibration_profile=hw.to_dict(), seconds=round(time.perf_counter() - t0, 1),
         columns={"measured_ms": "measured here (median fwd+bwd between barriers, slowest rank)",
                  "model_*": "cost-model output from the calibrated profile (not measured)"},
-        **_summary(rows), note="CPU gloo, shared cores: timings depend on what else runs (load in the README)",
+        **_summary(rows), sharing_now=sharing,
+        note="CPU gloo, shared cores: timings depend on what else runs (load in the README)",
     )
     write_results(f"cost_model_validation_{grid}", meta, rows, args.out)
     print(f"{grid}: {len(rows)} rows, mean |error| {meta['mean_abs_error_pct']}%, max {meta['max_abs_error_pct']}%",

@@ -206,7 +206,59 @@ def calibrate_colossal(reps: int = 3, points=COLOSSAL_POINTS) -> dict:
     return {"colossal_s": [max(c, 0.0) for c in coef], "points": [[n, d, t] for (n, d), t in zip(points, times)]}
 
 
-def calibrated_profile(local: dict, links: dict, cores: int) -> HardwareProfile:
+SHARING_CALL = (512, 512, 4, 64)  # q_len, k_len, heads, D of the kernel loop the sharing is measured with
+SHARING_WINDOW_S = 1.5
+
+
+def _kernel_seconds_per_call(window_s: float = SHARING_WINDOW_S) -> float:
+    """Seconds per fwd+bwd call of ``SHARING_CALL`` (FULL), calling it for ``window_s`` in this
+    process (a fixed window, so ranks running it at once compete for all of it)."""
+    from lightning_sp.ops.kernels import make_kernel
+    from lightning_sp.ops.plan import MaskKind
+
+    torch.set_num_threads(1)
+    kernel = make_kernel("auto")
+    q_len, k_len, h, d = SHARING_CALL
+    g = torch.Generator().manual_seed(0)
+    q, dout = torch.randn(1, q_len, h, d, generator=g), torch.randn(1, q_len, h, d, generator=g)
+    k, v = torch.randn(1, k_len, h, d, generator=g), torch.randn(1, k_len, h, d, generator=g)
+
+    def call():
+        out, lse = kernel.forward(q, k, v, scale=d ** -0.5, kind=MaskKind.FULL, mask=None)
+        kernel.backward(dout, q, k, v, out, lse, scale=d ** -0.5, kind=MaskKind.FULL, mask=None)
+
+    call()
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < window_s:
+        call()
+        calls += 1
+    return (time.perf_counter() - t0) / calls
+
+
+def sharing_worker(rank, world):
+    """Every rank calls the kernel for the same window at once; the slowest rank's seconds per call."""
+    dist.barrier()
+    t = _kernel_seconds_per_call()
+    times = [None] * world
+    dist.all_gather_object(times, t)
+    return max(times) if rank == 0 else None
+
+
+def measure_sharing(worlds, reps: int = 1) -> dict:
+    """``{world: stretch}``: seconds per kernel call when ``world`` ranks call it for the same window
+    over the time alone (``P`` ranks sharing the cores, memory bandwidth and whatever else runs on the
+    machine now), measured with a primitive, never a backend. Also ``{"alone_s": ...}``."""
+    from experiments.common import run_on_ranks
+
+    alone = _kernel_seconds_per_call()
+    out = {"alone_s": alone}
+    for world in worlds:
+        together = run_on_ranks(sharing_worker, world, (), timeout_s=600)[0]
+        out[int(world)] = together / alone
+    return out
+
+
+def calibrated_profile(local: dict, links: dict, cores: int, sharing: dict | None = None) -> HardwareProfile:
     """The ``HardwareProfile`` of this machine from ``calibrate_local`` and ``calibrate_links``:
     ``compute_slots`` = the cores this process may use (ranks beyond share them)."""
     from lightning_sp.cost_model import FWD_BWD_FACTOR, HardwareProfile
@@ -232,4 +284,5 @@ def calibrated_profile(local: dict, links: dict, cores: int) -> HardwareProfile:
         merge_s=tuple(local["merge_s"]), elementwise_s=tuple(local["elementwise_s"]),
         message_s=tuple((w, float(get(w)["message_s"])) for w in worlds), collective_fits=tuple(fits),
         colossal_s=tuple(local["colossal"]["colossal_s"]) if "colossal" in local else (0.0, 0.0, 0.0),
+        compute_sharing=tuple(sorted((int(w), float(x)) for w, x in (sharing or {}).items() if w != "alone_s")),
     )
