@@ -235,13 +235,20 @@ def _kernel_seconds_per_call(window_s: float = SHARING_WINDOW_S) -> float:
     return (time.perf_counter() - t0) / calls
 
 
+SHARING_WINDOWS = 3
+
+
 def sharing_worker(rank, world):
-    """Every rank calls the kernel for the same window at once; the slowest rank's seconds per call."""
-    dist.barrier()
-    t = _kernel_seconds_per_call()
-    times = [None] * world
-    dist.all_gather_object(times, t)
-    return max(times) if rank == 0 else None
+    """Every rank calls the kernel for the same window at once; the slowest rank's seconds per call,
+    median over ``SHARING_WINDOWS`` windows."""
+    slowest = []
+    for _ in range(SHARING_WINDOWS):
+        dist.barrier()
+        t = _kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
+        times = [None] * world
+        dist.all_gather_object(times, t)
+        slowest.append(max(times))
+    return statistics.median(slowest) if rank == 0 else None
 
 
 def measure_sharing(worlds, reps: int = 1) -> dict:
@@ -250,7 +257,8 @@ def measure_sharing(worlds, reps: int = 1) -> dict:
     machine now), measured with a primitive, never a backend. Also ``{"alone_s": ...}``."""
     from experiments.common import run_on_ranks
 
-    alone = _kernel_seconds_per_call()
+    alone = statistics.median(_kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
+                              for _ in range(SHARING_WINDOWS))
     out = {"alone_s": alone}
     for world in worlds:
         together = run_on_ranks(sharing_worker, world, (), timeout_s=600)[0]
