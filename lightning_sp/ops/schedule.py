@@ -15,7 +15,7 @@ A ``Step`` is the work between two points where a rank waits for another (a ring
 collective): the cost model takes, step by step, the slowest rank (or the cores' share of all
 ranks' work when ranks share cores). Element counts are of tensors (tokens x heads x head_dim);
 ``*_acc`` counts are in the accumulation dtype (``merge.accumulation_dtype``), the others in the
-input dtype. Documents (``doc_bounds``) and padding are not modelled.
+input dtype. Documents (``doc_bounds``) are not modelled; padding is computed like tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from lightning_sp.layout import SequenceLayout, runs_for_ranks
+from lightning_sp.layout import SequenceLayout, padded_length, runs_for_ranks
 from lightning_sp.ops.backends import head_group_count, kv_head_replication
 from lightning_sp.ops.plan import plan_blocks
 from lightning_sp.ops.ring_attention import piece_bounds, piece_count, query_chunks, slice_runs
@@ -98,12 +98,14 @@ def backend_layout(backend: str, ulysses_degree: int | None = None) -> SequenceL
 def rank_schedule(backend: str, *, seq_len: int, world: int, rank: int, heads: int, kv_heads: int, head_dim: int,
                   causal: bool, ulysses_degree: int | None = None, kv_pieces: int = 1,
                   layout: SequenceLayout | None = None) -> RankSchedule:
-    """Rank ``rank``'s steps for one layer's fwd+bwd (cached). ``seq_len`` a multiple of what the
-    layout needs (no padding); ``kv_pieces`` as ``SequenceParallelAttention(kv_pieces=)`` resolved
+    """Rank ``rank``'s steps for one layer's fwd+bwd (cached). ``seq_len`` is padded as the layout pads
+    it (padding is computed like tokens, as the backends do with their masks); ``kv_pieces`` as ``SequenceParallelAttention(kv_pieces=)`` resolved
     to an int."""
     if backend not in SCHEDULE_BACKENDS:
         raise ValueError(f"backend must be one of {SCHEDULE_BACKENDS}, got {backend!r}")
     layout = layout or backend_layout(backend, ulysses_degree)
+    if world > 1 and backend != "local":
+        seq_len = padded_length(seq_len, world, layout)  # what the shards hold, padding included
     return _rank_schedule(backend, seq_len, world, rank, heads, kv_heads, head_dim, bool(causal), ulysses_degree,
                           int(kv_pieces), layout)
 
