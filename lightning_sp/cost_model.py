@@ -10,38 +10,53 @@ Everything this module returns is *model output*, never a measurement; experimen
 (``scripts/cost_model_experiment.py`` puts it beside measured times and the papers' numbers).
 
 Note [Cost model of one attention layer]
-    Compute. fwd FLOPs of dense attention ``4 N^2 H D`` (QK^T and PV), halved when causal; the
-    backward costs 2.5x the forward (flash-style: recompute P, then dV, dP, dQ, dK), so fwd+bwd is
-    ``3.5 x`` fwd. A kernel on a block of ``c`` query tokens runs at ``hw.attention_rate(c)`` FLOP/s
-    (measured vs block size on CPU; a saturating curve from datasheet peak for GPUs). What bounds a
-    rank's time is its own share, step by step (a ring step ends when its slowest rank ends):
+    What runs is counted, not re-derived: ``lightning_sp.ops.schedule.rank_schedule`` walks each
+    backend's loops on each rank with the backends' own plan code (``plan_blocks`` on the layout's
+    runs, ``piece_count``/``query_chunks`` for K/V pieces, ``head_group_count`` for Ulysses' head
+    groups) and returns its steps: kernel calls ``(q_len, k_len, mask, heads, fwd|bwd)``, merges,
+    in-place gradient sums, copies, ring exchanges (overlapped K/V, waited dK/dV), collectives, and
+    the cross-rank check of every call (one small all-gather). So fully masked blocks are skipped
+    exactly as the code skips them (zigzag: half a block per step; plain ring: the last rank's full
+    block bounds each step), and a change to the loops changes the prediction with it.
 
-        ulysses        one call: N tokens, H/P heads                     work/P, block N
-        allgather_kv   one call: N/P queries vs N keys (zigzag: balanced) work/P, block N/P
-        zigzag_ring    P steps, each half a block (diagonal step: half)  (P/2)    blocks of N/P
-        ring (contig.) the last rank has a full block at every step      (P-1/2)  blocks (causal)
-        usp (U x R)    Ulysses over U, zigzag ring over R = P/U            (R/2) blocks of N/R, H/U heads
-        colossal       full score rows, no causal skipping               P blocks (materialised)
+    Time of one step, per rank ``r``: ``cpu_r`` = its kernel calls (Note [Per-call terms]) + merges +
+    sums + copies; its ring exchange overlaps the K/V transfer with compute and waits for the dK/dV
+    partial sum after it (Note [Gradient partial sums around the ring]):
 
-    Communication: bytes of ``lightning_sp.comm.volume`` times the element size, over the link:
-    ``intra`` when the ranks of the collective share a node (``hw.ranks_per_node``), else ``inter``
-    (the slowest hop bounds a ring step; an all-to-all sends ``(g-n)/(g-1)`` of its bytes off-node).
-    Overlap rules (as the code in ``ops/`` and ``comm/ring.py`` does it):
+        t_r   = max(cpu_r, K/V transfer) + messages x message_time + dK/dV transfer
+        step  = max( max_r t_r ,  sum_r cpu_r / compute_slots + max_r (its exposed comm) )
 
-        ring, zigzag   fwd: K/V send overlapped with the block:  step = max(compute, transfer)
-                       bwd: K/V overlapped, dK/dV partial sums NOT (Note [Gradient partial sums
-                       around the ring]): step = max(compute, transfer) + transfer
-        allgather_kv   fwd: all-gather K,V, then compute (not overlapped); bwd: gather again, then
-                       a ring reduce-scatter of dK/dV (accumulating, not overlapped)
-        ulysses        4 all-to-alls fwd (q, k, v, out), 4 bwd; none overlapped
-        usp            Ulysses all-to-alls over U (not overlapped) + the zigzag ring over R
-        colossal       fwd: ring K, ring V; bwd: ring V + dV, ring K + dK; each overlapped as ring
-        megatron_sp    (Megatron TP+SP on t ranks, attention half of a layer) all-gather before QKV,
-                       reduce-scatter after the projection, fwd and bwd, not overlapped; H/t heads
+    The first term: a step ends when its slowest rank ends. The second: ranks that share
+    ``compute_slots`` cores (``P`` gloo ranks on a 2-core CPU) serialise their compute, so a step
+    cannot end before the cores have done every rank's work. A calibrated profile measures the
+    sharing instead (``compute_sharing``: one rank's kernel loop with ``P`` ranks running it at once,
+    over its time alone, which also sees memory bandwidth and other jobs on the machine) and uses
+    ``mean_r cpu_r x stretch(P)`` for the second term. ``compute_slots=None`` and no sharing (one
+    device per rank): the first term only. A collective step is its calibrated time (latency + bytes /
+    bandwidth, measured at that group size); when more ranks run than the group (usp's sub-groups)
+    and they share cores, it stretches by ``max(1, P/C) / max(1, g/C)``. Communication bytes per
+    tensor are those of ``lightning_sp.comm.volume`` (checked against ``CommStats`` in the tests).
 
-    A collective over ``g`` ranks pays ``(g-1)`` latencies (``P-1`` ring steps, ``g-1`` all-to-all
-    peers). On a CPU several ranks share the cores: ``hw.compute_slots`` ranks compute at once per
-    node, so compute stretches by ``ranks_per_node / compute_slots`` when there are more ranks.
+    Ranks modelled: all up to 16, beyond that ranks 0, 1, P/2 and P-1 (the backends' extremes), so
+    ``backend="auto"`` stays cheap at large P.
+
+Note [Per-call terms]
+    What a calibrated profile (``experiments/cost_model/calibrate.py``) adds to FLOPs / rate; every
+    term is a microbenchmark of a primitive, never a fit to a backend's time:
+
+        kernel_table    one kernel call per head vs (q_len, k_len) for FULL rectangles and CAUSAL
+                        squares at several D (log-linear in between, time per element constant
+                        beyond the table); GPU presets: FLOPs at ``attention_curve(q_len)``
+        kernel_call_s   fixed time of a call (a tiny one), forward and backward
+        merge_s, elementwise_s   merge_into / an in-place add: per call + per element
+        message_s       one RingComm exchange of a tiny tensor at that world size (Python, gloo, wait)
+        collective_fits all-to-all / all-gather latency + bandwidth at each group size
+        colossal_s      the materialised score path (q k^T, mask, softmax, p v; fwd+bwd) per score
+                        element and per element x D, in one process
+
+    ``fwd+bwd`` FLOPs for the GPU presets: backward = 2.5x forward (flash-style recompute), so
+    ``3.5 x`` the forward's ``4 N^2 H D`` (halved for a causal square); ``megatron_sp`` keeps its
+    closed form (all-gather/reduce-scatter around one local call on ``H/t`` heads).
 
     Memory (per rank, one layer, bytes): Korthikanti et al.'s activation formula ``s b h (34 + 5 a
     s / h)`` (REFERENCES.md), the ``5as/h`` score term replaced by flash attention's ``4a/h`` (LSE)
@@ -94,6 +109,30 @@ class HardwareProfile:
     """Ranks of one node that can compute at the same time (CPU cores); ``None``: one device each."""
     memory_bytes: float | None = None
     """Device memory per rank (max-context predictions)."""
+    # Calibrated per-call terms (Note [Per-call terms]); empty / 0 for the GPU presets (not measured).
+    kernel_table: tuple[tuple[str, int, int, int, float, float], ...] = ()
+    """``(kind, head_dim, q_len, k_len, fwd_s, bwd_s)``: one kernel call's time per query head, the fixed
+    ``kernel_call_s`` removed (measured: ``experiments/cost_model/calibrate.py``); log-linear in between,
+    time per element constant outside. Empty: ``attention_curve``."""
+    kernel_call_s: tuple[float, float] = (0.0, 0.0)
+    """Fixed time of one kernel forward / backward call (a tiny call)."""
+    merge_s: tuple[float, float] = (0.0, 0.0)
+    """``merge_into``: ``(seconds per call, seconds per element)``."""
+    elementwise_s: tuple[float, float] = (0.0, 0.0)
+    """An in-place ``+=`` or copy outside the kernel: ``(seconds per call, seconds per element)``."""
+    message_s: tuple[tuple[int, float], ...] = ()
+    """``(world, seconds)``: one ring exchange of a tiny tensor on ``world`` ranks (Python, gloo
+    latency, the wait); empty: ``intra_latency``/``inter_latency``."""
+    compute_sharing: tuple[tuple[int, float], ...] = ()
+    """``(world, stretch)``: how much slower one rank's kernel loop runs when ``world`` ranks run it at
+    once on this machine (measured, Note [Cost model of one attention layer]); replaces the
+    ``compute_slots`` rule when given."""
+    colossal_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """``colossal``'s materialised score path on one rank: ``a + E (b + c D)`` seconds fwd+bwd for ``E``
+    score elements (``H x rows x keys``); all 0: its matmuls at ``matmul_flops`` instead."""
+    collective_fits: tuple[tuple[str, int, float, float], ...] = ()
+    """``(op, group size, latency s, bandwidth B/s)`` measured for ``"all_to_all"`` (bytes of the send
+    buffer) and ``"all_gather"`` (bytes of one rank's input); empty: the link model."""
 
     def __post_init__(self) -> None:
         if not self.attention_curve:
@@ -144,7 +183,77 @@ class HardwareProfile:
     def from_dict(cls, d: dict) -> "HardwareProfile":
         d = dict(d)
         d["attention_curve"] = tuple((int(b), float(r)) for b, r in d["attention_curve"])
+        d["kernel_table"] = tuple((str(k), int(dd), int(q), int(kl), float(f), float(b))
+                                  for k, dd, q, kl, f, b in d.get("kernel_table", ()))
+        for name in ("kernel_call_s", "merge_s", "elementwise_s"):
+            d[name] = tuple(float(x) for x in d.get(name, (0.0, 0.0)))
+        d["message_s"] = tuple((int(w), float(t)) for w, t in d.get("message_s", ()))
+        d["colossal_s"] = tuple(float(x) for x in d.get("colossal_s", (0.0, 0.0, 0.0)))
+        d["compute_sharing"] = tuple((int(w), float(x)) for w, x in d.get("compute_sharing", ()))
+        d["collective_fits"] = tuple((str(o), int(g), float(la), float(bw)) for o, g, la, bw in d.get("collective_fits", ()))
         return cls(**d)
+
+    def kernel_time(self, call, head_dim: int) -> float:
+        """Seconds of one kernel call (``ops.schedule.KernelCall``) on one rank, unshared."""
+        fixed = self.kernel_call_s[1 if call.backward else 0]
+        if self.kernel_table:
+            return fixed + call.heads * _table_lookup(self.kernel_table, call.kind, head_dim, call.q_len, call.k_len,
+                                                      call.backward)
+        share = 0.5 if call.kind == "causal" else 1.0
+        flops = 4.0 * call.q_len * call.k_len * call.heads * head_dim * share * FWD_BWD_FACTOR
+        part = (FWD_BWD_FACTOR - 1) / FWD_BWD_FACTOR if call.backward else 1 / FWD_BWD_FACTOR
+        return fixed + flops * part / self.attention_rate(call.q_len)
+
+    def message_time(self, world: int) -> float:
+        """Fixed seconds of one ring exchange among ``world`` ranks (calibrated at the nearest world)."""
+        if not self.message_s:
+            return self.link(world)[1]
+        return min(self.message_s, key=lambda wt: (abs(math.log(wt[0] / world)), wt[0]))[1]
+
+    def collective_time(self, op: str, nbytes: float, group: int) -> float:
+        """One ``all_to_all`` (``nbytes``: this rank's send buffer) or ``all_gather`` (``nbytes``: this
+        rank's input) over ``group`` consecutive ranks."""
+        if group <= 1:
+            return 0.0
+        fits = [f for f in self.collective_fits if f[0] == op]
+        if fits:
+            _, _, lat, bw = min(fits, key=lambda f: (abs(math.log(f[1] / group)), f[1]))
+            return lat + nbytes / bw
+        if op == "all_to_all":
+            return _all_to_all_time(nbytes, group, self)
+        bw, lat = self.link(group)
+        return (group - 1) * (lat + nbytes / bw)
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Log-linear interpolation of ``ys`` over ascending ``xs`` (clamped outside)."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = next(i for i in range(1, len(xs)) if xs[i] >= x)
+    w = math.log(x / xs[i - 1]) / math.log(xs[i] / xs[i - 1])
+    return ys[i - 1] + w * (ys[i] - ys[i - 1])
+
+
+def _table_lookup(table, kind: str, head_dim: int, q_len: int, k_len: int, backward: bool) -> float:
+    """Seconds per head of a ``kind`` call of ``q_len x k_len`` at ``head_dim`` from the calibrated
+    table: seconds per (query x key x dim) element interpolated log-linearly in q, k and D, times the
+    call's elements. ``"dense"`` calls (never planned) count as ``"full"``."""
+    kind = "causal" if kind == "causal" else "full"
+    col = 5 if backward else 4
+    rows = [r for r in table if r[0] == kind] or [r for r in table if r[0] == "full"]
+    dims = sorted({r[1] for r in rows})
+    per_dim = []
+    for dd in dims:
+        pts = {(r[2], r[3]): r[col] / (r[2] * r[3] * dd) for r in rows if r[1] == dd}
+        if kind == "causal" and all(q == k for q, k in pts):  # squares only: by side
+            sides = sorted(q for q, _ in pts)
+            per_dim.append(_interp((q_len * k_len) ** 0.5, sides, [pts[(x, x)] for x in sides]))
+            continue
+        qs, ks = sorted({q for q, _ in pts}), sorted({k for _, k in pts})
+        per_dim.append(_interp(q_len, qs, [_interp(k_len, ks, [pts[(q, k)] for k in ks]) for q in qs]))
+    return _interp(head_dim, dims, per_dim) * q_len * k_len * head_dim
 
 
 def saturating_curve(peak: float, efficiency: float, half_block: int, blocks=(128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)):
@@ -179,6 +288,17 @@ PRESETS: dict[str, HardwareProfile] = {
         attention_curve=saturating_curve(_H100_PEAK, 0.55, 2048),
         matmul_flops=0.70 * _H100_PEAK,
         intra_bandwidth=450e9, intra_latency=10e-6,
+        inter_bandwidth=50e9, inter_latency=20e-6,
+        ranks_per_node=8, memory_bytes=80e9,
+    ),
+    "h800-80gb": HardwareProfile(
+        name="h800-80gb",
+        source=("datasheet: H800 SXM = H100 SXM compute (989 TFLOP/s bf16 dense) with NVLink 400 GB/s total "
+                "(200 per direction), 80 GB; 8 GPUs/node. assumption: as h100-80gb (attention 55% of peak, "
+                "half at 2K-token blocks; matmuls 70%; 10 us NVLink, 20 us IB)"),
+        attention_curve=saturating_curve(_H100_PEAK, 0.55, 2048),
+        matmul_flops=0.70 * _H100_PEAK,
+        intra_bandwidth=200e9, intra_latency=10e-6,
         inter_bandwidth=50e9, inter_latency=20e-6,
         ranks_per_node=8, memory_bytes=80e9,
     ),
@@ -293,66 +413,34 @@ def activation_bytes_per_layer(shape: AttentionShape, backend: str, world: int, 
 
 
 def predict_attention(backend: str, shape: AttentionShape, world: int, hw: HardwareProfile, *,
-                      ulysses_degree: int | None = None) -> Prediction:
+                      ulysses_degree: int | None = None, kv_pieces: int = 1) -> Prediction:
     """Model fwd+bwd time of one attention layer on one of ``world`` ranks (Note [Cost model of one
-    attention layer]). ``ulysses_degree``: ``usp``'s inner degree (required for ``usp``)."""
+    attention layer]). ``ulysses_degree``: ``usp``'s inner degree (required for ``usp``);
+    ``kv_pieces``: as ``SequenceParallelAttention(kv_pieces=)``, resolved to an int."""
     if backend not in MODEL_BACKENDS:
         raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {backend!r}")
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     p, n, h, hkv, d = world, shape.seq_len, shape.num_heads, shape.num_kv_heads, shape.head_dim
-    causal_share = 0.5 if shape.causal else 1.0
-    stretch = hw.compute_stretch(p)
     eb = shape.dtype_bytes * shape.batch
-    fwd_share = 1 / FWD_BWD_FACTOR
-
-    def kernel_time(n_q, n_k, heads, share=causal_share):
-        flops = shape.fwd_flops(n_q, n_k, heads) * share * FWD_BWD_FACTOR
-        return flops / hw.attention_rate(n_q) * stretch
-
     u = None
     notes = ""
     if p == 1:
-        compute = kernel_time(n, n, h)
+        total, compute, comm = _schedule_time("local", shape, 1, hw, None, kv_pieces)
         return Prediction(backend=backend, world=1, ulysses_degree=None, compute_s=compute, comm_s=0.0, exposed_comm_s=0.0,
-                          total_s=compute, comm_bytes=0.0, activation_bytes=activation_bytes_per_layer(shape, backend, 1))
+                          total_s=total, comm_bytes=0.0, activation_bytes=activation_bytes_per_layer(shape, backend, 1))
     vol = lambda name, **kw: forward_elements(name, seq_len=n, world=p, num_heads=h, num_kv_heads=hkv, head_dim=d, **kw) * eb  # noqa: E731
     if backend == "ulysses":
         if h % p:
             raise ValueError(f"ulysses needs num_heads ({h}) divisible by world ({p})")
-        compute = kernel_time(n, n, h / p)
-        fwd_bytes = vol("ulysses")
-        # 4 all-to-alls fwd (q, k, v, out) and 4 bwd, each a share of the bytes
         h_kv = replicated_kv_heads(h, hkv, p)
-        comm = 0.0
-        for heads in (h, h_kv, h_kv, h):
-            comm += 2 * _all_to_all_time(heads * d * n / p * eb, p, hw)
-        total, comm_bytes, exposed = compute + comm, 2 * fwd_bytes, comm
+        comm_bytes = 2 * vol("ulysses")
         transient = 3 * n / p * (h + 2 * h_kv) * d * eb
     elif backend in ("ring", "zigzag_ring"):
         c = n / p
-        block = kernel_time(c, c, h, share=1.0)  # one full (N/P x N/P) block
-        if not shape.causal:
-            per_step = block
-        elif backend == "zigzag_ring":
-            per_step = block / 2  # every step half a block (Note [Zigzag layout])
-        else:
-            per_step = block * (p - 0.5) / p  # the last rank's full blocks bound each step
-        bw, lat = hw.link(p)
-        transfer = lat + 2 * c * hkv * d * eb / bw
-        total, exposed = _ring_time(p, per_step, transfer, fwd_share=fwd_share)
-        compute = per_step * p
-        comm = (p - 1) * transfer * 2
         comm_bytes = 2 * vol(backend)
         transient = 4 * c * hkv * d * eb
     elif backend == "allgather_kv":
-        c = n / p
-        compute = kernel_time(c, n, h)  # zigzag: every rank half of its rows' keys when causal
-        bw, lat = hw.link(p)
-        chunk = 2 * c * hkv * d * eb
-        gather = (p - 1) * (lat + chunk / bw)
-        comm = 3 * gather  # gather fwd, gather bwd, ring reduce-scatter of dK/dV bwd
-        total, exposed = compute + comm, comm
         comm_bytes = 3 * vol("allgather_kv")
         transient = 2 * n * hkv * d * eb
     elif backend == "usp":
@@ -363,36 +451,21 @@ def predict_attention(backend: str, shape: AttentionShape, world: int, hw: Hardw
             raise ValueError(f"usp needs num_heads ({h}) divisible by ulysses_degree ({u})")
         r = p // u
         h_kv = replicated_kv_heads(h, hkv, u)
-        a2a = 0.0
-        for heads in (h, h_kv, h_kv, h):
-            a2a += 2 * _all_to_all_time(heads * d * n / p * eb, u, hw)
-        c = n / r
-        block = kernel_time(c, c, h / u, share=1.0)
-        per_step = block / 2 if shape.causal else block
-        bw, lat = hw.link(r, stride=u)
-        transfer = lat + 2 * c * (h_kv / u) * d * eb / bw
-        ring_total, ring_exposed = _ring_time(r, per_step, transfer, fwd_share=fwd_share)
-        compute = per_step * r
-        comm = a2a + (r - 1) * transfer * 2
-        total, exposed = ring_total + a2a, ring_exposed + a2a
         comm_bytes = 2 * vol("usp", ulysses_degree=u)
-        transient = 3 * n / p * (h + 2 * h_kv) * d * eb + 4 * c * (h_kv / u) * d * eb
+        transient = 3 * n / p * (h + 2 * h_kv) * d * eb + 4 * (n / r) * (h_kv / u) * d * eb
         notes = f"U={u} x R={r}"
     elif backend == "colossal":
-        c = n / p
-        compute = kernel_time(c, n, h, share=1.0)  # full score rows, masked not skipped
-        bw, lat = hw.link(p)
-        transfer = lat + c * hkv * d * eb / bw  # K or V alone
-        ring_qk, ex1 = _ring_time(p, compute / (2 * p), transfer, fwd_share=fwd_share)
-        ring_av, ex2 = _ring_time(p, compute / (2 * p), transfer, fwd_share=fwd_share)
-        total, exposed = ring_qk + ring_av, ex1 + ex2
-        comm = 2 * (p - 1) * transfer * 2
         comm_bytes = 3 * vol("colossal")
-        transient = 2 * c * hkv * d * eb
+        transient = 2 * n / p * hkv * d * eb
+    if backend != "megatron_sp":
+        total, compute, comm = _schedule_time(backend, shape, p, hw, u, kv_pieces)
+        exposed = total - compute
     else:  # megatron_sp: TP+SP over the same ranks, attention half of the layer
         if h % p:
             raise ValueError(f"megatron_sp needs num_heads ({h}) divisible by the TP degree ({p})")
-        compute = kernel_time(n, n, h / p)
+        compute, _, _ = _schedule_time("local", replace(shape, num_heads=h // p, num_kv_heads=max(1, hkv // p)), 1, hw,
+                                       None, 1)
+        compute *= hw.compute_stretch(p)
         hidden = h * d
         # all-gather of [N, h] before QKV and reduce-scatter after the projection, fwd and bwd
         bw, lat = hw.link(p)
@@ -405,6 +478,79 @@ def predict_attention(backend: str, shape: AttentionShape, world: int, hw: Hardw
     return Prediction(backend=backend, world=p, ulysses_degree=u, compute_s=compute, comm_s=comm,
                       exposed_comm_s=max(exposed, 0.0), total_s=total, comm_bytes=comm_bytes,
                       activation_bytes=act, notes=notes)
+
+
+def _modelled_ranks(world: int) -> list[int]:
+    """Every rank up to 16; beyond, the first, second, middle and last (the backends' extremes)."""
+    return list(range(world)) if world <= 16 else sorted({0, 1, world // 2, world - 1})
+
+
+def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: HardwareProfile, u: int | None,
+                   kv_pieces: int) -> tuple[float, float, float]:
+    """``(total, compute, link busy)`` seconds from the ranks' ``ops.schedule`` steps (Note [Per-call terms])."""
+    from lightning_sp.ops.schedule import rank_schedule  # here, not at import: ops loads torch (a light import)
+
+    d, batch = shape.head_dim, shape.batch
+    eb = shape.dtype_bytes * batch
+    acc_b = max(shape.dtype_bytes, 4) * batch  # accumulation dtype: fp32 for half types
+    slots = hw.compute_slots
+    sharing = (min(hw.compute_sharing, key=lambda wx: (abs(math.log(wx[0] / world)), wx[0]))[1]
+               if hw.compute_sharing and world > 1 else None)
+    ring = world // u if backend == "usp" else world
+    stride = u if backend == "usp" else 1
+    bw, lat = hw.link(ring, stride=stride)
+    msg = hw.message_time(world) if hw.message_s else 0.0
+    overlapped_lat = 0.0 if hw.message_s else lat
+    scheds = [rank_schedule(backend, seq_len=shape.seq_len, world=world, rank=r, heads=shape.num_heads,
+                            kv_heads=shape.num_kv_heads, head_dim=d, causal=shape.causal, ulysses_degree=u,
+                            kv_pieces=kv_pieces) for r in _modelled_ranks(world)]
+    ew_call, ew_elem = hw.elementwise_s
+    mg_call, mg_elem = hw.merge_s
+
+    def cpu(step) -> float:
+        t = sum(hw.kernel_call_s[c.backward] + batch * (hw.kernel_time(c, d) - hw.kernel_call_s[c.backward])
+                for c in step.calls)
+        t += sum(mg_call + mg_elem * e * batch for e in step.merges)
+        t += sum(ew_call + ew_elem * e * batch for e in step.accumulates)
+        t += ew_elem * step.copies * batch + (ew_call if step.copies else 0.0)
+        if step.scores and any(hw.colossal_s):  # colossal's score path, calibrated per element
+            a, b, c = hw.colossal_s
+            return t + a * step.score_share + (b + c * d) * step.scores * batch
+        t += ew_elem * step.elementwise * batch
+        t += sum(2.0 * bb * m * nn * k * batch / hw.matmul_flops for bb, m, nn, k in step.matmuls)
+        return t
+
+    total = compute = busy = 0.0
+    for phase in ("forward", "backward"):
+        for steps in zip(*(getattr(s, phase) for s in scheds)):
+            work = [cpu(st) for st in steps]
+            if sharing:  # measured: the mean rank's work, stretched as P ranks running at once are
+                shared = sum(work) / len(steps) * sharing
+            else:
+                shared = sum(work) / slots * (world / len(steps)) if slots else 0.0
+            step_compute = max(max(work), shared)
+            if steps[0].collective is not None:
+                op, elems, group = steps[0].collective
+                stretch = max(1.0, world / slots) / max(1.0, group / slots) if slots and group < world else 1.0
+                link = hw.collective_time(op, elems * eb, group) * stretch
+                total += step_compute + link
+                compute += step_compute
+                busy += link
+                continue
+            ranks_t, comm_t, busy_r = [], [], 0.0
+            for st, w in zip(steps, work):
+                exposed_msgs = 1 if st.exposed_send_acc else 0
+                over = (st.messages - exposed_msgs) * overlapped_lat + st.overlapped_send * eb / bw
+                exposed = exposed_msgs * lat * (overlapped_lat > 0) + st.exposed_send_acc * acc_b / bw
+                fixed = st.messages * msg
+                ranks_t.append(max(w, over) + fixed + exposed)
+                comm_t.append(fixed + exposed)
+                busy_r = max(busy_r, over + fixed + exposed)
+            step_t = max(max(ranks_t), shared + max(comm_t))
+            total += step_t
+            compute += step_compute
+            busy += busy_r
+    return total, min(compute, total), busy
 
 
 # ------------------------------------------------------------------------------------------------

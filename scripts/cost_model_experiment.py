@@ -1,19 +1,28 @@
 #!/usr/bin/env python
-"""The cost model (``lightning_sp/cost_model.py``): calibrate on this CPU, validate against measured
-gloo step times, predict the papers' setups (issue 10, item 5).
+"""The cost model (``lightning_sp/cost_model.py``): calibrate its terms with microbenchmarks of the
+primitives on this CPU, validate against measured gloo step times on two grids, predict the papers'
+setups (issue 10, item 5; issue 17).
 
-    .venv/bin/python scripts/cost_model_experiment.py            # P = 2, 4, 8; N = 1024, 2048
-    .venv/bin/python scripts/cost_model_experiment.py --quick    # P = 2, N = 512, three backends (smoke test)
-    .venv/bin/python scripts/plot_cost_model.py                  # the figure, from the result file
+    .venv/bin/python scripts/cost_model_experiment.py --part calibrate   # primitives -> cost_model_calibration.json
+    .venv/bin/python scripts/cost_model_experiment.py --part grid1       # the CPU grid of issue 10 (34 rows)
+    .venv/bin/python scripts/cost_model_experiment.py --part grid2       # shapes never used in calibration (24 rows)
+    .venv/bin/python scripts/cost_model_experiment.py --part papers      # the papers' setups (model output only)
+    .venv/bin/python scripts/cost_model_experiment.py --quick            # smoke: all four, tiny
+    .venv/bin/python scripts/plot_cost_model.py                          # figure from cost_model_validation.json
 
-(a) Calibrate: attention fwd+bwd FLOP/s of the local kernel vs block size, a matmul rate, gloo
-    latency/bandwidth from a ping-pong between ranks 0 and 1 at the smallest P, in the same spawn as
-    that P's timings (``experiments/cost_model/measure.py``). The profile is written to
-    ``<out>/cost_model_cpu_profile.{json,csv}`` (measured).
+Each part is one short exclusive timing run (run them under ``/work/scratch/machine.py time`` one
+after the other; ``scripts/cost_model_validate.sh`` does all four). A grid part reads the calibration
+written by ``--part calibrate`` in the same ``--out``; it never changes it.
+
+(a) Calibrate (``experiments/cost_model/calibrate.py``): kernel calls vs (q, k, D, mask), the tiny call,
+    merge, in-place add, a batched matmul; per world size a ring exchange, all-to-all and all-gather
+    latency + bandwidth, ping-pong bandwidth. -> ``<out>/cost_model_calibration.json`` (measured, with the
+    machine and date) and ``cost_model_cpu_profile.{json,csv}`` (the profile the model reads).
 (b) Validate: one attention layer fwd+bwd per backend on P gloo ranks, measured (median between
-    barriers), beside the model's prediction from the calibrated profile; error % per row.
-    -> ``<out>/cost_model_validation.{json,csv}``: ``measured_ms`` (this machine) and
-    ``model_predicted_ms`` (cost model) are separate columns.
+    barriers), beside the model's prediction from the calibrated profile; error % per row ->
+    ``<out>/cost_model_validation_grid{1,2}.{json,csv}`` and both together in
+    ``cost_model_validation.{json,csv}``: ``measured_ms`` (this machine) and ``model_*`` (cost model)
+    are separate columns.
 (c) Predict the papers' setups with the GPU presets (datasheet + cited assumptions) beside the
     papers' numbers (``experiments/cost_model/papers.py``) -> ``<out>/cost_model_predictions.{json,csv}``
     (``kind: model``).
@@ -22,9 +31,11 @@ gloo step times, predict the papers' setups (issue 10, item 5).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,85 +43,166 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from experiments.common import add_output_arguments, output_dir, run_metadata, write_results  # noqa: E402
-from experiments.cost_model import measure, papers  # noqa: E402
+from experiments.cost_model import calibrate, measure, papers  # noqa: E402
 from lightning_sp.cost_model import AttentionShape, HardwareProfile, predict_attention  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM = 8, 4, 32
+PARTS = ("calibrate", "grid1", "grid2", "papers")
+WORLDS = (2, 4, 8)
+
+# grid 1: issue 10's CPU grid (H = 8, H_kv = 4, D = 32, causal, kv_pieces = 8 as it was measured)
+GRID1_SHAPE = (8, 4, 32, True, 8)
+
+
+def grid1_cases(world: int, seq_lens=(1024, 2048), quick: bool = False) -> list[tuple]:
+    """``(backend, ulysses_degree, N, H, H_kv, D, causal, kv_pieces)`` timed at ``world``."""
+    h, hkv, d, causal, pieces = GRID1_SHAPE
+    backends = [("ulysses", None), ("zigzag_ring", None), ("allgather_kv", None)]
+    if not quick:
+        backends += [("ring", None), ("colossal", None)] + ([("usp", 2)] if world >= 4 else [])
+    return [(b, u, n, h, hkv, d, causal, pieces) for n in seq_lens for b, u in backends]
+
+
+# grid 2: shapes never used in calibration or in grid 1 (H, H_kv, D, N up to 8192, causal and
+# bidirectional, whole K/V blocks and pieces); (world, N, H, H_kv, D, causal, kv_pieces, backends)
+GRID2 = [
+    (2, 8192, 4, 2, 64, True, 1, [("ulysses", None), ("zigzag_ring", None), ("allgather_kv", None), ("ring", None)]),
+    (2, 4096, 6, 6, 48, False, 1, [("ulysses", None), ("zigzag_ring", None), ("allgather_kv", None)]),
+    (4, 4096, 4, 1, 128, True, 1, [("ulysses", None), ("zigzag_ring", None), ("allgather_kv", None), ("usp", 2),
+                                   ("colossal", None)]),
+    (4, 2048, 12, 4, 32, False, 1, [("ulysses", None), ("ring", None), ("zigzag_ring", None), ("allgather_kv", None)]),
+    (8, 8192, 8, 2, 64, True, 4, [("ulysses", None), ("zigzag_ring", None), ("allgather_kv", None), ("usp", 2)]),
+    (8, 3072, 16, 8, 32, False, 1, [("ulysses", None), ("zigzag_ring", None), ("ring", None), ("allgather_kv", None)]),
+]
+
+
+def grid2_cases(world: int) -> list[tuple]:
+    return [(b, u, n, h, hkv, d, causal, pieces) for w, n, h, hkv, d, causal, pieces, bs in GRID2 if w == world
+            for b, u in bs]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny run for the smoke test (P=2, N=512)")
+    p.add_argument("--quick", action="store_true", help="tiny run of every part (smoke test)")
+    p.add_argument("--part", choices=PARTS + ("all",), default="all", help="which part (default: all, in order)")
     add_output_arguments(p, "cost_model")
-    p.add_argument("--worlds", type=int, nargs="+", default=None, help="gloo world sizes to validate at")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="global sequence lengths")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per case (median)")
-    p.add_argument("--predict-only", action="store_true", help="only (c): the papers' setups (no measurement)")
     args = p.parse_args(argv)
     args.out = output_dir(args, "cost_model")
-    args.worlds = args.worlds or ([2] if args.quick else [2, 4, 8])
-    args.seq_lens = args.seq_lens or ([512] if args.quick else [1024, 2048])
-    args.reps = args.reps or (2 if args.quick else 5)
-    for w in args.worlds:
-        if w < 2 or HEADS % w and w != 8:
-            raise ValueError(f"--worlds: each must be >= 2 and divide {HEADS} heads (or be 8), got {w}")
-    for n in args.seq_lens:
-        if n % (2 * max(args.worlds)):
-            raise ValueError(f"--seq-lens: each must be a multiple of 2 x the largest world ({2 * max(args.worlds)}), got {n}")
+    args.reps = args.reps or (2 if args.quick else 3)
     return args
 
 
-def backend_cases(world: int, seq_lens, quick: bool) -> list[tuple]:
-    """``(backend, ulysses_degree, N, H, H_kv, D, causal)`` timed at ``world``."""
-    backends = [("ulysses", None), ("zigzag_ring", None), ("allgather_kv", None)]
-    if not quick:
-        backends += [("ring", None), ("colossal", None)] + ([("usp", 2)] if world >= 4 else [])
-    if HEADS % world:
-        backends = [b for b in backends if b[0] != "ulysses"]
-    return [(b, u, n, HEADS, KV_HEADS, HEAD_DIM, True) for n in seq_lens for b, u in backends]
-
-
-def calibrated_profile(compute: dict, links: dict) -> HardwareProfile:
+def run_calibration(args, argv) -> dict:
+    t0 = time.perf_counter()
+    if args.quick:
+        local = calibrate.calibrate_local(reps=2, sides=(32, 128), dims=(32,))
+        local["colossal"] = calibrate.calibrate_colossal(reps=2, points=((256, 32), (512, 32), (512, 64)))
+        links = calibrate.calibrate_links((2,), reps=2, sizes=(1 << 12, 1 << 18))
+        sharing = calibrate.measure_sharing((2,))
+    else:
+        local = calibrate.calibrate_local()
+        local["colossal"] = calibrate.calibrate_colossal()
+        links = calibrate.calibrate_links(WORLDS)
+        sharing = calibrate.measure_sharing(WORLDS)
     cores = len(os.sched_getaffinity(0))
-    return HardwareProfile(
-        name="cpu-calibrated",
-        source=f"measured here: {cores} cores, SDPA CPU kernel fp32, gloo loopback ping-pong",
-        attention_curve=tuple(compute["attention_curve"]), matmul_flops=compute["matmul_flops"],
-        intra_bandwidth=links["bandwidth"], intra_latency=links["latency"],
-        inter_bandwidth=links["bandwidth"], inter_latency=links["latency"],
-        ranks_per_node=64, compute_slots=cores,
-    )
+    hw = calibrate.calibrated_profile(local, links, cores, sharing)
+    meta = run_metadata(__file__, argv, kind="measured", cores=cores, seconds=round(time.perf_counter() - t0, 1),
+                        profile=hw.to_dict(), note="microbenchmarks of primitives only; no backend was timed")
+    write_results("cost_model_calibration", {**meta, "local": local, "links": links, "sharing": sharing}, [], args.out)
+    write_results("cost_model_cpu_profile", {**meta}, [{"block_tokens": b, "attention_fwd_bwd_flops": r}
+                                                      for b, r in hw.attention_curve], args.out)
+    print(f"calibrated in {time.perf_counter() - t0:.0f} s: kernel call {hw.kernel_call_s[0] * 1e6:.0f}/"
+          f"{hw.kernel_call_s[1] * 1e6:.0f} us, merge {hw.merge_s[0] * 1e6:.0f} us + {hw.merge_s[1] * 1e9:.2f} ns/elem, "
+          f"messages {[(w, round(t * 1e6)) for w, t in hw.message_s]} us, p2p {hw.intra_bandwidth / 1e9:.2f} GB/s", flush=True)
+    return meta
 
 
-def run(args) -> tuple[HardwareProfile, dict, list[dict]]:
-    """(a) calibrate, (b) measure every world and predict each case from the calibrated profile."""
-    blocks = (64, 128, 256) if args.quick else (32, 64, 128, 256, 512, 1024, 2048)
-    compute = measure.calibrate_compute(blocks, heads=HEADS, head_dim=HEAD_DIM, reps=2 if args.quick else 5)
-    sizes = (1 << 12, 1 << 20) if args.quick else tuple(1 << k for k in range(10, 23, 2))
-    measured = {}
-    for world in args.worlds:
-        t0 = time.perf_counter()
-        cases = backend_cases(world, args.seq_lens, args.quick)
-        measured[world] = (cases, measure.measure_world(world, sizes, 3 if args.quick else 10, cases, args.reps))
-        print(f"P={world}: {len(cases)} cases measured in {time.perf_counter() - t0:.0f} s", flush=True)
-    links = measure.fit_links(measured[min(args.worlds)][1]["links"])  # the ping-pong at the smallest world
-    hw = calibrated_profile(compute, links)
+def load_profile(out: Path) -> tuple[HardwareProfile, dict[int, float]]:
+    """The calibrated profile and the measured barrier time per world size."""
+    path = Path(out) / "cost_model_calibration.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run --part calibrate with the same --out first")
+    data = json.loads(path.read_text())
+    return HardwareProfile.from_dict(data["profile"]), {int(w): v["barrier_s"] for w, v in data["links"].items()}
+
+
+def predict_rows(hw: HardwareProfile, barriers: dict[int, float], grid: str, measured: dict) -> list[dict]:
+    """Measured beside predicted. The measured interval holds two barriers (``measure.time_backends_worker``):
+    the prediction adds the calibrated barrier time twice (``model_barriers_ms``)."""
     rows = []
     for world, (cases, got) in measured.items():
-        for (b, u, n, h, hkv, d, causal), m in zip(cases, got["times"]):
+        barrier = barriers.get(world) or barriers[min(barriers, key=lambda w: abs(w - world))]
+        for (b, u, n, h, hkv, d, causal, pieces), m in zip(cases, got):
             shape = AttentionShape(seq_len=n, num_heads=h, num_kv_heads=hkv, head_dim=d, dtype_bytes=4, causal=causal)
-            pred = predict_attention(b, shape, world, hw, ulysses_degree=u)
+            pred = predict_attention(b, shape, world, hw, ulysses_degree=u, kv_pieces=pieces)
+            total = pred.total_s + 2 * barrier
             rows.append({
-                "P": world, "N": n, "backend": pred.label, "heads": h, "kv_heads": hkv, "head_dim": d, "causal": causal,
+                "grid": grid, "P": world, "N": n, "backend": pred.label, "heads": h, "kv_heads": hkv, "head_dim": d,
+                "causal": causal, "kv_pieces": pieces,
                 "measured_ms": round(m * 1e3, 3),
-                "model_predicted_ms": round(pred.total_s * 1e3, 3),
+                "model_predicted_ms": round(total * 1e3, 3),
                 "model_compute_ms": round(pred.compute_s * 1e3, 3),
                 "model_exposed_comm_ms": round(pred.exposed_comm_s * 1e3, 3),
-                "model_error_pct": round(100 * (pred.total_s - m) / m, 1),
+                "model_barriers_ms": round(2 * barrier * 1e3, 3),
+                "model_error_pct": round(100 * (total - m) / m, 1),
             })
-    calibration = {"compute": compute, "links": links,
-                   "all_to_all": {w: got["links"] for w, (_, got) in measured.items()}}
-    return hw, calibration, rows
+    return rows
+
+
+def _summary(rows) -> dict:
+    errors = [abs(r["model_error_pct"]) for r in rows]
+    return {"mean_abs_error_pct": round(sum(errors) / len(errors), 1), "max_abs_error_pct": max(errors)}
+
+
+def run_grid(args, argv, grid: str) -> list[dict]:
+    hw, barriers = load_profile(args.out)
+    t0 = time.perf_counter()
+    # the machine's sharing now (a primitive kernel loop on P ranks at once), for the grid's timings
+    sharing = calibrate.measure_sharing((2,) if args.quick else WORLDS)
+    hw = replace(hw, compute_sharing=tuple((w, x) for w, x in sharing.items() if w != "alone_s"))
+    print(f"{grid}: sharing stretch now {sharing}", flush=True)
+    measured = {}
+    for world in ((2,) if args.quick else WORLDS):
+        if args.quick:
+            cases = grid1_cases(world, (512,), quick=True) if grid == "grid1" else [("zigzag_ring", None, 768, 6, 2, 48, False, 1)]
+        else:
+            cases = grid1_cases(world) if grid == "grid1" else grid2_cases(world)
+        if not cases:
+            continue
+        t1 = time.perf_counter()
+        measured[world] = (cases, measure.measure_world(world, cases, args.reps))
+        print(f"{grid} P={world}: {len(cases)} cases measured in {time.perf_counter() - t1:.0f} s", flush=True)
+    rows = predict_rows(hw, barriers, grid, measured)
+    meta = run_metadata(
+        __file__, argv, kind="measured", calibration_profile=hw.to_dict(), seconds=round(time.perf_counter() - t0, 1),
+        columns={"measured_ms": "measured here (median fwd+bwd between barriers, slowest rank)",
+                 "model_*": "cost-model output from the calibrated profile (not measured)"},
+        **_summary(rows), sharing_now=sharing,
+        note="CPU gloo, shared cores: timings depend on what else runs (load in the README)",
+    )
+    write_results(f"cost_model_validation_{grid}", meta, rows, args.out)
+    print(f"{grid}: {len(rows)} rows, mean |error| {meta['mean_abs_error_pct']}%, max {meta['max_abs_error_pct']}%",
+          flush=True)
+    combine_grids(args.out, argv)
+    return rows
+
+
+def combine_grids(out: Path, argv) -> None:
+    """``cost_model_validation.{json,csv}``: the grids measured so far in ``out``, one table."""
+    rows, metas = [], {}
+    for grid in ("grid1", "grid2"):
+        path = Path(out) / f"cost_model_validation_{grid}.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            rows += data.pop("results")
+            metas[grid] = {k: data[k] for k in ("date", "command", "mean_abs_error_pct", "max_abs_error_pct", "seconds")
+                           if k in data}
+    if not rows:
+        return
+    first = json.loads((Path(out) / f"cost_model_validation_{next(iter(metas))}.json").read_text())
+    meta = {k: v for k, v in first.items() if k != "results"}
+    meta.update(_summary(rows), grids=metas)
+    write_results("cost_model_validation", meta, rows, out)
 
 
 def write_predictions(argv, out) -> list[dict]:
@@ -126,27 +218,16 @@ def write_predictions(argv, out) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    if args.predict_only:
-        write_predictions(argv, args.out)
-        return 0
-    hw, calibration, rows = run(args)
-    meta = run_metadata(__file__, argv, kind="measured", calibration_profile=hw.to_dict(), calibration=calibration)
-    write_results("cost_model_cpu_profile", meta, [{"block_tokens": b, "attention_fwd_bwd_flops": r}
-                                                   for b, r in hw.attention_curve], args.out)
-    print(f"calibrated: {[(b, f'{r / 1e9:.2f} GFLOP/s') for b, r in hw.attention_curve]}, latency "
-          f"{hw.intra_latency * 1e6:.0f} us, bandwidth {hw.intra_bandwidth / 1e9:.2f} GB/s", flush=True)
-    errors = [abs(r["model_error_pct"]) for r in rows]
-    meta = run_metadata(
-        __file__, argv, kind="measured", calibration_profile=hw.to_dict(),
-        columns={"measured_ms": "measured here (median fwd+bwd between barriers, slowest rank)",
-                 "model_*": "cost-model output from the calibrated profile (not measured)"},
-        mean_abs_error_pct=round(sum(errors) / len(errors), 1), max_abs_error_pct=max(errors),
-        note="2 shared CPU cores, other jobs running: timings are noisy",
-    )
-    write_results("cost_model_validation", meta, rows, args.out)
-    preds = write_predictions(argv, args.out)
-    print(f"validation: {len(rows)} rows, mean |error| {meta['mean_abs_error_pct']}%, max {meta['max_abs_error_pct']}%; "
-          f"{len(preds)} paper predictions; {time.perf_counter() - t0:.0f} s -> {args.out}", flush=True)
+    parts = PARTS if args.part == "all" else (args.part,)
+    for part in parts:
+        if part == "calibrate":
+            run_calibration(args, argv)
+        elif part == "papers":
+            preds = write_predictions(argv, args.out)
+            print(f"{len(preds)} paper predictions (model output)", flush=True)
+        else:
+            run_grid(args, argv, part)
+    print(f"{', '.join(parts)}: {time.perf_counter() - t0:.0f} s -> {args.out}", flush=True)
     return 0
 
 

@@ -68,11 +68,14 @@ def tables(results: Path) -> tuple[str, str]:
     meta, rows = read_results(results)
     lines = [f"Measured {meta['date'][:10]} on {meta['hardware']['device']}; command `{meta['command']}`. "
              f"Mean |model error| {meta.get('mean_abs_error_pct')}%, max {meta.get('max_abs_error_pct')}%.", "",
-             "| P | N | backend | measured ms | model ms (compute / exposed comm) | model error % |",
-             "|---|---|---|---|---|---|"]
+             "| grid | P | N | H / H_kv / D, mask, pieces | backend | measured ms | model ms (compute / exposed comm) | model error % |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['P']} | {r['N']} | {r['backend']} | {r['measured_ms']:.1f} | {r['model_predicted_ms']:.1f} "
-                     f"({r['model_compute_ms']:.1f} / {r['model_exposed_comm_ms']:.1f}) | {r['model_error_pct']:+.0f} |")
+        shape = (f"{r['heads']} / {r['kv_heads']} / {r['head_dim']}, {'causal' if r['causal'] else 'bidir'}, "
+                 f"{r.get('kv_pieces', 8)}")
+        lines.append(f"| {r.get('grid', 'grid1')[-1]} | {r['P']} | {r['N']} | {shape} | {r['backend']} | {r['measured_ms']:.1f} | "
+                     f"{r['model_predicted_ms']:.1f} ({r['model_compute_ms']:.1f} / {r['model_exposed_comm_ms']:.1f}) | "
+                     f"{r['model_error_pct']:+.0f} |")
     pred_path = results.with_name("cost_model_predictions.json")
     pred_lines = []
     if pred_path.exists():

@@ -1,6 +1,6 @@
 """Smoke test of the cost-model experiment (``scripts/cost_model_experiment.py --quick``): calibration,
-validation on 2 gloo ranks and the papers' predictions land in result files that keep measured and
-model columns apart; the plot script draws from them."""
+validation (both grids) on 2 gloo ranks and the papers' predictions land in result files that keep
+measured and model columns apart; the plot script draws from them."""
 
 from __future__ import annotations
 
@@ -31,8 +31,12 @@ def test_cost_model_quick(tmp_path):
         assert r["P"] == 2 and r["measured_ms"] > 0 and r["model_predicted_ms"] > 0
         assert r["model_error_pct"] == pytest.approx(100 * (r["model_predicted_ms"] - r["measured_ms"]) / r["measured_ms"], abs=0.2)
         assert not any(k.startswith("paper") for k in r)  # no paper numbers among measurements
+    assert {r["grid"] for r in rows} == {"grid1", "grid2"}
     profile = val["calibration_profile"]
-    assert profile["intra_bandwidth"] > 0 and profile["intra_latency"] >= 0 and len(profile["attention_curve"]) == 3
+    assert profile["intra_bandwidth"] > 0 and profile["intra_latency"] >= 0 and len(profile["attention_curve"]) == 2
+    assert profile["kernel_table"] and profile["message_s"] and profile["compute_sharing"]  # the calibrated terms
+    cal = json.loads((tmp_path / "cost_model_calibration.json").read_text())
+    assert cal["kind"] == "measured" and cal["hardware"]["device"] and cal["date"]  # machine and date recorded
 
     pred = json.loads((tmp_path / "cost_model_predictions.json").read_text())
     assert pred["kind"] == "model"

@@ -28,9 +28,11 @@ def test_ring_overlap_hides_transfer_when_blocks_are_big():
     fast_compute = replace(A100, attention_curve=((1, 1e17),))  # compute per block << transfer
     hidden = cm.predict_attention("zigzag_ring", SHAPE, 8, slow_compute)
     exposed = cm.predict_attention("zigzag_ring", SHAPE, 8, fast_compute)
-    # forward and the backward's K/V transfers hide; only the dK/dV partial sums (not overlapped) remain
-    kv_transfer = hidden.comm_s / (2 * 7)
-    assert hidden.exposed_comm_s == pytest.approx(7 * kv_transfer, rel=1e-6)
+    # forward and the backward's K/V transfers hide; what remains: the dK/dV partial sums (fp32, one per
+    # ring step, not overlapped) and the cross-rank check (one small all-gather: 7 latencies)
+    c, lat, bw = 65536 // 8, A100.intra_latency, A100.intra_bandwidth
+    dkv = lat + 2 * c * 8 * 128 * 4 / bw
+    assert hidden.exposed_comm_s == pytest.approx(8 * dkv + 7 * lat, rel=1e-6)
     assert hidden.exposed_comm_s < 0.01 * hidden.total_s
     assert exposed.exposed_comm_s > 0.9 * exposed.total_s
     # all-to-all and all-gather are never overlapped: exposed = all of it
@@ -43,12 +45,42 @@ def test_monotone_in_length_and_zigzag_beats_plain_ring_causal():
     for b in ("ulysses", "zigzag_ring", "allgather_kv", "ring", "colossal"):
         t = [cm.predict_attention(b, replace(SHAPE, seq_len=n), 8, A100).total_s for n in (8192, 16384, 65536)]
         assert t == sorted(t) and t[0] < t[-1], b
-    zig = cm.predict_attention("zigzag_ring", SHAPE, 8, A100).compute_s
-    ring = cm.predict_attention("ring", SHAPE, 8, A100).compute_s
-    assert ring / zig == pytest.approx(2 * 7.5 / 8, rel=1e-6)  # (P - 1/2) blocks vs P/2
+    flat = replace(A100, attention_curve=((1, 1e14),))  # the same rate for every call: work counts alone
+    zig = cm.predict_attention("zigzag_ring", SHAPE, 8, flat).compute_s
+    ring = cm.predict_attention("ring", SHAPE, 8, flat).compute_s
+    assert ring / zig == pytest.approx(2 * 7.5 / 8, rel=1e-6)  # (P - 1/2) blocks vs P/2, from the plan
     bidir = replace(SHAPE, causal=False)
-    assert cm.predict_attention("ring", bidir, 8, A100).compute_s == pytest.approx(
-        cm.predict_attention("zigzag_ring", bidir, 8, A100).compute_s)
+    assert cm.predict_attention("ring", bidir, 8, flat).compute_s == pytest.approx(
+        cm.predict_attention("zigzag_ring", bidir, 8, flat).compute_s)
+
+
+def test_calibrated_terms_per_call_step_and_shared_cores():
+    """The per-call and per-step terms of a calibrated profile (Note [Per-call terms]), by hand."""
+    # free links: every added second is compute
+    flat = replace(A100, attention_curve=((1, 1e14),), intra_latency=0.0, intra_bandwidth=1e30)
+    shape = cm.AttentionShape(seq_len=4096, num_heads=8, num_kv_heads=8, head_dim=64, causal=False, dtype_bytes=4)
+    base = cm.predict_attention("zigzag_ring", shape, 4, flat)
+    # a fixed cost per kernel call (bidirectional zigzag: the plan coalesces a step into one call)
+    per_call = cm.predict_attention("zigzag_ring", shape, 4, replace(flat, kernel_call_s=(1e-3, 0.0)))
+    assert per_call.total_s - base.total_s == pytest.approx(4 * 1e-3, rel=1e-6)
+    # pieces: more, smaller calls (kv_pieces=2: backward 2 pieces x 2 query chunks per step)
+    pieces = cm.predict_attention("zigzag_ring", shape, 4, replace(flat, kernel_call_s=(0.0, 1e-3)), kv_pieces=2)
+    assert pieces.total_s - cm.predict_attention("zigzag_ring", shape, 4, flat, kv_pieces=2).total_s == \
+        pytest.approx(4 * 2 * 2 * 1e-3, rel=1e-6)
+    # ranks sharing cores: 4 ranks of equal work on 2 cores take twice one rank's compute; on 4 cores, once
+    two = cm.predict_attention("ulysses", shape, 4, replace(flat, compute_slots=2))
+    four = cm.predict_attention("ulysses", shape, 4, replace(flat, compute_slots=4))
+    assert two.compute_s == pytest.approx(2 * four.compute_s, rel=1e-9)
+    assert four.compute_s == pytest.approx(cm.predict_attention("ulysses", shape, 4, flat).compute_s, rel=1e-9)
+    # a calibrated kernel table replaces the curve: twice the table's time, twice the compute
+    table = tuple((k, 64, q, kk, 1e-6, 2e-6) for k in ("full", "causal") for q in (64, 4096) for kk in (64, 4096))
+    t1 = cm.predict_attention("ulysses", shape, 4, replace(flat, kernel_table=table)).compute_s
+    t2 = cm.predict_attention("ulysses", shape, 4, replace(flat, kernel_table=tuple(
+        (k, d, q, kk, 2 * f, 2 * b) for k, d, q, kk, f, b in table))).compute_s
+    assert t2 == pytest.approx(2 * t1, rel=1e-9) and t1 != pytest.approx(four.compute_s)  # negative control
+    # a calibrated message time replaces the link latency on every ring exchange
+    msg = cm.predict_attention("zigzag_ring", shape, 4, replace(flat, message_s=((4, 1e-3),)))
+    assert msg.total_s > base.total_s + 0.9 * 3 * 2 * 1e-3
 
 
 def test_inter_node_links_slow_ulysses_and_keep_usp_all_to_all_inside():
@@ -77,7 +109,9 @@ def test_auto_picks_ulysses_inside_a_node_ring_across_slow_links_never_inexact()
     assert backend == "ulysses" and "zigzag_ring" in why and "predicted fwd+bwd per layer" in why
     # one rank per node on slow links, GQA: the ring (overlapped, small K/V) beats the all-to-all
     slow = replace(A100, inter_bandwidth=2e9, inter_latency=1e-4)
-    backend, why = resolve_auto_backend(32, 8, ranks_per_node=1, seq_len=65536, num_kv_heads=4, head_dim=128,
+    # (H_kv = 2: the ring's dK/dV partial sums travel in fp32 at every step, not overlapped; at H_kv = 4
+    # they cost as much as Ulysses' all-to-alls here)
+    backend, why = resolve_auto_backend(32, 8, ranks_per_node=1, seq_len=65536, num_kv_heads=2, head_dim=128,
                                         hardware=slow)
     assert backend == "zigzag_ring", why
     # heads not divisible: never Ulysses, and usp only with a degree dividing the heads
@@ -119,3 +153,6 @@ def test_bad_input_errors():
         replace(A100, attention_curve=((10, 1.0), (5, 1.0)))
     hw = cm.HardwareProfile.from_dict(A100.to_dict())
     assert hw == A100
+    calibrated = replace(A100, kernel_table=(("full", 32, 64, 64, 1e-6, 2e-6),), kernel_call_s=(1e-5, 2e-5),
+                         message_s=((2, 1e-4),), collective_fits=(("all_to_all", 2, 1e-4, 1e9),), colossal_s=(0.1, 1e-9, 0.0))
+    assert cm.HardwareProfile.from_dict(calibrated.to_dict()) == calibrated

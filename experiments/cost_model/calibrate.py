@@ -1,0 +1,296 @@
+"""Microbenchmarks of the primitives the cost model counts (Note [Per-call terms] in
+``lightning_sp/cost_model.py``), never of a backend: the validation rows are not used here.
+
+- ``kernel_table``: one ``LocalKernel`` (``make_kernel("auto")``: SDPA's CPU flash op) forward and
+  backward call, per head, at ``q_len x k_len`` in ``KERNEL_SIDES`` (FULL) and CAUSAL squares, for
+  ``head_dim`` in ``KERNEL_DIMS``, ``KERNEL_HEADS`` heads; the tiny-call time removed;
+- ``kernel_call_s``: a tiny call (8 x 8 tokens, one head, D = 8), forward and backward;
+- ``merge_s``: ``ops.merge.merge_into`` vs elements; ``elementwise_s``: an in-place ``add_`` vs elements;
+- ``matmul_flops``: a batched ``[H, c, D] @ [H, D, c]`` (``colossal``'s score product);
+- per world size: ``message_s`` (a ``RingComm`` exchange of one float, Python and wait included),
+  ``all_to_all`` and ``all_gather`` latency + bandwidth (least squares over message sizes) on gloo,
+  and the point-to-point bandwidth (ping-pong, ranks 0 and 1, at the smallest world).
+
+One thread per process, as the backends run in the validation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_sp.cost_model import HardwareProfile
+
+KERNEL_SIDES = (32, 128, 512, 2048)
+KERNEL_DIMS = (32, 64, 128)
+KERNEL_HEADS = 4
+LINK_SIZES = tuple(1 << k for k in range(12, 23, 2))  # 4 KiB .. 4 MiB
+
+
+def _median(fn, reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fit_line(xs, ys) -> tuple[float, float]:
+    """Least squares ``y = a + b x``; ``(a, b)`` clamped to be >= 0."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    b = max(b, 0.0)
+    return max(my - b * mx, 0.0), b
+
+
+def _kernel_pair(kernel, kind, q_len, k_len, heads, d, reps):
+    from lightning_sp.ops.plan import MaskKind
+
+    g = torch.Generator().manual_seed(q_len * 7 + k_len)
+    q = torch.randn(1, q_len, heads, d, generator=g)
+    k, v = (torch.randn(1, k_len, heads, d, generator=g) for _ in range(2))
+    dout = torch.randn(1, q_len, heads, d, generator=g)
+    mk = MaskKind(kind)
+    scale = d ** -0.5
+    out, lse = kernel.forward(q, k, v, scale=scale, kind=mk, mask=None)
+    t_f = _median(lambda: kernel.forward(q, k, v, scale=scale, kind=mk, mask=None), reps)
+    t_b = _median(lambda: kernel.backward(dout, q, k, v, out, lse, scale=scale, kind=mk, mask=None), reps)
+    return t_f, t_b
+
+
+def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS) -> dict:
+    """Everything one process measures (kernel table, per-call terms, matmul rate)."""
+    from lightning_sp.ops.kernels import make_kernel
+    from lightning_sp.ops.merge import merge_into
+
+    torch.set_num_threads(1)
+    kernel = make_kernel("auto")
+    tiny = _kernel_pair(kernel, "full", 8, 8, 1, 8, reps * 20)
+    table = []
+    for d in dims:
+        for q_len in sides:
+            for k_len in sides:
+                r = reps if q_len * k_len < 1 << 20 else max(2, reps - 1)
+                t_f, t_b = _kernel_pair(kernel, "full", q_len, k_len, KERNEL_HEADS, d, r)
+                table.append(("full", d, q_len, k_len, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
+                              max(t_b - tiny[1], 1e-9) / KERNEL_HEADS))
+            t_f, t_b = _kernel_pair(kernel, "causal", q_len, q_len, KERNEL_HEADS, d, reps)
+            table.append(("causal", d, q_len, q_len, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
+                          max(t_b - tiny[1], 1e-9) / KERNEL_HEADS))
+    sizes = (4096, 1 << 18, 1 << 22, 1 << 24)  # 16 KiB .. 64 MiB of fp32: cache-resident to memory-bound
+    merge_t, add_t = [], []
+    for e in sizes:
+        out, blk = torch.zeros(1, e // 16, 1, 16), torch.randn(1, e // 16, 1, 16)
+        lse, blse = torch.zeros(1, 1, e // 16), torch.randn(1, 1, e // 16)
+        r = reps * 10 if e <= 1 << 18 else reps
+        merge_t.append(_median(lambda: merge_into(out, lse, blk, blse), r))
+        add_t.append(_median(lambda: out.add_(blk), r))
+    h, c, d = 8, 256, 32
+    a, b = torch.randn(h, c, d), torch.randn(h, d, c)
+    t_mm = _median(lambda: a @ b, reps * 10)
+    return {
+        "kernel_heads": KERNEL_HEADS, "kernel_table": table, "kernel_call_s": list(tiny),
+        "merge_s": list(fit_line(sizes, merge_t)), "merge_points": list(zip(sizes, merge_t)),
+        "elementwise_s": list(fit_line(sizes, add_t)), "elementwise_points": list(zip(sizes, add_t)),
+        "matmul_flops": 2.0 * h * c * c * d / t_mm,
+    }
+
+
+def links_worker(rank, world, sizes, reps):
+    """Per world: a tiny ring exchange, all-to-all and all-gather vs size, and (ranks 0, 1) a ping-pong."""
+    from lightning_sp.comm.collectives import _all_gather_single  # what all_gather_raw calls
+    from lightning_sp.comm.ring import RingComm
+
+    torch.set_num_threads(1)
+    comm = RingComm(dist.group.WORLD)
+    one = torch.zeros(1)
+
+    def exchange():
+        comm.start((one,)).wait()
+
+    dist.barrier()
+    msg = _median(lambda: [exchange() for _ in range(20)], reps, warmup=2) / 20
+    barrier = _median(lambda: [dist.barrier() for _ in range(20)], reps, warmup=2) / 20
+    rows = []
+    for nbytes in sizes:
+        n = max(nbytes // 4 // world, 1) * world
+        send, recv = torch.zeros(n), torch.empty(n)
+        gathered = torch.empty(n * world)
+
+        def timed(fn):
+            out = []
+            for i in range(reps + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                if i:
+                    out.append(time.perf_counter() - t0)
+            return statistics.median(out)
+
+        a2a = timed(lambda: dist.all_to_all_single(recv, send))
+        ag = timed(lambda: _all_gather_single(gathered, send))
+
+        def pingpong():
+            if rank == 0:
+                dist.send(send, 1)
+                dist.recv(send, 1)
+            elif rank == 1:
+                dist.recv(send, 0)
+                dist.send(send, 0)
+
+        pp = timed(pingpong) / 2
+        rows.append({"bytes": n * 4, "all_to_all_s": a2a, "all_gather_s": ag, "one_way_s": pp})
+    times = [None] * world
+    dist.all_gather_object(times, msg)
+    return {"message_s": max(times), "barrier_s": barrier, "points": rows} if rank == 0 else None
+
+
+def calibrate_links(worlds, reps: int = 5, sizes=LINK_SIZES) -> dict:
+    """``{world: {"message_s", "all_to_all": (lat, bw), "all_gather": (lat, bw), "one_way": (lat, bw), "points"}}``."""
+    from experiments.common import run_on_ranks
+
+    out = {}
+    for world in worlds:
+        got = run_on_ranks(links_worker, world, (list(sizes), reps), timeout_s=600, pg_timeout_s=300)[0]
+        pts = got["points"]
+        fits = {}
+        for op in ("all_to_all", "all_gather", "one_way"):
+            lat, slope = fit_line([p["bytes"] for p in pts], [p[f"{op}_s"] for p in pts])
+            fits[op] = (lat, 1.0 / slope if slope > 0 else math.inf)
+        out[world] = {"message_s": got["message_s"], "barrier_s": got["barrier_s"], **fits, "points": pts}
+    return out
+
+
+COLOSSAL_POINTS = tuple((n, d) for n in (512, 1024, 2048) for d in (32, 128))
+COLOSSAL_HEADS = 2
+
+
+def _materialised_attention_time(n: int, d: int, reps: int) -> float:
+    """fwd+bwd of attention with its ``[H, N, N]`` scores materialised (``q k^T``, scale, causal
+    mask, softmax, ``p v``; autograd backward): the primitive ``ops/colossal.py`` is built from."""
+    g = torch.Generator().manual_seed(n + d)
+    q, k, v = (torch.randn(1, COLOSSAL_HEADS, n, d, generator=g, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, COLOSSAL_HEADS, n, d, generator=g)
+    pos = torch.arange(n)
+
+    def step():
+        visible = pos[None, :] <= pos[:, None]  # [N, N]
+        scores = (q @ k.transpose(-1, -2) * d ** -0.5).masked_fill(~visible, float("-inf"))
+        (torch.softmax(scores, dim=-1) @ v).backward(dout)
+
+    return _median(step, reps)
+
+
+def calibrate_colossal(reps: int = 3, points=COLOSSAL_POINTS) -> dict:
+    """The materialised score path (``ops/colossal.py``) per score element in one process: least squares
+    ``t = a + E (b + c D)`` over ``E = H N^2`` score elements -> ``colossal_s = (a, b, c)``."""
+    torch.set_num_threads(1)
+    times = [_materialised_attention_time(n, d, reps) for n, d in points]
+    # normal equations for t = a + b E + c E D
+    rows = [(1.0, COLOSSAL_HEADS * n * n, COLOSSAL_HEADS * n * n * d) for n, d in points]
+    ata = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+    atb = [sum(r[i] * t for r, t in zip(rows, times)) for i in range(3)]
+    coef = torch.linalg.solve(torch.tensor(ata, dtype=torch.float64), torch.tensor(atb, dtype=torch.float64)).tolist()
+    return {"colossal_s": [max(c, 0.0) for c in coef], "points": [[n, d, t] for (n, d), t in zip(points, times)]}
+
+
+SHARING_CALL = (512, 512, 4, 64)  # q_len, k_len, heads, D of the kernel loop the sharing is measured with
+SHARING_WINDOW_S = 1.5
+
+
+def _kernel_seconds_per_call(window_s: float = SHARING_WINDOW_S) -> float:
+    """Seconds per fwd+bwd call of ``SHARING_CALL`` (FULL), calling it for ``window_s`` in this
+    process (a fixed window, so ranks running it at once compete for all of it)."""
+    from lightning_sp.ops.kernels import make_kernel
+    from lightning_sp.ops.plan import MaskKind
+
+    torch.set_num_threads(1)
+    kernel = make_kernel("auto")
+    q_len, k_len, h, d = SHARING_CALL
+    g = torch.Generator().manual_seed(0)
+    q, dout = torch.randn(1, q_len, h, d, generator=g), torch.randn(1, q_len, h, d, generator=g)
+    k, v = torch.randn(1, k_len, h, d, generator=g), torch.randn(1, k_len, h, d, generator=g)
+
+    def call():
+        out, lse = kernel.forward(q, k, v, scale=d ** -0.5, kind=MaskKind.FULL, mask=None)
+        kernel.backward(dout, q, k, v, out, lse, scale=d ** -0.5, kind=MaskKind.FULL, mask=None)
+
+    call()
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < window_s:
+        call()
+        calls += 1
+    return (time.perf_counter() - t0) / calls
+
+
+SHARING_WINDOWS = 3
+
+
+def sharing_worker(rank, world):
+    """Every rank calls the kernel for the same window at once; the slowest rank's seconds per call,
+    median over ``SHARING_WINDOWS`` windows."""
+    slowest = []
+    for _ in range(SHARING_WINDOWS):
+        dist.barrier()
+        t = _kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
+        times = [None] * world
+        dist.all_gather_object(times, t)
+        slowest.append(max(times))
+    return statistics.median(slowest) if rank == 0 else None
+
+
+def measure_sharing(worlds, reps: int = 1) -> dict:
+    """``{world: stretch}``: seconds per kernel call when ``world`` ranks call it for the same window
+    over the time alone (``P`` ranks sharing the cores, memory bandwidth and whatever else runs on the
+    machine now), measured with a primitive, never a backend. Also ``{"alone_s": ...}``."""
+    from experiments.common import run_on_ranks
+
+    alone = statistics.median(_kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
+                              for _ in range(SHARING_WINDOWS))
+    out = {"alone_s": alone}
+    for world in worlds:
+        together = run_on_ranks(sharing_worker, world, (), timeout_s=600)[0]
+        out[int(world)] = together / alone
+    return out
+
+
+def calibrated_profile(local: dict, links: dict, cores: int, sharing: dict | None = None) -> HardwareProfile:
+    """The ``HardwareProfile`` of this machine from ``calibrate_local`` and ``calibrate_links``:
+    ``compute_slots`` = the cores this process may use (ranks beyond share them)."""
+    from lightning_sp.cost_model import FWD_BWD_FACTOR, HardwareProfile
+
+    links = {int(w): v for w, v in links.items()}  # JSON keys are strings
+    worlds = sorted(links)
+    get = links.__getitem__
+    lat, bw = get(worlds[0])["one_way"]
+    d0 = min(r[1] for r in local["kernel_table"])
+    curve = tuple((r[2], 4.0 * r[2] * r[3] * r[1] * FWD_BWD_FACTOR / (r[4] + r[5]))
+                  for r in local["kernel_table"] if r[0] == "full" and r[1] == d0 and r[2] == r[3])
+    fits = []
+    for w in worlds:
+        for op in ("all_to_all", "all_gather"):
+            fits.append((op, w, float(get(w)[op][0]), float(get(w)[op][1])))
+    return HardwareProfile(
+        name="cpu-calibrated",
+        source=f"measured here: {cores} cores, SDPA CPU kernel fp32, gloo loopback (experiments/cost_model/calibrate.py)",
+        attention_curve=curve, matmul_flops=local["matmul_flops"],
+        intra_bandwidth=bw, intra_latency=lat, inter_bandwidth=bw, inter_latency=lat,
+        ranks_per_node=1 << 16, compute_slots=cores,
+        kernel_table=tuple(tuple(r) for r in local["kernel_table"]), kernel_call_s=tuple(local["kernel_call_s"]),
+        merge_s=tuple(local["merge_s"]), elementwise_s=tuple(local["elementwise_s"]),
+        message_s=tuple((w, float(get(w)["message_s"])) for w in worlds), collective_fits=tuple(fits),
+        colossal_s=tuple(local["colossal"]["colossal_s"]) if "colossal" in local else (0.0, 0.0, 0.0),
+        compute_sharing=tuple(sorted((int(w), float(x)) for w, x in (sharing or {}).items() if w != "alone_s")),
+    )
