@@ -10,7 +10,7 @@ setups (issue 10, item 5; issue 17).
     .venv/bin/python scripts/cost_model_experiment.py --quick            # smoke: all four, tiny
     .venv/bin/python scripts/plot_cost_model.py                          # figure from cost_model_validation.json
 
-Each part is one short exclusive timing run (run them under ``/work/scratch/machine.py time`` one
+Each part is one short exclusive timing run (run them with nothing else busy on the machine, one
 after the other; ``scripts/cost_model_validate.sh`` does all four). A grid part reads the calibration
 written by ``--part calibrate`` in the same ``--out``; it never changes it.
 
