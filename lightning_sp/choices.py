@@ -9,19 +9,24 @@ fastest is then **measured**, not predicted: on the first call of a shape bucket
 candidate's fwd+bwd on random tensors of the call's shapes (one warm-up round, then ``ROUNDS`` rounds in
 rotated order), the per-candidate medians are all-reduced with MAX (the slowest rank decides a step's
 time); the candidates within ``CLOSE`` of the fastest (a close call, where one noisy round could flip the
-choice) get ``EXTRA_ROUNDS`` more rounds, and every rank takes the same argmin of the agreed medians. The decision is cached in memory per bucket and on disk per
-machine (``auto_cache_path()``), so the next process pays nothing::
+choice) get ``EXTRA_ROUNDS`` more rounds, and every rank takes the same argmin of the agreed medians. The
+decision is cached in memory per bucket and on disk per machine (``auto_cache_path()``), so the next process
+pays nothing::
 
     first call of a bucket:  [cache lookup, agreed] -> hit:  use it
                                                     -> miss: time every candidate (all ranks, same order)
-                                                             -> MAX over ranks -> argmin -> write cache
+                                                             -> MAX over ranks -> close calls: more rounds
+                                                             -> argmin -> write cache
 
 Every step that picks a collective is agreed: the cache lookup is an all-reduce of the candidate index
 (ranks whose disks disagree all measure), and the trials run on every rank in the same order. A bucket is
 the call's shapes with the length rounded up to a power of two, so lengths that change every batch
 measure at most once per octave. Cost at a bucket's first call: ``(1 + ROUNDS) x candidates + EXTRA_ROUNDS x
-close candidates`` fwd+bwd of one attention layer (4 to 8 per candidate). ``SequenceParallelContext.auto_policy="model"`` (or a ``hardware`` profile, or
-``LIGHTNING_SP_AUTO=model``) keeps the cost model's choice instead.
+close candidates`` fwd+bwd of one attention layer (4 to 8 per candidate; 3.4-23 s on the 2-core CPU grid of
+``scripts/bench_auto.py``). ``SequenceParallelContext.auto_policy="model"`` (or a ``hardware`` profile, or
+``LIGHTNING_SP_AUTO=model``) keeps the cost model's choice instead. Close calls exist because the fastest
+exact backends often lie within a few percent of each other; one noisy round (another process, the
+scheduler) then decides which wins.
 
 Note [kv_pieces from a memory budget]
 -------------------------------------
@@ -207,7 +212,8 @@ def cached_label(key: str, labels: Sequence[str], group, device: torch.device) -
 
 
 def measure_candidates(run: Callable[[str], None], labels: Sequence[str], group, device: torch.device,
-                       rounds: int = ROUNDS, close: float = CLOSE, extra_rounds: int = EXTRA_ROUNDS) -> dict[str, float]:
+                       rounds: int = ROUNDS, close: float = CLOSE,
+                       extra_rounds: int = EXTRA_ROUNDS) -> dict[str, float]:
     """Median seconds of ``run(label)`` (one fwd+bwd) per label, the MAX over the ranks (identical everywhere).
     One warm-up round, then ``rounds`` rounds, each in an order rotated by one, ranks aligned by a barrier; then
     the labels within ``close`` of the fastest get ``extra_rounds`` more rounds (which ones is decided from the

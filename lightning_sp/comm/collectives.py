@@ -102,12 +102,14 @@ class _AllToAll(torch.autograd.Function):
         return inverse(grad, ctx.group, ctx.stats, ctx.order), None, None, None, None
 
 
-def seq_to_head(x: torch.Tensor, group, stats: CommStats | None = None, order: TokenOrder | None = None) -> torch.Tensor:
+def seq_to_head(x: torch.Tensor, group, stats: CommStats | None = None,
+                order: TokenOrder | None = None) -> torch.Tensor:
     """Differentiable ``[B, S/P, H, D] -> [B, S, H/P, D]``; ``order``: sort the gathered tokens (``TokenOrder``)."""
     return _AllToAll.apply(x, group, stats, True, order)
 
 
-def head_to_seq(x: torch.Tensor, group, stats: CommStats | None = None, order: TokenOrder | None = None) -> torch.Tensor:
+def head_to_seq(x: torch.Tensor, group, stats: CommStats | None = None,
+                order: TokenOrder | None = None) -> torch.Tensor:
     """Differentiable ``[B, S, H/P, D] -> [B, S/P, H, D]``; ``order``: ``x``'s tokens are sorted by it."""
     return _AllToAll.apply(x, group, stats, False, order)
 
