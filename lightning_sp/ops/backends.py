@@ -24,11 +24,11 @@ Note [Sorting while gathering]
 
     Sorting with separate ``index_select`` calls costs a copy of ``q, k, v, out`` forward and a
     zero-fill plus scatter-add per gradient backward. Instead the all-to-all assembles the gathered
-    tokens sorted (``TokenOrder``: one ``index_select`` in
-    place of the reshape), the attention runs the one-run plan, and the reverse all-to-all gathers by
-    the inverse permutation while it builds its send buffer (in place of the ``.contiguous()`` copy);
-    each all-to-all's backward is the other with the same order, so no pass over the data is added
-    beyond the one gather copy per gathered tensor. ``usp`` does the same inside each Ulysses group:
+    tokens sorted (``TokenOrder``: one ``index_select`` in place of the reshape), the attention runs
+    the one-run plan, and the reverse all-to-all gathers by the inverse permutation while it builds
+    its send buffer (in place of the ``.contiguous()`` copy); each all-to-all's backward is the other
+    with the same order, so no pass over the data is added beyond the one gather copy per gathered
+    tensor. ``usp`` does the same inside each Ulysses group:
     under ``auto``'s plain zigzag layout a group of ``U`` ranks gathers ``2U`` interleaved chunks,
     sorted 2 runs, so its ring steps run ``zigzag_ring``'s plan. Permutations are cached per layout,
     length, ranks and device (``_token_order``); a gather that is already sorted gets none.
