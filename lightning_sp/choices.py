@@ -8,19 +8,25 @@ and excludes the rest (heads that do not split, usp sub-groups that cannot be bu
 fastest is then **measured**, not predicted: on the first call of a shape bucket every rank times each
 candidate's fwd+bwd on random tensors of the call's shapes (one warm-up round, then ``ROUNDS`` rounds in
 rotated order), the per-candidate medians are all-reduced with MAX (the slowest rank decides a step's
-time), and every rank takes the same argmin. The decision is cached in memory per bucket and on disk per
-machine (``auto_cache_path()``), so the next process pays nothing::
+time); the candidates within ``CLOSE`` of the fastest (a close call, where one noisy round could flip the
+choice) get ``EXTRA_ROUNDS`` more rounds, and every rank takes the same argmin of the agreed medians. The
+decision is cached in memory per bucket and on disk per machine (``auto_cache_path()``), so the next process
+pays nothing::
 
     first call of a bucket:  [cache lookup, agreed] -> hit:  use it
                                                     -> miss: time every candidate (all ranks, same order)
-                                                             -> MAX over ranks -> argmin -> write cache
+                                                             -> MAX over ranks -> close calls: more rounds
+                                                             -> argmin -> write cache
 
 Every step that picks a collective is agreed: the cache lookup is an all-reduce of the candidate index
 (ranks whose disks disagree all measure), and the trials run on every rank in the same order. A bucket is
 the call's shapes with the length rounded up to a power of two, so lengths that change every batch
-measure at most once per octave. Cost at a bucket's first call: ``(1 + ROUNDS) x candidates`` fwd+bwd of
-one attention layer. ``SequenceParallelContext.auto_policy="model"`` (or a ``hardware`` profile, or
-``LIGHTNING_SP_AUTO=model``) keeps the cost model's choice instead.
+measure at most once per octave. Cost at a bucket's first call: ``(1 + ROUNDS) x candidates + EXTRA_ROUNDS x
+close candidates`` fwd+bwd of one attention layer (4 to 8 per candidate; 3.4-23 s on the 2-core CPU grid of
+``scripts/bench_auto.py``). ``SequenceParallelContext.auto_policy="model"`` (or a ``hardware`` profile, or
+``LIGHTNING_SP_AUTO=model``) keeps the cost model's choice instead. Close calls exist because the fastest
+exact backends often lie within a few percent of each other; one noisy round (another process, the
+scheduler) then decides which wins.
 
 Note [kv_pieces from a memory budget]
 -------------------------------------
@@ -51,6 +57,12 @@ log = logging.getLogger(__name__)
 
 ROUNDS = 3
 """Timed rounds per candidate after one warm-up round (median taken)."""
+
+CLOSE = 1.15
+"""Candidates whose agreed median is within this factor of the fastest after ``ROUNDS`` are a close call ..."""
+
+EXTRA_ROUNDS = 4
+"""... and get this many more timed rounds (median over all ``ROUNDS + EXTRA_ROUNDS``) before auto decides."""
 
 PIECE_CHOICES = (1, 2, 4, 8, 16)
 """``kv_pieces="auto"`` picks the fewest of these that fits the budget."""
@@ -200,27 +212,43 @@ def cached_label(key: str, labels: Sequence[str], group, device: torch.device) -
 
 
 def measure_candidates(run: Callable[[str], None], labels: Sequence[str], group, device: torch.device,
-                       rounds: int = ROUNDS) -> dict[str, float]:
+                       rounds: int = ROUNDS, close: float = CLOSE,
+                       extra_rounds: int = EXTRA_ROUNDS) -> dict[str, float]:
     """Median seconds of ``run(label)`` (one fwd+bwd) per label, the MAX over the ranks (identical everywhere).
-    One warm-up round, then ``rounds`` rounds, each in an order rotated by one, ranks aligned by a barrier."""
+    One warm-up round, then ``rounds`` rounds, each in an order rotated by one, ranks aligned by a barrier; then
+    the labels within ``close`` of the fastest get ``extra_rounds`` more rounds (which ones is decided from the
+    agreed medians, so every rank runs the same trials) and their medians are taken over all their rounds."""
     labels = list(labels)
     times: dict[str, list[float]] = {label: [] for label in labels}
-    for r in range(rounds + 1):
-        order = labels[r % len(labels):] + labels[: r % len(labels)]
-        for label in order:
-            dist.barrier(group)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            run(label)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if r:
-                times[label].append(time.perf_counter() - start)
-    medians = torch.tensor([statistics.median(times[label]) for label in labels], dtype=torch.float64,
-                           device=_collective_device(group, device))
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(labels, medians.tolist()))
+
+    def timed_rounds(which: list[str], count: int, warmup: int) -> None:
+        for r in range(warmup + count):
+            order = which[r % len(which):] + which[: r % len(which)]
+            for label in order:
+                dist.barrier(group)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                run(label)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if r >= warmup:
+                    times[label].append(time.perf_counter() - start)
+
+    def agreed_medians() -> dict[str, float]:
+        medians = torch.tensor([statistics.median(times[label]) for label in labels], dtype=torch.float64,
+                               device=_collective_device(group, device))
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+        return dict(zip(labels, medians.tolist()))
+
+    timed_rounds(labels, rounds, warmup=1)
+    measured = agreed_medians()
+    best = min(measured.values())
+    contenders = [label for label in labels if measured[label] <= close * best]
+    if len(contenders) > 1 and extra_rounds > 0:  # a close call: more samples where the choice is made
+        timed_rounds(contenders, extra_rounds, warmup=0)
+        measured = agreed_medians()
+    return measured
 
 
 def agreed_fastest(key: str, labels: Sequence[str], run: Callable[[str], None], group,

@@ -79,7 +79,8 @@ def _worker(rank: int, world: int, shapes: list[tuple], reps: int, cache_dir: st
         rows.append({"P": world, "N": n, "H": h, "H_kv": h_kv, "D": d, "causal": causal,
                      "auto_ran": mods["auto"].context.resolved_backend, "fastest": fastest,
                      "regret": medians["auto"] / medians[fastest], "first_call_s": first_call_s,
-                     "median_s": medians})
+                     "median_s": medians, "wall_s": {k: t.wall_s for k, t in timings.items()},
+                     "auto_measured_s": dict(mods["auto"].context.auto_choice.measured)})
     return rows
 
 

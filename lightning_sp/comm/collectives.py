@@ -10,6 +10,8 @@ gradients of replicated results are *summed* over ranks):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -34,8 +36,20 @@ def _nbytes(t: torch.Tensor) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def seq_to_head_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
-    """``[B, S/P, H, D] -> [B, S, H/P, D]``: gather the sequence, scatter the heads (no autograd)."""
+class TokenOrder(NamedTuple):
+    """A permutation of the ``S`` tokens an all-to-all gathers (Note [Sorting while gathering]).
+
+    ``sort [S]`` int64: ``gathered.index_select(seq_dim, sort)`` puts the tokens, gathered in source-rank
+    order, in global order; ``unsort [S]``: its inverse, back to source-rank order."""
+
+    sort: torch.Tensor
+    unsort: torch.Tensor
+
+
+def seq_to_head_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None,
+                           order: TokenOrder | None = None) -> torch.Tensor:
+    """``[B, S/P, H, D] -> [B, S, H/P, D]``: gather the sequence, scatter the heads (no autograd). With
+    ``order``, the gathered tokens come out sorted by ``order.sort`` (one gather copy, no extra pass)."""
     world = dist.get_world_size(group)
     b, s_local, h, d = x.shape
     # [B, S/P, H, D] -> [B, S/P, P, H/P, D] -> [P, S/P, B, H/P, D]: chunk p goes to rank p
@@ -43,17 +57,28 @@ def seq_to_head_all_to_all(x: torch.Tensor, group, stats: CommStats | None = Non
     recv = torch.empty_like(send)  # [P(source rank), S/P, B, H/P, D]
     _count(stats, "all_to_all", _nbytes(send))
     dist.all_to_all_single(recv, send, group=group)
+    if order is not None:
+        # [P, S/P, B, H/P, D] -> [B, S(source-rank order), H/P, D] (a view) -> gather -> [B, S(sorted), H/P, D]
+        return recv.permute(2, 0, 1, 3, 4).reshape(b, world * s_local, h // world, d).index_select(1, order.sort)
     # [P, S/P, B, H/P, D] -> [B, P, S/P, H/P, D] -> [B, S, H/P, D]
     return recv.permute(2, 0, 1, 3, 4).reshape(b, world * s_local, h // world, d)
 
 
-def head_to_seq_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
-    """``[B, S, H/P, D] -> [B, S/P, H, D]``: scatter the sequence, gather the heads (no autograd)."""
+def head_to_seq_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None,
+                           order: TokenOrder | None = None) -> torch.Tensor:
+    """``[B, S, H/P, D] -> [B, S/P, H, D]``: scatter the sequence, gather the heads (no autograd). With
+    ``order``, ``x``'s tokens are in ``order.sort`` order and go back to their source ranks (the inverse of
+    ``seq_to_head_all_to_all(..., order)``), folded into the send buffer's copy."""
     world = dist.get_world_size(group)
     b, s, h_local, d = x.shape
     s_local = s // world
-    # [B, S, H/P, D] -> [B, P, S/P, H/P, D] -> [P, S/P, B, H/P, D]: sequence chunk p goes to rank p
-    send = x.reshape(b, world, s_local, h_local, d).permute(1, 2, 0, 3, 4).contiguous()
+    if order is not None:
+        # [B, S(sorted), H/P, D] -> [S, B, H/P, D] (a view) -> gather by unsort -> [S(source-rank order), B, H/P, D]
+        # = [P, S/P, B, H/P, D] contiguous: sequence chunk p goes to rank p
+        send = x.transpose(0, 1).index_select(0, order.unsort).view(world, s_local, b, h_local, d)
+    else:
+        # [B, S, H/P, D] -> [B, P, S/P, H/P, D] -> [P, S/P, B, H/P, D]: sequence chunk p goes to rank p
+        send = x.reshape(b, world, s_local, h_local, d).permute(1, 2, 0, 3, 4).contiguous()
     recv = torch.empty_like(send)  # [P(source rank = head group), S/P, B, H/P, D]
     _count(stats, "all_to_all", _nbytes(send))
     dist.all_to_all_single(recv, send, group=group)
@@ -62,27 +87,31 @@ def head_to_seq_all_to_all(x: torch.Tensor, group, stats: CommStats | None = Non
 
 
 class _AllToAll(torch.autograd.Function):
-    """Either direction; the backward is the other direction."""
+    """Either direction; the backward is the other direction (with the same token order)."""
 
     @staticmethod
-    def forward(ctx, x, group, stats, to_heads: bool):
-        ctx.group, ctx.stats, ctx.to_heads = group, stats, to_heads
-        return (seq_to_head_all_to_all if to_heads else head_to_seq_all_to_all)(x, group, stats)
+    def forward(ctx, x, group, stats, to_heads: bool, order):
+        ctx.group, ctx.stats, ctx.to_heads, ctx.order = group, stats, to_heads, order
+        return (seq_to_head_all_to_all if to_heads else head_to_seq_all_to_all)(x, group, stats, order)
 
     @staticmethod
     def backward(ctx, grad):
         inverse = head_to_seq_all_to_all if ctx.to_heads else seq_to_head_all_to_all
-        return inverse(grad.contiguous(), ctx.group, ctx.stats), None, None, None
+        if ctx.order is None:
+            grad = grad.contiguous()  # (with an order, the gather reads any strides: no extra copy)
+        return inverse(grad, ctx.group, ctx.stats, ctx.order), None, None, None, None
 
 
-def seq_to_head(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
-    """Differentiable ``[B, S/P, H, D] -> [B, S, H/P, D]``."""
-    return _AllToAll.apply(x, group, stats, True)
+def seq_to_head(x: torch.Tensor, group, stats: CommStats | None = None,
+                order: TokenOrder | None = None) -> torch.Tensor:
+    """Differentiable ``[B, S/P, H, D] -> [B, S, H/P, D]``; ``order``: sort the gathered tokens (``TokenOrder``)."""
+    return _AllToAll.apply(x, group, stats, True, order)
 
 
-def head_to_seq(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
-    """Differentiable ``[B, S, H/P, D] -> [B, S/P, H, D]``."""
-    return _AllToAll.apply(x, group, stats, False)
+def head_to_seq(x: torch.Tensor, group, stats: CommStats | None = None,
+                order: TokenOrder | None = None) -> torch.Tensor:
+    """Differentiable ``[B, S, H/P, D] -> [B, S/P, H, D]``; ``order``: ``x``'s tokens are sorted by it."""
+    return _AllToAll.apply(x, group, stats, False, order)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,6 +13,26 @@ whole global sequence (masks from global positions, ``doc_bounds`` and ``causal`
     usp            zigzag(U)     Ulysses over U ranks, zigzag ring over P/U
     colossal       contiguous    ring K then ring V; O(N^2/P) score memory
 
+Note [Sorting while gathering]
+    After Ulysses' all-to-all a rank holds every position of its heads, concatenated in source-rank
+    order. Under the zigzag layout (``auto``'s) that is not global order, and the causal plan of the
+    permuted sequence needs many small kernel calls::
+
+        P = 2, zigzag:   rank 0 holds chunks 0 3, rank 1 holds chunks 1 2
+        gathered:        0 3 1 2      (3 runs: a causal plan of 5 kernel calls; 13 at P = 4)
+        sorted:          0 1 2 3      (1 run: one causal call, as under the contiguous layout)
+
+    Sorting with separate ``index_select`` calls costs a copy of ``q, k, v, out`` forward and a
+    zero-fill plus scatter-add per gradient backward. Instead the all-to-all assembles the gathered
+    tokens sorted (``TokenOrder``: one ``index_select`` in place of the reshape), the attention runs
+    the one-run plan, and the reverse all-to-all gathers by the inverse permutation while it builds
+    its send buffer (in place of the ``.contiguous()`` copy); each all-to-all's backward is the other
+    with the same order, so no pass over the data is added beyond the one gather copy per gathered
+    tensor. ``usp`` does the same inside each Ulysses group:
+    under ``auto``'s plain zigzag layout a group of ``U`` ranks gathers ``2U`` interleaved chunks,
+    sorted 2 runs, so its ring steps run ``zigzag_ring``'s plan. Permutations are cached per layout,
+    length, ranks and device (``_token_order``); a gather that is already sorted gets none.
+
 Note [Heads in groups]
     Ulysses attends over the whole sequence for ``H/P`` heads, so its backward holds the head-split
     ``q, k, v, out`` it saved (``4u``, ``u`` = one local ``[B, S/P, H, D]`` shard; the all-to-all
@@ -36,10 +56,10 @@ from functools import lru_cache
 
 import torch
 
-from lightning_sp.comm.collectives import all_gather_raw, head_to_seq, seq_to_head
+from lightning_sp.comm.collectives import TokenOrder, all_gather_raw, head_to_seq, seq_to_head
 from lightning_sp.comm.ring import RingComm, ring_reduce_scatter
 from lightning_sp.comm.stats import CommStats
-from lightning_sp.layout import Run, SequenceLayout, runs_for_ranks, token_indices
+from lightning_sp.layout import Run, SequenceLayout, runs_for_ranks, runs_of, token_indices
 from lightning_sp.ops.precision import autocast_off
 from lightning_sp.ops.colossal import colossal_attention
 from lightning_sp.ops.kernels import LocalKernel
@@ -94,14 +114,24 @@ def _positions(layout: SequenceLayout, world: int, padded_len: int, rank: int, d
     return token_indices(layout, world, padded_len, rank).to(device)
 
 
-@lru_cache(maxsize=8)  # two [N] int64 tensors per entry, possibly on the GPU: keep few
-def _gathered_order(layout: SequenceLayout, world: int, padded_len: int, device: torch.device):
-    """``(order, inverse)``, each ``[padded_len]`` int64 on ``device``: ``gathered[order]`` is the
-    sequence in global order (``gathered`` = all ranks' tokens in rank order), ``x[inverse]`` undoes
-    it. Cached: built once per layout, length and device instead of at every call."""
-    positions = torch.cat([token_indices(layout, world, padded_len, r) for r in range(world)])
-    order = torch.argsort(positions)
-    return order.to(device), torch.argsort(order).to(device)
+@lru_cache(maxsize=1024)
+def _sorted_runs(layout: SequenceLayout, world: int, padded_len: int, ranks: tuple[int, ...]) -> tuple[Run, ...]:
+    """Runs of the tokens of ``ranks`` (gathered by an all-to-all) once sorted by global position (Note
+    [Sorting while gathering]): local offsets count in sorted order."""
+    positions = sorted(int(i) for r in ranks for i in token_indices(layout, world, padded_len, r).tolist())
+    return tuple(runs_of(positions))
+
+
+@lru_cache(maxsize=8)  # two [S] int64 tensors per entry, possibly on the GPU: keep few
+def _token_order(layout: SequenceLayout, world: int, padded_len: int, ranks: tuple[int, ...],
+                 device: torch.device) -> TokenOrder | None:
+    """The ``TokenOrder`` that sorts the tokens of ``ranks`` (gathered in that order) by global position, on
+    ``device``; ``None`` when they already are sorted. Built once per layout, length, ranks and device."""
+    positions = torch.cat([token_indices(layout, world, padded_len, r) for r in ranks])
+    sort = torch.argsort(positions)
+    if torch.equal(sort, torch.arange(sort.numel())):
+        return None
+    return TokenOrder(sort.to(device), torch.argsort(sort).to(device))
 
 
 def kv_head_replication(num_heads: int, num_kv_heads: int, degree: int) -> int:
@@ -119,19 +149,6 @@ def kv_head_replication(num_heads: int, num_kv_heads: int, degree: int) -> int:
 def local_attention(q, k, v, call: AttentionCall) -> torch.Tensor:
     whole = [Run(0, 0, q.size(1))]
     return block_attention(q, k, v, call.spec(whole, [whole]))
-
-
-def _attend_gathered(q, k, v, call: AttentionCall, world: int) -> torch.Tensor:
-    """Local attention over the sequence gathered from all ranks (rank order): reorder it to global
-    order when the layout scattered the tokens, so one kernel call covers everything."""
-    runs = call.runs(world, range(world))
-    if len(runs) == 1:
-        return block_attention(q, k, v, call.spec(runs, [runs]))
-    order, inverse = _gathered_order(call.layout, world, call.padded_len, q.device)
-    whole = [Run(0, 0, q.size(1))]
-    out = block_attention(q.index_select(1, order), k.index_select(1, order), v.index_select(1, order),
-                          call.spec(whole, [whole]))
-    return out.index_select(1, inverse)
 
 
 def head_group_count(kv_pieces: int, kv_heads_per_rank: int, shard_len: int) -> int:
@@ -158,9 +175,14 @@ def ulysses_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     if rep > 1:  # [B, S/P, H_kv, D] -> [B, S/P, H_kv*rep, D]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
 
-    def attend(qg, kg, vg):  # one head group: [B, S/P, H', D] -> [B, S, H'/P, D] -> attention -> back
-        qh, kh, vh = (seq_to_head(t, group, call.stats) for t in (qg, kg, vg))
-        return head_to_seq(_attend_gathered(qh, kh, vh, call, world), group, call.stats)  # [B, S/P, H', D]
+    everyone = tuple(range(world))
+    whole = list(_sorted_runs(call.layout, world, call.padded_len, everyone))  # [Run(0, 0, S)]
+    spec = call.spec(whole, [whole])
+    order = _token_order(call.layout, world, call.padded_len, everyone, q.device)  # Note [Sorting while gathering]
+
+    def attend(qg, kg, vg):  # one head group: [B, S/P, H', D] -> [B, S, H'/P, D] (global order) -> attention -> back
+        qh, kh, vh = (seq_to_head(t, group, call.stats, order) for t in (qg, kg, vg))
+        return head_to_seq(block_attention(qh, kh, vh, spec), group, call.stats, order)  # [B, S/P, H', D]
 
     groups = head_group_count(call.kv_pieces, k.size(2) // world, q.size(1))
     return _in_head_groups(q, k, v, groups, attend)  # [B, S/P, H, D]
@@ -245,18 +267,22 @@ def usp_attention(q, k, v, call: AttentionCall, *, ulysses_group, ring_group) ->
     r = torch.distributed.get_world_size(ring_group)
     ring_rank = torch.distributed.get_rank(ring_group)
     world = u * r
-    ring_runs = [call.runs(world, range(i * u, (i + 1) * u)) for i in range(r)]
-    spec = call.spec(ring_runs[ring_rank], ring_runs, group=ring_group)
     if u == 1:
-        return block_attention(q, k, v, spec)
+        ring_runs = [call.runs(world, [i]) for i in range(r)]
+        return block_attention(q, k, v, call.spec(ring_runs[ring_rank], ring_runs, group=ring_group))
+    # every ring rank sorts the tokens its Ulysses group gathers (Note [Sorting while gathering])
+    members = [tuple(range(i * u, (i + 1) * u)) for i in range(r)]
+    ring_runs = [list(_sorted_runs(call.layout, world, call.padded_len, m)) for m in members]
+    spec = call.spec(ring_runs[ring_rank], ring_runs, group=ring_group)
+    order = _token_order(call.layout, world, call.padded_len, members[ring_rank], q.device)
     rep = kv_head_replication(q.size(2), k.size(2), u)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
 
     def attend(qg, kg, vg):  # one head group: [B, S/P, H', D] -> [B, S/R, H'/U, D] (this ring rank's
-        # zigzag pair of chunks) -> ring attention -> back to [B, S/P, H', D]
-        qh, kh, vh = (seq_to_head(t, ulysses_group, call.stats) for t in (qg, kg, vg))
-        return head_to_seq(block_attention(qh, kh, vh, spec), ulysses_group, call.stats)
+        # tokens, sorted) -> ring attention -> back to [B, S/P, H', D]
+        qh, kh, vh = (seq_to_head(t, ulysses_group, call.stats, order) for t in (qg, kg, vg))
+        return head_to_seq(block_attention(qh, kh, vh, spec), ulysses_group, call.stats, order)
 
     groups = head_group_count(call.kv_pieces, k.size(2) // u, q.size(1))
     return _in_head_groups(q, k, v, groups, attend)  # [B, S/P, H, D]

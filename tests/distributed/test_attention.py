@@ -70,6 +70,50 @@ def _volume_cases():
     return [(b, hd) for b in ("ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal") for hd in ("mha", "gqa")]
 
 
+def _layout_grid(world):
+    """Ulysses and usp under every layout they can be handed (Note [Sorting while gathering]): ``auto``
+    shards zigzag and runs either; ``(backend, ulysses_degree, layout kind, layout's ulysses_degree)``."""
+    runs = [("ulysses", world, "contiguous", 1), ("ulysses", world, "zigzag", 1)]
+    if world == 4:
+        runs += [("usp", 2, "zigzag", 1), ("usp", 2, "zigzag", 2)]
+    # kv_pieces=1 only: at N=37 the shards are too short for more than one head group (piece_count)
+    return [(*r, causal, docs, 1) for r in runs for causal in (True, False) for docs in (False, True)]
+
+
+def _run_layout_case(group, world, backend, u, kind, layout_u, causal, docs, kv_pieces, seed, sort=True):
+    """``ulysses_attention`` / ``usp_attention`` on shards of ``layout`` (fp64, GQA, padding), gathered:
+    errors against dense fp64 for out, dq, dk, dv. ``sort=False`` (the negative control) skips sorting
+    the gathered tokens while the plan still assumes them sorted."""
+    from unittest import mock
+
+    from lightning_sp.attention import _doc_bounds, make_usp_groups
+    from lightning_sp.layout import SequenceLayout, padded_length
+    from lightning_sp.ops import backends
+    from lightning_sp.ops.kernels import make_kernel
+
+    layout = SequenceLayout(kind, ulysses_degree=layout_u)
+    q, k, v, dout = _case_tensors(seed, N, 4, 2, 8, torch.float64)
+    padded = padded_length(N, world, layout)
+    call = backends.AttentionCall(kernel=make_kernel("sdpa"), scale=8 ** -0.5, causal=causal, layout=layout,
+                                  padded_len=padded, doc_bounds=_doc_bounds(tuple(DOCS) if docs else None, N, padded),
+                                  stats=None, kv_pieces=kv_pieces)
+    local = [shard_sequence(t, group, layout=layout).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
+    no_sort = lambda *args: None  # noqa: E731
+    with mock.patch.object(backends, "_token_order", backends._token_order if sort else no_sort):
+        if backend == "ulysses":
+            out = backends.ulysses_attention(*local[:3], call, group=group)
+        else:
+            ug, rg = make_usp_groups(group, u)
+            out = backends.usp_attention(*local[:3], call, ulysses_group=ug, ring_group=rg)
+    out.backward(local[3])
+    got = [gather_sequence(t, group, layout=layout, seq_len=N) for t in (out.detach(), *(t.grad for t in local[:3]))]
+    cu = torch.tensor(DOCS, dtype=torch.int32) if docs else None
+    qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = dense_attention(qd, kd, vd, causal=causal, cu_seqlens=cu)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), dout)
+    return [float((a - b).abs().max()) for a, b in zip(got, (ref, *ref_grads))]
+
+
 def _worker(rank, world):
     import torch.distributed as dist
 
@@ -77,6 +121,9 @@ def _worker(rank, world):
     results = {}
     for i, (backend, causal, heads, docs, dtype, kernel) in enumerate(_grid(world)):
         results[(backend, causal, heads, docs, str(dtype), kernel)] = _run_case(group, backend, causal, heads, docs, dtype, kernel, seed=i)
+    layouts = {case: _run_layout_case(group, world, *case, seed=i) for i, case in enumerate(_layout_grid(world))}
+    unsorted = {case: _run_layout_case(group, world, *case, seed=i, sort=False)
+                for i, case in enumerate(_layout_grid(world)) if case[2] == "zigzag" and case[3] == 1 and not case[5]}
     volumes = {}
     n = 16 * world
     for backend, heads in _volume_cases():
@@ -91,7 +138,7 @@ def _worker(rank, world):
         analytic = forward_elements(backend, seq_len=n, world=world, num_heads=h, num_kv_heads=h_kv, head_dim=8,
                                     ulysses_degree=attn.layout.ulysses_degree)
         volumes[(backend, heads)] = (measured, analytic)
-    return {"cases": results, "volumes": volumes}
+    return {"cases": results, "volumes": volumes, "layouts": layouts, "unsorted": unsorted}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -120,3 +167,16 @@ def test_forward_bytes_equal_analytic_volume(grid_results):
         for key, (measured, analytic) in rank_result["volumes"].items():
             assert analytic > 0
             assert measured / analytic == pytest.approx(1.0, abs=1e-9), f"world={world} {key}: {measured} vs {analytic}"
+
+
+def test_ulysses_and_usp_exact_under_every_layout(grid_results):
+    """Note [Sorting while gathering]: Ulysses on contiguous and zigzag shards, usp(2) on auto's zigzag and on its
+    own zigzag(2), causal and not, documents; the control drops the sort and must be caught."""
+    world, per_rank = grid_results
+    for rank_result in per_rank:
+        assert len(rank_result["layouts"]) == len(_layout_grid(world))
+        for case, errors in rank_result["layouts"].items():
+            assert max(errors) < 1e-10, f"world={world} {case}: out/dq/dk/dv errors {errors}"
+        assert rank_result["unsorted"]  # the control ran
+        for case, errors in rank_result["unsorted"].items():
+            assert errors[0] > 1e-3, f"world={world} {case}: attention on unsorted tokens went unnoticed ({errors})"

@@ -5,6 +5,8 @@
   decision from the per-machine cache instead of measuring;
 - ranks whose caches disagree (one rank's file planted with another backend, one rank's unreadable) all
   measure instead of deadlocking on different collectives;
+- close calls get ``EXTRA_ROUNDS`` more rounds, the same trials on every rank even when each rank's own times
+  would call a different pair close;
 - ``kv_pieces="auto"``: whole blocks without a budget (the same collectives as ``kv_pieces=1``), the fewest
   pieces that fit a ``memory_budget`` otherwise (exact), and the predicted peak bounds the allocator's
   measured peak from above, within 1.8x, at shapes that are not the model's calibration shapes."""
@@ -77,6 +79,20 @@ def _auto_worker(rank, world, cache_root):
     choice = attn.context.auto_choice
     out["disagree"] = {"label": choice.label, "source": choice.source, "measured": choice.measured,
                        "err": err, "control": control}
+    # 4. close calls get more rounds, decided from the agreed medians: each rank alone would call a different
+    # pair close (rank 3 sees "b" fastest, the others "a"), yet every rank runs the same trials
+    import time
+
+    for case, delays in {"close": {"a": 0.010, "b": 0.0105, "c": 0.03}, "clear": {"a": 0.010, "b": 0.03, "c": 0.03}}.items():
+        mine = dict(delays, b=0.009) if rank == 3 and case == "close" else delays
+        calls = {label: 0 for label in mine}
+
+        def fake_run(label, mine=mine, calls=calls):
+            calls[label] += 1
+            time.sleep(mine[label])
+
+        measured = choices.measure_candidates(fake_run, list(mine), dist.group.WORLD, torch.device("cpu"))
+        out[case] = {"calls": calls, "measured": measured}
     return out
 
 
@@ -186,3 +202,15 @@ def test_predicted_peak_bounds_the_measured_one(pieces_results):
             worst[key] = min(worst.get(key, ratio), ratio)
     bad = {k: round(v, 3) for k, v in worst.items() if not 1.0 <= v <= 1.8}
     assert not bad, f"predicted / measured peak outside [1, 1.8]: {bad}"
+
+
+def test_close_calls_get_more_rounds_on_every_rank(auto_results):
+    from lightning_sp.choices import CLOSE, EXTRA_ROUNDS, ROUNDS
+
+    assert 0.0105 / 0.010 < CLOSE < 0.03 / 0.0105  # the delays below make a close pair and a clear winner
+    base, more = 1 + ROUNDS, 1 + ROUNDS + EXTRA_ROUNDS
+    for r in auto_results:
+        assert r["close"]["calls"] == {"a": more, "b": more, "c": base}, r["close"]
+        assert r["clear"]["calls"] == {"a": base, "b": base, "c": base}, r["clear"]  # control: no extra rounds
+        assert r["close"]["measured"] == auto_results[0]["close"]["measured"]  # agreed: MAX over the ranks
+        assert r["close"]["measured"]["a"] >= 0.010 and r["close"]["measured"]["b"] >= 0.0105

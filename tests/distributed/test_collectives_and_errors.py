@@ -42,6 +42,22 @@ def _worker(rank, world):
     res["a2a_bwd"] = torch.equal(xl.grad, shard_sequence(w, group))
     back = head_to_seq(y.detach(), group)
     res["a2a_roundtrip"] = torch.equal(back, xl.detach())
+    # with a TokenOrder (Note [Sorting while gathering]): zigzag shards come out in global order, and back
+    from lightning_sp.layout import SequenceLayout
+    from lightning_sp.ops.backends import _token_order
+
+    order = _token_order(SequenceLayout("zigzag"), world, 8, tuple(range(world)), torch.device("cpu"))
+    zl = shard_sequence(x, group, layout="zigzag").requires_grad_()
+    yz = seq_to_head(zl, group, order=order)  # [B, N, H/P, D], global order
+    res["a2a_sorted_fwd"] = torch.equal(yz, x[:, :, rank * 2 : rank * 2 + 2])
+    res["a2a_sorted_control"] = not torch.equal(seq_to_head(zl.detach(), group), x[:, :, rank * 2 : rank * 2 + 2])
+    (yz * w[:, :, rank * 2 : rank * 2 + 2]).sum().backward()
+    res["a2a_sorted_bwd"] = torch.equal(zl.grad, shard_sequence(w, group, layout="zigzag"))
+    yh = yz.detach().requires_grad_()
+    back = head_to_seq(yh, group, order=order)  # [B, N/P, H, D] zigzag shard again
+    res["a2a_sorted_roundtrip"] = torch.equal(back, zl.detach())
+    (back * shard_sequence(w, group, layout="zigzag")).sum().backward()
+    res["a2a_sorted_roundtrip_bwd"] = torch.equal(yh.grad, w[:, :, rank * 2 : rank * 2 + 2])
     # all-gather: each rank's loss differs; the gradient of a shard is the SUM over ranks
     zl = shard_sequence(x, group, layout="zigzag").requires_grad_()
     full = gather_sequence(zl, group, layout="zigzag", seq_len=7)
@@ -81,7 +97,8 @@ def results():
     return run_on_ranks(_worker, WORLD, timeout_s=120, pg_timeout_s=30)
 
 
-@pytest.mark.parametrize("key", ["a2a_fwd", "a2a_bwd", "a2a_roundtrip", "gather_inverse", "gather_bwd"])
+@pytest.mark.parametrize("key", ["a2a_fwd", "a2a_bwd", "a2a_roundtrip", "a2a_sorted_fwd", "a2a_sorted_control", "a2a_sorted_bwd",
+                                 "a2a_sorted_roundtrip", "a2a_sorted_roundtrip_bwd", "gather_inverse", "gather_bwd"])
 def test_collective_matches_single_process(results, key):
     assert all(r[key] for r in results), [r[key] for r in results]
 

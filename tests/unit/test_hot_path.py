@@ -1,16 +1,14 @@
 """The attention hot path does no per-call Python rebuilding: block plans and the gathered-sequence
-reorder of ``auto``'s Ulysses path are cached; the in-place merge stays exact."""
+order of ``auto``'s Ulysses path are cached; the in-place merge stays exact."""
 
 import math
 
 import torch
 
-from lightning_sp.layout import SequenceLayout, runs_of, token_indices
+from lightning_sp.layout import Run, SequenceLayout, runs_of, token_indices
 from lightning_sp.ops import backends
-from lightning_sp.ops.kernels import TorchBlockwiseKernel
 from lightning_sp.ops.merge import merge_into
 from lightning_sp.ops.plan import plan_blocks, plan_cache_info
-from tests.reference import dense_attention
 
 
 def test_plan_blocks_is_cached_and_accepts_list_bounds():
@@ -30,44 +28,31 @@ def test_plan_blocks_is_cached_and_accepts_list_bounds():
     assert plan_cache_info().misses == after.misses + 1 and other != first
 
 
-def _gathered_case(world, n, layout, seed=0):
-    """Full-length q, k, v in *rank order* (what an all-to-all hands ``_attend_gathered``)."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    rank_order = torch.cat([token_indices(layout, world, n, r) for r in range(world)])
-    call = backends.AttentionCall(
-        kernel=TorchBlockwiseKernel(block_q=16, block_k=32), scale=1 / math.sqrt(8), causal=True,
-        layout=layout, padded_len=n, doc_bounds=None, stats=None,
-    )
-    return call, (q, k, v), rank_order
-
-
-def test_attend_gathered_reorder_is_cached_and_exact(monkeypatch):
+def test_token_order_is_cached_and_sorts_the_gathered_tokens(monkeypatch):
+    """Note [Sorting while gathering]: the permutation Ulysses' all-to-all applies is built once per layout,
+    length and ranks, sorts the gathered tokens, and its inverse undoes it."""
     world, n = 4, 136  # a length no other test uses: the first call below must build the order
     layout = SequenceLayout(kind="zigzag")
-    call, (q, k, v), rank_order = _gathered_case(world, n, layout)
+    everyone = tuple(range(world))
     argsort_calls = []
     real_argsort = torch.argsort
     monkeypatch.setattr(torch, "argsort", lambda *a, **kw: argsort_calls.append(1) or real_argsort(*a, **kw))
-
-    out1 = backends._attend_gathered(*(t[:, rank_order] for t in (q, k, v)), call, world)
+    first = backends._token_order(layout, world, n, everyone, torch.device("cpu"))
     built = len(argsort_calls)
-    out2 = backends._attend_gathered(*(t[:, rank_order] for t in (q, k, v)), call, world)
-    assert built > 0  # control: the counter sees the first call's argsort
-    assert len(argsort_calls) == built  # second call: no argsort, nothing rebuilt
-    ref = dense_attention(q, k, v, causal=True)[:, rank_order]
-    assert torch.allclose(out1, ref, atol=1e-12) and torch.equal(out1, out2)
-    # control: the un-reordered (rank-order) sequence attended causally is not the answer
-    wrong = dense_attention(q[:, rank_order], k[:, rank_order], v[:, rank_order], causal=True)
-    assert (wrong - ref).abs().max() > 1e-3
-
-
-def test_attend_gathered_order_cache_is_per_length_and_layout():
-    world = 4
-    for n, layout in ((64, SequenceLayout(kind="zigzag")), (80, SequenceLayout(kind="zigzag", ulysses_degree=2))):
-        call, (q, k, v), rank_order = _gathered_case(world, n, layout, seed=n)
-        out = backends._attend_gathered(*(t[:, rank_order] for t in (q, k, v)), call, world)
-        assert torch.allclose(out, dense_attention(q, k, v, causal=True)[:, rank_order], atol=1e-12)
+    again = backends._token_order(layout, world, n, everyone, torch.device("cpu"))
+    assert built > 0 and len(argsort_calls) == built and again is first  # second call: nothing rebuilt
+    gathered = torch.cat([token_indices(layout, world, n, r) for r in everyone])  # what the all-to-all hands over
+    assert torch.equal(gathered[first.sort], torch.arange(n))
+    assert torch.equal(gathered[first.sort][first.unsort], gathered)
+    assert backends._sorted_runs(layout, world, n, everyone) == (Run(0, 0, n),)
+    # usp under auto's zigzag: a Ulysses group's 2U chunks sort into the zigzag pair of its ring rank
+    pair = backends._token_order(layout, world, n, (0, 1), torch.device("cpu"))
+    gathered = torch.cat([token_indices(layout, world, n, r) for r in (0, 1)])
+    assert runs_of(gathered[pair.sort]) == list(backends._sorted_runs(layout, world, n, (0, 1)))
+    assert len(backends._sorted_runs(layout, world, n, (0, 1))) == 2 < len(runs_of(gathered))
+    # control: nothing to sort (contiguous; usp on its own zigzag(U) layout) gives no permutation at all
+    assert backends._token_order(SequenceLayout(), world, n, everyone, torch.device("cpu")) is None
+    assert backends._token_order(SequenceLayout("zigzag", 2), world, n, (0, 1), torch.device("cpu")) is None
 
 
 def test_merge_in_place_lerp_is_exact_and_handles_empty_rows():

@@ -1,0 +1,50 @@
+"""The README's and benchmarks/README.md's ``auto`` regret tables quote the committed results file: every row,
+the mean and the worst (a number edited by hand, or a rerun not copied over, fails here)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks/results/2026-11-23_cpu-amd-epyc-2c_auto-regret-sorted-gather.json"
+
+
+def _quoted_rows(text: str, after: str) -> list[list[str]]:
+    """The rows of the first regret table after ``after`` in ``text``."""
+    start = text.index(after)
+    rows = []
+    for line in text[start:].splitlines():
+        if line.startswith("| P |"):
+            rows = []
+            continue
+        if rows == [] and line.startswith("|---"):
+            continue
+        if line.startswith("| ") and re.match(r"\| \d", line):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+        elif rows:
+            break
+    return rows
+
+
+def _expected_rows() -> list[list[str]]:
+    data = json.loads(RESULTS.read_text())
+    return [[str(r["P"]), str(r["N"]), f"{r['H']} / {r['H_kv']}", str(r["D"]),
+             "causal" if r["causal"] else "bidirectional", r["auto_ran"], r["fastest"], f"{r['regret']:.3f}",
+             f"{r['first_call_s']:.2f}"] for r in data["rows"]]
+
+
+def test_regret_tables_quote_the_results_file():
+    expected = _expected_rows()
+    assert len(expected) == 6
+    regrets = [float(r[7]) for r in expected]
+    summary = f"mean {sum(regrets) / len(regrets):.3f}, worst {max(regrets):.3f}"
+    readme = (ROOT / "README.md").read_text()
+    bench = (ROOT / "benchmarks/README.md").read_text()
+    assert _quoted_rows(readme, "<!-- auto regret table") == expected
+    assert _quoted_rows(bench, "### After: sorted gathers") == expected
+    assert f"**{summary}**" in readme and f"**M{summary[1:]}**" in bench
+    # control: the parser reads numbers, so an edited one is caught
+    edited = readme.replace("| 1.028 | 17.87 |", "| 1.020 | 17.87 |")
+    assert _quoted_rows(edited, "<!-- auto regret table") != expected
