@@ -7,8 +7,10 @@ import torch
 
 from lightning_sp.layout import Run, SequenceLayout, runs_of, token_indices
 from lightning_sp.ops import backends
+from lightning_sp.ops.kernels import TorchBlockwiseKernel
 from lightning_sp.ops.merge import merge_into
 from lightning_sp.ops.plan import plan_blocks, plan_cache_info
+from tests.reference import dense_attention
 
 
 def test_plan_blocks_is_cached_and_accepts_list_bounds():
