@@ -34,7 +34,8 @@ KERNEL_HEADS = 4
 LINK_SIZES = tuple(1 << k for k in range(12, 23, 2))  # 4 KiB .. 4 MiB
 
 
-def _median(fn, reps: int, warmup: int = 1) -> float:
+def median_seconds(fn, reps: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
     times = []
@@ -65,8 +66,8 @@ def _kernel_pair(kernel, kind, q_len, k_len, heads, d, reps):
     mk = MaskKind(kind)
     scale = d ** -0.5
     out, lse = kernel.forward(q, k, v, scale=scale, kind=mk, mask=None)
-    t_f = _median(lambda: kernel.forward(q, k, v, scale=scale, kind=mk, mask=None), reps)
-    t_b = _median(lambda: kernel.backward(dout, q, k, v, out, lse, scale=scale, kind=mk, mask=None), reps)
+    t_f = median_seconds(lambda: kernel.forward(q, k, v, scale=scale, kind=mk, mask=None), reps)
+    t_b = median_seconds(lambda: kernel.backward(dout, q, k, v, out, lse, scale=scale, kind=mk, mask=None), reps)
     return t_f, t_b
 
 
@@ -95,11 +96,11 @@ def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS) -> dict
         out, blk = torch.zeros(1, e // 16, 1, 16), torch.randn(1, e // 16, 1, 16)
         lse, blse = torch.zeros(1, 1, e // 16), torch.randn(1, 1, e // 16)
         r = reps * 10 if e <= 1 << 18 else reps
-        merge_t.append(_median(lambda: merge_into(out, lse, blk, blse), r))
-        add_t.append(_median(lambda: out.add_(blk), r))
+        merge_t.append(median_seconds(lambda: merge_into(out, lse, blk, blse), r))
+        add_t.append(median_seconds(lambda: out.add_(blk), r))
     h, c, d = 8, 256, 32
     a, b = torch.randn(h, c, d), torch.randn(h, d, c)
-    t_mm = _median(lambda: a @ b, reps * 10)
+    t_mm = median_seconds(lambda: a @ b, reps * 10)
     return {
         "kernel_heads": KERNEL_HEADS, "kernel_table": table, "kernel_call_s": list(tiny),
         "merge_s": list(fit_line(sizes, merge_t)), "merge_points": list(zip(sizes, merge_t)),
@@ -121,8 +122,8 @@ def links_worker(rank, world, sizes, reps):
         comm.start((one,)).wait()
 
     dist.barrier()
-    msg = _median(lambda: [exchange() for _ in range(20)], reps, warmup=2) / 20
-    barrier = _median(lambda: [dist.barrier() for _ in range(20)], reps, warmup=2) / 20
+    msg = median_seconds(lambda: [exchange() for _ in range(20)], reps, warmup=2) / 20
+    barrier = median_seconds(lambda: [dist.barrier() for _ in range(20)], reps, warmup=2) / 20
     rows = []
     for nbytes in sizes:
         n = max(nbytes // 4 // world, 1) * world
@@ -190,7 +191,7 @@ def _materialised_attention_time(n: int, d: int, reps: int) -> float:
         scores = (q @ k.transpose(-1, -2) * d ** -0.5).masked_fill(~visible, float("-inf"))
         (torch.softmax(scores, dim=-1) @ v).backward(dout)
 
-    return _median(step, reps)
+    return median_seconds(step, reps)
 
 
 def calibrate_colossal(reps: int = 3, points=COLOSSAL_POINTS) -> dict:

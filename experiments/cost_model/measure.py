@@ -4,21 +4,10 @@ before and after (the slowest rank's time). Calibration (primitives only) is ``c
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
 
-
-def _median_time(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from experiments.cost_model.calibrate import median_seconds
 
 
 def _inputs(seed, n, h, h_kv, d, dtype):
@@ -46,7 +35,7 @@ def time_backends_worker(rank, world, cases, reps):
             attn(q, k, v, seq_len=n).backward(dout)
             dist.barrier()
 
-        out.append(_median_time(step, reps))
+        out.append(median_seconds(step, reps))
     return out if rank == 0 else None
 
 
