@@ -347,6 +347,15 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
     out["bf16_diff"] = _max_diff(got, _reference(True, data, _first_steps(BF16, len(data), STEPS)))
     out["bf16_dtype"] = str(next(iter(got.values())).dtype)
 
+    # the public reduce_tensor_parallel_gradients() without TP, called after setup (manual optimization would):
+    # nothing to sum. Rank-dependent gradients, so a sum over any group (it once summed over the whole world)
+    # would change them.
+    module = trainer.lightning_module
+    for p in module.parameters():
+        p.grad = torch.full_like(p, float(rank + 1))
+    trainer.strategy.reduce_tensor_parallel_gradients()
+    out["tp1_reduce_kept_grads"] = all(bool((p.grad == rank + 1).all()) for p in module.parameters())
+
     # a second attention module that wants another layout than the strategy's: fails at setup, before a step
     from lightning_sp.attention import SequenceParallelAttention
 
@@ -434,6 +443,10 @@ def test_conflicting_layouts_fail_at_setup(results):
         assert res["conflict_error"] is not None and "need different sequence layouts" in res["conflict_error"]
         assert "build them with backend=None" in res["conflict_error"]
         assert res["conflict_steps"] == 0
+
+
+def test_tensor_parallel_reduce_without_tp_changes_nothing(results):
+    assert all(res["tp1_reduce_kept_grads"] for res in results)
 
 
 def test_negative_control_differs(results):
