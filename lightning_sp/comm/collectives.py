@@ -122,8 +122,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         inverse = head_to_seq_all_to_all if ctx.to_heads else seq_to_head_all_to_all
-        if ctx.order is None:
-            grad = grad.contiguous()  # (with an order, the gather reads any strides: no extra copy)
+        # any strides: both directions build their send buffer with one copy (a head group's gradient, a
+        # slice of the whole one, is not contiguous; a .contiguous() here would copy it twice)
         return inverse(grad, ctx.group, ctx.stats, ctx.order), None, None, None, None
 
 
