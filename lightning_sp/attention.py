@@ -229,7 +229,10 @@ class SequenceParallelAttention(nn.Module):
             largest divisor of the K/V heads per rank that fits; Note [Heads in groups] in
             ``ops/backends.py``), so the backward holds one group's temporaries at a time. ``"auto"``
             (default): whole blocks unless ``memory_budget`` (or the context's, or on CUDA a share of the
-            free memory) binds, then the fewest pieces that fit (Note [kv_pieces from a memory budget]).
+            free memory) binds, then the fewest pieces that fit (Note [kv_pieces from a memory budget]);
+            ``ulysses`` where memory does not bind: 2 head groups when the cost model prices them at
+            <= 1.01x whole heads on shards of >= 2048 tokens, else whole heads (Note [Ulysses' head
+            groups by default] in ``choices.py``).
         memory_budget: bytes one attention fwd+bwd may peak at per rank (its inputs included), for
             ``kv_pieces="auto"``; ``None``: the context's ``memory_budget``.
     """
