@@ -65,23 +65,20 @@ def _worker(rank, world):
                                          memory_budget=int(GOAL * whole), validate_inputs=False)
         footprint, _ = _footprint(attn, full, dist.group.WORLD)
         shares[(backend, "budget")] = (footprint / whole, sorted(attn.context.kv_pieces_choices.values()))
-    shares["released"] = _late_references(full, dist.group.WORLD)
+    shares["released"] = _late_references(dist.group.WORLD)
     return shares
 
 
-def _late_references(full, group) -> dict:
-    """Ulysses (whole heads): its footprint twice (equal to the byte?); and the all-to-all buffers as a holder of
-    late references sees them after the call (as gloo's ``Work`` holds them, dropped from its worker thread some
-    time after ``wait()``): ``(send freed, recv freed, input intact)`` for a copied send (B = 2) and a send that is
-    the input itself (B = 1, ``head_to_seq``), with ``_release_now`` and without it (the control)."""
+def _late_references(group) -> dict:
+    """The all-to-all buffers as a holder of late references sees them after the call (as gloo's ``Work`` holds
+    them, dropped from its worker thread some time after ``wait()``): ``(send freed, recv freed, input intact)``
+    for a copied send (B = 2) and a send that is the input itself (B = 1, ``head_to_seq``), with
+    ``_release_now`` and without it (the control)."""
     import torch.distributed as dist
 
-    from lightning_sp import SequenceParallelAttention
     from lightning_sp.comm import collectives
 
-    attn = SequenceParallelAttention(causal=True, backend="ulysses", group=group, kernel="sdpa", kv_pieces=1,
-                                     validate_inputs=False)
-    result = {"plain": [_footprint(attn, full, group)[0] for _ in range(2)]}
+    result = {}
     held, all_to_all, release = [], dist.all_to_all_single, collectives._release_now
 
     def holding(recv, send, *args, **kwargs):
@@ -138,11 +135,10 @@ def test_a_memory_budget_chooses_pieces_that_keep_the_peak_under_it(shares, back
 def test_ulysses_frees_its_all_to_all_buffers_whoever_holds_them(shares):
     """``_release_now`` (``comm/collectives.py``): a send buffer the all-to-all copied, and a receive buffer it
     copied out of, are freed when the call returns even though someone else (here a stand-in for gloo's
-    ``Work``) still holds them; a send buffer that is the caller's input is left alone; the footprint of whole
-    heads is the same to the byte in two calls. Control: without the release the held buffers stay allocated."""
+    ``Work``) still holds them, so Ulysses' peak does not depend on when gloo lets go; a send buffer that is the
+    caller's input is left alone. Control: without the release the held buffers stay allocated."""
     for s in shares:
         late = s["released"]
-        assert late["plain"][0] == late["plain"][1], late["plain"]
         assert late["released"]["seq_to_head B=2"] == (True, False, True), late  # recv is the output's storage
         assert late["released"]["head_to_seq B=1"] == (False, True, True), late  # send is the input itself
         assert late["control"]["seq_to_head B=2"] == (False, False, True), late
