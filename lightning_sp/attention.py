@@ -100,6 +100,19 @@ def resolve_auto_backend(num_heads: int, group_size: int, *, ranks_per_node: int
     return "ulysses", f"num_heads={num_heads} splits over {group_size} ranks inside a node"
 
 
+def hardware_profile(hardware, device_type: str = "cpu"):
+    """The cost model's ``HardwareProfile`` for ``hardware`` (a profile, a preset's name, or ``None``: the
+    default for ``device_type``, a GPU preset matched by the device's name)."""
+    from lightning_sp import cost_model
+
+    if isinstance(hardware, str):
+        return cost_model.preset(hardware)
+    if hardware is None:
+        name = torch.cuda.get_device_name() if device_type == "cuda" and torch.cuda.is_available() else None
+        return cost_model.default_profile(device_type, name)
+    return hardware
+
+
 def auto_choice(num_heads: int, group_size: int, *, seq_len: int, num_kv_heads: int | None = None,
                 head_dim: int | None = None, dtype: torch.dtype | None = None, batch: int = 1, causal: bool = True,
                 ranks_per_node: int | None = None, hardware=None, usp_allowed: bool = False, device_type: str = "cpu"):
@@ -108,12 +121,7 @@ def auto_choice(num_heads: int, group_size: int, *, seq_len: int, num_kv_heads: 
 
     from lightning_sp import cost_model
 
-    hw = hardware
-    if isinstance(hw, str):
-        hw = cost_model.preset(hw)
-    if hw is None:
-        name = torch.cuda.get_device_name() if device_type == "cuda" and torch.cuda.is_available() else None
-        hw = cost_model.default_profile(device_type, name)
+    hw = hardware_profile(hardware, device_type)
     if ranks_per_node is not None:
         hw = replace(hw, ranks_per_node=ranks_per_node)
     dtype = dtype or torch.bfloat16
@@ -221,7 +229,10 @@ class SequenceParallelAttention(nn.Module):
             largest divisor of the K/V heads per rank that fits; Note [Heads in groups] in
             ``ops/backends.py``), so the backward holds one group's temporaries at a time. ``"auto"``
             (default): whole blocks unless ``memory_budget`` (or the context's, or on CUDA a share of the
-            free memory) binds, then the fewest pieces that fit (Note [kv_pieces from a memory budget]).
+            free memory) binds, then the fewest pieces that fit (Note [kv_pieces from a memory budget]);
+            ``ulysses`` where memory does not bind: 2 head groups when the cost model prices them at
+            <= 1.01x whole heads on shards of >= 2048 tokens, else whole heads (Note [Ulysses' head
+            groups by default] in ``choices.py``).
         memory_budget: bytes one attention fwd+bwd may peak at per rank (its inputs included), for
             ``kv_pieces="auto"``; ``None``: the context's ``memory_budget``.
     """
@@ -479,9 +490,12 @@ class SequenceParallelAttention(nn.Module):
         ctx = self.context
         auto = (choices.auto_policy(ctx.auto_policy, ctx.hardware), repr(ctx.hardware), ctx.ranks_per_node) \
             if backend == "auto" else None
-        budget = (self.memory_budget if self.memory_budget is not None else ctx.memory_budget) \
-            if self.kv_pieces == "auto" else None
-        return 0 if auto is None and budget is None else stable_hash(auto, budget)
+        pieces = None
+        if self.kv_pieces == "auto":
+            pieces = self.memory_budget if self.memory_budget is not None else ctx.memory_budget
+            if backend == "ulysses":  # its head groups also follow the hardware profile's predicted cost
+                pieces = (pieces, repr(ctx.hardware))
+        return 0 if auto is None and pieces is None else stable_hash(auto, pieces)
 
     def _kv_pieces(self, backend, q, k, world, auto_u) -> int:
         """``kv_pieces`` as given, or for ``"auto"`` the fewest pieces whose predicted peak fits the memory
@@ -490,12 +504,12 @@ class SequenceParallelAttention(nn.Module):
             return self.kv_pieces
         ctx = self.context
         budget = self.memory_budget if self.memory_budget is not None else ctx.memory_budget
-        if budget is None and q.device.type != "cuda":
+        if budget is None and q.device.type != "cuda" and backend != "ulysses":
             return 1
         key = (backend, auto_u, tuple(q.shape), tuple(k.shape), q.dtype, world, budget)
         pieces = ctx.kv_pieces_choices.get(key)
         if pieces is None:
-            if budget is None:  # every rank on CUDA takes this branch: the minimum over the ranks
+            if budget is None and q.device.type == "cuda":  # every rank on CUDA: the minimum over the ranks
                 free = int(torch.cuda.mem_get_info(q.device)[0] * choices.CUDA_FREE_MEMORY_SHARE)
                 budget = choices.agreed_min(free, self.process_group, q.device)
             pieces, peak = choices.fewest_pieces_that_fit(
@@ -504,8 +518,14 @@ class SequenceParallelAttention(nn.Module):
                     head_dim=q.size(3), element_size=q.element_size(), world=world, pieces=p,
                     ulysses_degree=auto_u or (self._ulysses_degree(world) if backend == "usp" else None)),
                 budget)
+            if pieces == 1 and backend == "ulysses":  # memory does not bind (Note [Ulysses' head groups by default])
+                pieces = choices.ulysses_groups_when_memory_is_free(
+                    batch=q.size(0), shard_len=q.size(1), num_heads=q.size(2), num_kv_heads=k.size(2),
+                    head_dim=q.size(3), element_size=q.element_size(), world=world, causal=self.causal,
+                    hardware=hardware_profile(ctx.hardware, q.device.type))
             log.info("lightning_sp: kv_pieces='auto' runs %s with %d piece(s): predicted peak %.3g MiB per rank, "
-                     "budget %.3g MiB", backend, pieces, peak / 2**20, budget / 2**20)
+                     "budget %s", backend, pieces, peak / 2**20,
+                     "none" if budget is None else f"{budget / 2**20:.3g} MiB")
             if len(ctx.kv_pieces_choices) > 64:
                 ctx.kv_pieces_choices.clear()
             ctx.kv_pieces_choices[key] = pieces

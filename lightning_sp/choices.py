@@ -35,7 +35,21 @@ K/V in pieces lowers the peak memory per rank and costs time (more, smaller mess
 ``1, 2, 4, 8, 16`` whose predicted peak (``predicted_peak_bytes``) fits the budget, else the most pieces.
 The budget is the module's ``memory_budget``, else the context's (the strategy's), else on CUDA a
 quarter of the device's free memory at the first call (the rest is for the other layers' activations),
-the minimum over the ranks; on CPU with no budget, whole blocks.
+the minimum over the ranks; on CPU with no budget, whole blocks. ``ulysses`` is the exception (next Note).
+
+Note [Ulysses' head groups by default]
+--------------------------------------
+For ``ulysses`` ``kv_pieces`` is the number of head groups (Note [Heads in groups] in ``ops/backends.py``), and
+two groups cost almost nothing where the shard is long: the same bytes and kernel work in twice as many calls,
+plus one copy of the output (``torch.cat``) and of ``dq, dk, dv`` (the chunks' backward). They lower the peak
+per rank from 8u to 6u (``u`` = one ``[B, S/P, H, D]`` shard; beyond the inputs), below DeepSpeed's Ulysses,
+which runs whole heads (8u). So where memory does not bind (no budget, or whole heads fit it), ``"auto"`` runs
+``ulysses`` in ``ULYSSES_GROUPS_WHEN_FREE`` groups when the cost model predicts at most
+``GROUPS_MAX_PREDICTED_COST`` times whole heads' time on the bound hardware profile and the shard holds at
+least ``GROUPS_MIN_SHARD_TOKENS`` tokens, else whole heads. Measured on CPU gloo at P = 2 (benchmarks/README.md,
+section 8, "Ulysses memory"): 0.76x DeepSpeed's peak, time within ~1% of whole heads at shards of 2048 and
+4096 tokens. On GPUs the profile's all-to-all latency makes the predicted cost larger except on long shards,
+so there it mostly stays whole heads; every extra all-to-all is a latency paid twice per layer on NCCL.
 """
 
 from __future__ import annotations
@@ -90,6 +104,36 @@ _PEAK_MODEL: dict[str, tuple[float, float, float, float, float, float]] = {
     "ulysses":      (6.0,   5.031,  6.75,  3.531, 0.0,   0.0),
     "usp":          (7.189, 7.374,  5.939, 3.87,  1.085, 0.0),
 }
+
+
+ULYSSES_GROUPS_WHEN_FREE = 2
+"""Head groups ``kv_pieces="auto"`` runs ``ulysses`` in where memory does not bind (Note [Ulysses' head groups by
+default]); ``head_group_count`` lowers it where the K/V heads per rank do not divide."""
+
+GROUPS_MAX_PREDICTED_COST = 1.01
+"""... when the cost model predicts the groups at most this times whole heads' fwd+bwd time ..."""
+
+GROUPS_MIN_SHARD_TOKENS = 2048
+"""... and the shard holds at least this many tokens: the shortest shard measured at P = 2 on CPU (N = 4096) where
+two groups cost ~1% (the cost model predicts less than it measures there, so shorter shards are not trusted
+to it)."""
+
+
+def ulysses_groups_when_memory_is_free(*, batch: int, shard_len: int, num_heads: int, num_kv_heads: int,
+                                       head_dim: int, element_size: int, world: int, causal: bool, hardware) -> int:
+    """``kv_pieces`` for ``ulysses`` where memory does not bind: ``ULYSSES_GROUPS_WHEN_FREE`` or 1 (Note
+    [Ulysses' head groups by default]). ``hardware``: the cost model's ``HardwareProfile``. A function of the
+    shapes and the profile only, so every rank decides the same (the shapes are checked across ranks)."""
+    from lightning_sp import cost_model
+
+    if shard_len < GROUPS_MIN_SHARD_TOKENS or num_heads % world:
+        return 1
+    shape = cost_model.AttentionShape(seq_len=shard_len * world, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                      head_dim=head_dim, batch=batch, dtype_bytes=element_size, causal=causal)
+    whole = cost_model.predict_attention("ulysses", shape, world, hardware, kv_pieces=1).total_s
+    groups = cost_model.predict_attention("ulysses", shape, world, hardware,
+                                          kv_pieces=ULYSSES_GROUPS_WHEN_FREE).total_s
+    return ULYSSES_GROUPS_WHEN_FREE if groups <= GROUPS_MAX_PREDICTED_COST * whole else 1
 
 
 def piece_candidates(max_pieces: int | None = None) -> tuple[int, ...]:

@@ -31,6 +31,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _release_now(temp: torch.Tensor, *keep: torch.Tensor) -> None:
+    """Free the memory of ``temp``, a buffer of a finished collective that nothing will read again, now,
+    unless it shares storage with one of ``keep`` (the caller's input, the returned result).
+
+    gloo's ``Work`` keeps references to the send and receive buffers and drops them from its worker thread
+    some time after ``wait()`` has returned, so a buffer the caller no longer holds used to stay allocated for a
+    timing-dependent while: one extra ``[B, S/P, H, D]`` shard at Ulysses' backward peak in some calls and not
+    in others (benchmarks/README.md, section 8, "Ulysses memory"). Resizing the storage to 0 frees it at once;
+    the late reference then holds an empty storage. CPU only: on CUDA the caching allocator orders reuse
+    after the collective's stream, and ProcessGroupNCCL manages its buffers' lifetimes itself."""
+    if temp.device.type != "cpu":
+        return
+    storage = temp.untyped_storage()
+    if any(t.untyped_storage().data_ptr() == storage.data_ptr() for t in keep):
+        return
+    storage.resize_(0)
+
+
 # ----------------------------------------------------------------------------------------------
 # all-to-all: sequence split <-> head split (DeepSpeed-Ulysses)
 # ----------------------------------------------------------------------------------------------
@@ -57,11 +75,15 @@ def seq_to_head_all_to_all(x: torch.Tensor, group, stats: CommStats | None = Non
     recv = torch.empty_like(send)  # [P(source rank), S/P, B, H/P, D]
     _count(stats, "all_to_all", _nbytes(send))
     dist.all_to_all_single(recv, send, group=group)
+    _release_now(send, x)
     if order is not None:
         # [P, S/P, B, H/P, D] -> [B, S(source-rank order), H/P, D] (a view) -> gather -> [B, S(sorted), H/P, D]
-        return recv.permute(2, 0, 1, 3, 4).reshape(b, world * s_local, h // world, d).index_select(1, order.sort)
-    # [P, S/P, B, H/P, D] -> [B, P, S/P, H/P, D] -> [B, S, H/P, D]
-    return recv.permute(2, 0, 1, 3, 4).reshape(b, world * s_local, h // world, d)
+        out = recv.permute(2, 0, 1, 3, 4).reshape(b, world * s_local, h // world, d).index_select(1, order.sort)
+    else:
+        # [P, S/P, B, H/P, D] -> [B, P, S/P, H/P, D] -> [B, S, H/P, D]
+        out = recv.permute(2, 0, 1, 3, 4).reshape(b, world * s_local, h // world, d)
+    _release_now(recv, out)
+    return out
 
 
 def head_to_seq_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None,
@@ -82,8 +104,11 @@ def head_to_seq_all_to_all(x: torch.Tensor, group, stats: CommStats | None = Non
     recv = torch.empty_like(send)  # [P(source rank = head group), S/P, B, H/P, D]
     _count(stats, "all_to_all", _nbytes(send))
     dist.all_to_all_single(recv, send, group=group)
+    _release_now(send, x)
     # [P, S/P, B, H/P, D] -> [B, S/P, P, H/P, D] -> [B, S/P, H, D]
-    return recv.permute(2, 1, 0, 3, 4).reshape(b, s_local, world * h_local, d)
+    out = recv.permute(2, 1, 0, 3, 4).reshape(b, s_local, world * h_local, d)
+    _release_now(recv, out)
+    return out
 
 
 class _AllToAll(torch.autograd.Function):
@@ -97,8 +122,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         inverse = head_to_seq_all_to_all if ctx.to_heads else seq_to_head_all_to_all
-        if ctx.order is None:
-            grad = grad.contiguous()  # (with an order, the gather reads any strides: no extra copy)
+        # any strides: both directions build their send buffer with one copy (a head group's gradient, a
+        # slice of the whole one, is not contiguous; a .contiguous() here would copy it twice)
         return inverse(grad, ctx.group, ctx.stats, ctx.order), None, None, None, None
 
 

@@ -483,7 +483,8 @@ class SDPAKernel(_CudaChainKernel):
     def _cpu_backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
         h, h_kv = q.size(2), k.size(2)
         lse = lse.to(accumulation_dtype(q.dtype))
-        lse = lse.masked_fill(torch.isneginf(lse), math.inf)  # a row that saw no key: p = exp(s - inf) = 0
+        if lse.numel() and bool(lse.amin() == -math.inf):  # a copy only where needed: not at the backward's peak
+            lse = lse.masked_fill(torch.isneginf(lse), math.inf)  # a row that saw no key: p = exp(s - inf) = 0
         native_gqa = cpu_sdpa_takes_gqa()
         if not native_gqa:
             k, v = expand_kv(k, h), expand_kv(v, h)

@@ -2,7 +2,9 @@
 ``zigzag_ring``, ``usp`` (and ``allgather_kv``'s tiled backward) with pieces forced on tiny shapes
 (``MIN_PIECE_TOKENS = 1``), and ``ulysses``/``usp`` in head groups (Note [Heads in groups] in
 ``ops/backends.py``), equal dense float64 attention, forward and backward, on 2 and 4 gloo ranks;
-they send the same K/V bytes as whole blocks; and ``kv_pieces`` is validated."""
+they send the same K/V bytes as whole blocks; and ``kv_pieces`` is validated. ``"auto"`` cases: ``ulysses``
+with no budget, the cost rule of Note [Ulysses' head groups by default] opened up for these tiny shards
+(``GROUPS_MIN_SHARD_TOKENS = 1``, any predicted cost), so it runs 2 head groups: the default's path, exact."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ CASES = {  # world -> [(backend, causal, (H, H_kv), docs, kv_pieces)]
         ("allgather_kv", True, (4, 2), True, 3),  # tiles in its backward; no ring sends
         ("ulysses", True, (8, 4), True, 2),  # 2 head groups (Note [Heads in groups])
         ("ulysses", False, (8, 8), False, 4),  # 4 head groups
+        ("ulysses", True, (4, 4), True, "auto"),  # the default without a budget: 2 head groups
     ],
     4: [
         ("ring", False, (4, 2), True, 4),
@@ -33,11 +36,13 @@ CASES = {  # world -> [(backend, causal, (H, H_kv), docs, kv_pieces)]
         ("ulysses", True, (8, 8), True, 3),  # 2 head groups (the largest divisor of 2 heads <= 3)
         ("ulysses", False, (8, 2), True, 8),  # K/V heads replicated to 4: one per rank, one group
         ("auto->ulysses", True, (8, 8), True, 2),  # Ulysses on auto's zigzag layout: 2 head groups, reordered
+        ("auto->ulysses", False, (16, 8), True, "auto"),  # both defaults: 2 head groups, reordered
     ],
 }
-HEAD_GROUPS = {(2, "ulysses", 4): 2, (2, "ulysses", 8): 4, (4, "usp", 2): 1, (4, "usp", 4): 2,
-               (4, "ulysses", 8): 2, (4, "ulysses", 2): 1, (4, "auto->ulysses", 8): 2}
-"""(world, backend, H_kv) -> head groups the all-to-alls must run in (3 forward all-to-alls each)."""
+HEAD_GROUPS = {(2, "ulysses", 4, 2): 2, (2, "ulysses", 8, 4): 4, (4, "usp", 2, 3): 1, (4, "usp", 4, 4): 2,
+               (4, "ulysses", 8, 3): 2, (4, "ulysses", 2, 8): 1, (4, "auto->ulysses", 8, 2): 2,
+               (2, "ulysses", 4, "auto"): 2, (4, "auto->ulysses", 8, "auto"): 2}
+"""(world, backend, H_kv, kv_pieces) -> head groups the all-to-alls must run in (3 forward all-to-alls each)."""
 
 
 def _tensors(seed, h, h_kv):
@@ -57,9 +62,11 @@ def _attention(backend, causal, group, pieces):
 def _worker(rank, world):
     import torch.distributed as dist
 
+    from lightning_sp import choices
     from lightning_sp.ops import ring_attention
 
     ring_attention.MIN_PIECE_TOKENS = 1  # pieces on a 10-token block
+    choices.GROUPS_MIN_SHARD_TOKENS, choices.GROUPS_MAX_PREDICTED_COST = 1, float("inf")  # "auto": head groups here
     group = dist.group.WORLD
     errors = {}
     for i, (backend, causal, (h, h_kv), docs, pieces) in enumerate(CASES[world]):
@@ -123,9 +130,9 @@ def test_ulysses_and_usp_run_in_head_groups(results):
     count shows the groups were used; the bytes (test above) show they add up to the whole."""
     world, per_rank = results
     for key, (*_, forward_all_to_alls) in per_rank[0].items():
-        backend, h_kv = key[0], key[2]
+        backend, h_kv, pieces = key[0], key[2], key[-1]
         if backend in ("ulysses", "usp", "auto->ulysses"):
-            groups = HEAD_GROUPS[(world, backend, h_kv)]
+            groups = HEAD_GROUPS[(world, backend, h_kv, pieces)]
             assert forward_all_to_alls == 4 * groups, (world, key, forward_all_to_alls)
 
 

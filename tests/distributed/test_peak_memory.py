@@ -10,7 +10,8 @@ backward is seeded without holding the output (``grad_seed``), as in a model. Sh
 in the default 8 pieces (``MIN_PIECE_TOKENS = 128``), Ulysses in 2 head groups, USP in 4. Negative control: whole blocks (``kv_pieces=1``) exceed
 the bound for the ring and Ulysses. With the default ``kv_pieces="auto"`` and ``memory_budget`` = 0.35 of one
 process's footprint, the ring backends choose pieces (Note [kv_pieces from a memory budget]) and stay under it
-(Ulysses' head groups barely lower its peak in the model's calibration, so its budget case is not claimed)."""
+(Ulysses' head groups barely lower its peak in the model's calibration, so its budget case is not claimed).
+Ulysses' footprint does not depend on when gloo drops its references to the all-to-all buffers."""
 
 from __future__ import annotations
 
@@ -64,7 +65,47 @@ def _worker(rank, world):
                                          memory_budget=int(GOAL * whole), validate_inputs=False)
         footprint, _ = _footprint(attn, full, dist.group.WORLD)
         shares[(backend, "budget")] = (footprint / whole, sorted(attn.context.kv_pieces_choices.values()))
+    shares["released"] = _late_references(dist.group.WORLD)
     return shares
+
+
+def _late_references(group) -> dict:
+    """The all-to-all buffers as a holder of late references sees them after the call (as gloo's ``Work`` holds
+    them, dropped from its worker thread some time after ``wait()``): ``(send freed, recv freed, input intact)``
+    for a copied send (B = 2) and a send that is the input itself (B = 1, ``head_to_seq``), with
+    ``_release_now`` and without it (the control)."""
+    import torch.distributed as dist
+
+    from lightning_sp.comm import collectives
+
+    result = {}
+    held, all_to_all, release = [], dist.all_to_all_single, collectives._release_now
+
+    def holding(recv, send, *args, **kwargs):
+        held.append((recv, send))
+        return all_to_all(recv, send, *args, **kwargs)
+
+    def seen(fn, x):
+        held.clear()
+        keep = x.clone()
+        fn(x, group)
+        (recv, send), = held
+        return send.untyped_storage().nbytes() == 0, recv.untyped_storage().nbytes() == 0, torch.equal(x, keep)
+
+    world = dist.get_world_size(group)
+    dist.all_to_all_single = holding
+    try:
+        for label, no_release in (("released", False), ("control", True)):
+            if no_release:
+                collectives._release_now = lambda *args: None
+            result[label] = {
+                "seq_to_head B=2": seen(collectives.seq_to_head_all_to_all, torch.randn(2, 8, 2 * world, 4)),
+                "head_to_seq B=1": seen(collectives.head_to_seq_all_to_all, torch.randn(1, 8 * world, 2, 4)),
+            }
+    finally:
+        dist.all_to_all_single, collectives._release_now = all_to_all, release
+        held.clear()
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +130,16 @@ def test_a_memory_budget_chooses_pieces_that_keep_the_peak_under_it(shares, back
         share, pieces = s[(backend, "budget")]
         assert pieces and min(pieces) > 1, f"{backend}: the budget should have asked for pieces, ran {pieces}"
         assert share <= GOAL, f"{backend}: peak per rank {share:.3f} of one process's with pieces {pieces} (budget {GOAL})"
+
+
+def test_ulysses_frees_its_all_to_all_buffers_whoever_holds_them(shares):
+    """``_release_now`` (``comm/collectives.py``): a send buffer the all-to-all copied, and a receive buffer it
+    copied out of, are freed when the call returns even though someone else (here a stand-in for gloo's
+    ``Work``) still holds them, so Ulysses' peak does not depend on when gloo lets go; a send buffer that is the
+    caller's input is left alone. Control: without the release the held buffers stay allocated."""
+    for s in shares:
+        late = s["released"]
+        assert late["released"]["seq_to_head B=2"] == (True, False, True), late  # recv is the output's storage
+        assert late["released"]["head_to_seq B=1"] == (False, True, True), late  # send is the input itself
+        assert late["control"]["seq_to_head B=2"] == (False, False, True), late
+        assert late["control"]["head_to_seq B=1"] == (False, False, True), late
