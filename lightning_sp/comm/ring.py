@@ -174,6 +174,8 @@ def ring_pass_accumulating(
         if grads_in_flight is not None:
             grads_in_flight.wait_sent()  # the partial sent last step has left: freed before the kernel runs
         rows, contribution = grad_fn(step, (comm.rank - step) % comm.world, blocks, grads_in_flight is None)
+        if pending is None:
+            blocks = None  # the last blocks: free them before the partial sums' buffers arrive
         if grads_in_flight is not None:  # the ranks before: their partial sum for these blocks, received meanwhile
             partial = grads_in_flight.wait()
             grads_in_flight = None
