@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """lightning-sp against every peer that runs here, on time and memory at once (issue 17), side by side in one run.
 
-    .venv/bin/python scripts/bench_peers.py             # P=2, N=4096 and 8192, H=8, D=64, fp32 causal (~6 min on 2 cores; ~4.5 min with --pairs zigzag_ring,ring,allgather_kv)
+    .venv/bin/python scripts/bench_peers.py             # P=2, N=4096 and 8192, H=8, D=64, fp32 causal (~5 min on 2 cores; rings only ~4 min)
     .venv/bin/python scripts/bench_peers.py --quick     # N=256, 1 rep: a smoke run (15-30 s)
 
 Pairs (ours = ``SequenceParallelAttention(backend=..., causal=True, group=...)`` with every other argument at
@@ -244,7 +244,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--reps", type=int, default=None, help="timed reps per pair and round (default 5; quick 1)")
+    p.add_argument("--reps", type=int, default=None, help="timed reps per pair and round (default 4; quick 1)")
     p.add_argument("--rounds", type=int, default=None,
                    help="times the whole grid of pairs x lengths is timed, interleaved, odd rounds starting with the "
                         "peer (default 2; quick 1); a cell's statistics pool its reps over the rounds")
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
         "pairs": args.pairs.split(","),
         "seq_lens": [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else ([256] if args.quick else [4096, 8192]),
         "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch,
-        "reps": args.reps or (1 if args.quick else 5),
+        "reps": args.reps or (1 if args.quick else 4),
         "rounds": args.rounds or (1 if args.quick else 2),
         "warmup": args.warmup if args.warmup is not None else (0 if args.quick else 1), "tol": args.tol,
         "threads_per_rank": args.threads_per_rank,
