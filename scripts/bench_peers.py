@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """lightning-sp against every peer that runs here, on time and memory at once (issue 17), side by side in one run.
 
-    .venv/bin/python scripts/bench_peers.py             # P=2, N=4096 and 8192, H=8, D=64, fp32 causal (~5 min on 2 cores)
+    .venv/bin/python scripts/bench_peers.py             # P=2, N=4096 and 8192, H=8, D=64, fp32 causal (~5 min on 2 cores; rings only ~4 min)
     .venv/bin/python scripts/bench_peers.py --quick     # N=256, 1 rep: a smoke run (15-30 s)
 
 Pairs (ours = ``SequenceParallelAttention(backend=..., causal=True, group=...)`` with every other argument at
@@ -21,7 +21,9 @@ each sharded in its own layout (for the load-balanced pairs PyTorch's ``_HeadTai
 dq, dk, dv are gathered to global positions and must agree within ``--tol`` (a shifted copy must not: the
 negative control) before anything is timed. Time: fwd+bwd, ``experiments.throughput.time_alternating``
 (the two sides alternate with the order rotated each rep, barriers before and after each call), warm-up reps
-first; median and best-of over the timed reps (rank 0; the barriers align the ranks). Memory: the PyTorch
+first, the whole grid timed ``--rounds`` times over (interleaved, odd rounds starting with the peer); median and
+best-of over the timed reps of all rounds (rank 0; the barriers align the ranks), and the spread of the per-rep
+ratios (median, interquartile range, min-max, share of reps <= 1.0), so "<= 1.0" is a measured statement. Memory: the PyTorch
 allocator's peak during one fwd+bwd over what existed before (``experiments.peak_memory.attention_peak_bytes``:
 the backward seeded without holding the output; the same measure on both sides; not gloo's own buffers), the
 max over ranks. Ratios are ours / peer: time goal <= 1.0, memory goal < 1.0.
@@ -111,7 +113,26 @@ def _fwd_bwd(fn, q, k, v, dout, seq_len):
     return out
 
 
+def ratio_spread(ours_s: list[float], peer_s: list[float]) -> dict[str, float]:
+    """Per-rep time ratios ``ours[i] / peer[i]`` (the two sides of rep ``i`` ran back to back) summarised:
+    their median, quartiles (``statistics.quantiles``, inclusive method), min, max, and the share of reps at
+    or below 1.0."""
+    import statistics
+
+    if len(ours_s) != len(peer_s) or not ours_s:
+        raise ValueError(f"need as many ours as peer reps (>= 1), got {len(ours_s)} and {len(peer_s)}")
+    ratios = [a / b for a, b in zip(ours_s, peer_s)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios[0],) * 3
+    return {
+        "time_ratio_rep_median": statistics.median(ratios), "time_ratio_q1": q1, "time_ratio_q3": q3,
+        "time_ratio_min": min(ratios), "time_ratio_max": max(ratios),
+        "time_ratio_share_le_1": sum(r <= 1.0 for r in ratios) / len(ratios), "time_ratios": ratios,
+    }
+
+
 def _worker(rank, world, cfg):
+    import statistics
+
     import torch.distributed as dist
 
     from experiments.peak_memory import attention_peak_bytes
@@ -122,7 +143,7 @@ def _worker(rank, world, cfg):
     group = dist.group.WORLD
     torch.set_num_threads(cfg["threads_per_rank"])
     b, h, d = cfg["batch"], cfg["heads"], cfg["head_dim"]
-    rows = []
+    cells = []  # (row, {side: fwd+bwd call}) per (N, pair), in grid order
     for n in cfg["seq_lens"]:
         g = torch.Generator().manual_seed(n)
         full = [torch.randn(b, n, h, d, generator=g) for _ in range(4)]  # q, k, v, dout [B, N, H, D]
@@ -144,8 +165,6 @@ def _worker(rank, world, cfg):
             max_diff, control = agreement(results["ours"], results["peer"], cfg["tol"],
                                           f"{backend} and {peer_name} at N={n}, P={world}")
             del results
-            calls = {side: (lambda fn=fn, t=t: _fwd_bwd(fn, *t, n)) for side, (fn, t, _) in sides.items()}
-            times = time_alternating(calls, warmup=cfg["warmup"], reps=cfg["reps"], group=group)
             peaks = {}
             for side, (fn, (q, k, v, dout), _) in sides.items():
                 peak, _inputs = attention_peak_bytes(fn, q, k, v, dout, seq_len=n, group=group)
@@ -153,41 +172,66 @@ def _worker(rank, world, cfg):
             all_peaks = [None] * world
             dist.all_gather_object(all_peaks, peaks, group=group)
             peak_max = {side: max(p[side] for p in all_peaks) for side in peaks}
-            med = {side: t.median_s for side, t in times.items()}
-            best = {side: min(t.wall_s) for side, t in times.items()}
-            rows.append({
+            calls = {side: (lambda fn=fn, t=t, n=n: _fwd_bwd(fn, *t, n)) for side, (fn, t, _) in sides.items()}
+            row = {
                 "pair": backend, "peer": peer_name, "peer_version": peer_version, "world": world, "seq_len": n,
                 "batch": b, "heads": h, "head_dim": d, "dtype": "float32", "causal": True,
                 "ours_settings": "defaults (kernel='auto', kv_pieces='auto', validate_inputs=True)",
                 "ours_kernel": type(make_kernel(ours.kernel)).__name__,  # what kernel="auto" resolved to
                 "ours_kv_pieces": ours._kv_pieces(backend, *sides["ours"][1][:2], world, None),  # "auto" resolved
                 "same_positions": bool(torch.equal(ours_pos, peer_pos)),
-                "ours_median_s": med["ours"], "peer_median_s": med["peer"],
-                "time_ratio": med["ours"] / med["peer"],
-                "ours_best_s": best["ours"], "peer_best_s": best["peer"],
-                "time_ratio_best": best["ours"] / best["peer"],
                 "ours_peak_bytes": peak_max["ours"], "peer_peak_bytes": peak_max["peer"],
                 "memory_ratio": peak_max["ours"] / peak_max["peer"],
                 "peaks_by_rank": all_peaks,
                 "max_abs_diff_out_and_grads": max_diff, "negative_control_diff": control,
-                "ours_all_s": times["ours"].wall_s, "peer_all_s": times["peer"].wall_s,
-                "reps": cfg["reps"], "warmup": cfg["warmup"], "load_average_1m": os.getloadavg()[0],
-            })
-            del sides, calls
+            }
+            cells.append((row, calls))
+            del sides
+    # Time: the whole grid `rounds` times over, so a slow spell of the machine lands on every cell rather than on
+    # one; within a cell the sides alternate rep by rep, and odd rounds start with the peer (with an odd number
+    # of reps per round, neither side goes first more often over an even number of rounds)
+    walls = [{"ours": [], "peer": []} for _ in cells]
+    loads = [[] for _ in cells]
+    for rnd in range(cfg["rounds"]):
+        for (row, calls), wall, load in zip(cells, walls, loads):
+            order = ("ours", "peer") if rnd % 2 == 0 else ("peer", "ours")
+            times = time_alternating({s: calls[s] for s in order}, warmup=cfg["warmup"], reps=cfg["reps"], group=group)
+            for side in wall:
+                wall[side].extend(times[side].wall_s)
+            load.append(os.getloadavg()[0])
+    rows = []
+    for (row, _calls), wall, load in zip(cells, walls, loads):
+        med = {side: statistics.median(t) for side, t in wall.items()}
+        best = {side: min(t) for side, t in wall.items()}
+        rows.append({
+            **row,
+            "ours_median_s": med["ours"], "peer_median_s": med["peer"],
+            "time_ratio": med["ours"] / med["peer"],
+            **ratio_spread(wall["ours"], wall["peer"]),
+            "ours_best_s": best["ours"], "peer_best_s": best["peer"],
+            "time_ratio_best": best["ours"] / best["peer"],
+            "ours_all_s": wall["ours"], "peer_all_s": wall["peer"],
+            "reps": cfg["reps"] * cfg["rounds"], "reps_per_round": cfg["reps"], "rounds": cfg["rounds"],
+            "warmup": cfg["warmup"], "load_average_1m": load[-1], "load_average_1m_by_round": load,
+        })
     return rows
 
 
 def _table(rows) -> str:
-    lines = ["pair          peer                                P      N  time ratio  (best)"
-             "  mem ratio  ours s  peer s  ours MiB  peer MiB  max|diff|"]
+    lines = ["pair          peer                                P      N  time ratio  (best)  per-rep: median"
+             " [IQR]          min-max        <=1  mem ratio  ours s  peer s  ours MiB  peer MiB  max|diff|"]
     for r in rows:
         lines.append(
             f"{r['pair']:<13} {_short(r['peer']):<35} {r['world']:>2} {r['seq_len']:>6} {r['time_ratio']:>10.3f} "
-            f"({r['time_ratio_best']:.3f}) {r['memory_ratio']:>9.3f} {r['ours_median_s']:>7.3f} {r['peer_median_s']:>7.3f} "
+            f"({r['time_ratio_best']:.3f}) {r['time_ratio_rep_median']:>15.3f} [{r['time_ratio_q1']:.3f}-"
+            f"{r['time_ratio_q3']:.3f}] {r['time_ratio_min']:.3f}-{r['time_ratio_max']:.3f} "
+            f"{r['time_ratio_share_le_1']:>4.0%} {r['memory_ratio']:>9.3f} {r['ours_median_s']:>7.3f} {r['peer_median_s']:>7.3f} "
             f"{r['ours_peak_bytes'] / 2**20:>9.1f} {r['peer_peak_bytes'] / 2**20:>9.1f} {r['max_abs_diff_out_and_grads']:>10.1e}"
         )
-    lines.append("ratios = ours / peer (time: median fwd+bwd over reps, goal <= 1.0; mem: allocator peak added per rank, "
-                 "max over ranks, goal < 1.0); ours with default settings")
+    reps = rows[0]["reps"] if rows else 0
+    lines.append(f"ratios = ours / peer; time: median fwd+bwd over {reps} reps (rounds x reps per round) and the per-rep "
+                 "ratios (median, interquartile range, min-max, share <= 1.0), goal <= 1.0; mem: allocator peak added "
+                 "per rank, max over ranks, goal < 1.0; ours with default settings")
     return "\n".join(lines)
 
 
@@ -200,8 +244,11 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--reps", type=int, default=None, help="timed reps per pair (default 5; quick 1)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up reps per pair (default 1; quick 0)")
+    p.add_argument("--reps", type=int, default=None, help="timed reps per pair and round (default 4; quick 1)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="times the whole grid of pairs x lengths is timed, interleaved, odd rounds starting with the "
+                        "peer (default 2; quick 1); a cell's statistics pool its reps over the rounds")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up reps per pair and round (default 1; quick 0)")
     p.add_argument("--tol", type=float, default=1e-3, help="max |ours - peer| over out, dq, dk, dv")
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory for the JSON/CSV results")
@@ -211,6 +258,9 @@ def parse_args(argv=None):
     unknown = set(args.pairs.split(",")) - set(PAIRS)
     if unknown:
         p.error(f"unknown pairs {sorted(unknown)}; choose from {PAIRS}")
+    for name in ("reps", "rounds"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.world < 2:
         p.error(f"--world must be >= 2 (a peer comparison needs ranks), got {args.world}")
     return args
@@ -225,7 +275,8 @@ def main(argv=None) -> int:
         "pairs": args.pairs.split(","),
         "seq_lens": [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else ([256] if args.quick else [4096, 8192]),
         "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch,
-        "reps": args.reps or (1 if args.quick else 5),
+        "reps": args.reps or (1 if args.quick else 4),
+        "rounds": args.rounds or (1 if args.quick else 2),
         "warmup": args.warmup if args.warmup is not None else (0 if args.quick else 1), "tol": args.tol,
         "threads_per_rank": args.threads_per_rank,
     }

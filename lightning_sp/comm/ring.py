@@ -16,13 +16,19 @@ Note [Gradient partial sums around the ring]
     passes the partial sum on, one step behind the block itself. Overlapping that transfer with
     compute (``ring_pass_with_grads``) keeps three block-sized gradient buffers alive during compute:
     the partial being sent, the partial being received, and the new contribution. The
-    accumulating form waits for the incoming partial first and adds this rank's contribution into
-    it in place, so exactly one gradient buffer is alive while the kernel runs::
+    accumulating form keeps one: it waits until the partial it sent last step has *left* (the send
+    alone), runs the kernel while the incoming partial is still in flight, and adds its contribution
+    into the received buffer after::
 
-        step t:   wait(partial_t from rank-1)  ->  partial_t += my contribution  ->  send to rank+1
+        step t:   wait(send of partial_{t-1})  ->  contribution = kernel(...)  (partial_t arriving meanwhile)
+                  ->  wait(partial_t from rank-1)  ->  partial_t[:, rows] += contribution  ->  send to rank+1
         (K/V blocks still travel double-buffered, overlapped with the compute)
 
-    The price is that the gradient transfer (half the backward traffic) no longer overlaps compute.
+    The contribution is the kernel's own result (Note [First write assigns] in ops/ring_attention.py),
+    restricted to the key rows the plan touches (half a block on the zigzag ring's off-diagonal steps),
+    so it is the transient any in-place add would have had. The receive overlaps compute; the send
+    does not (waiting for it frees the buffer: a send completes once the next rank posted its receive,
+    at the same point of its loop). Until 2026-11-24 the receive was waited for before the kernel ran.
     With the in-place merge and the prompt release of used blocks, this took the ring's per-rank
     peak at P = 4 (N = 8192, H = 8, D = 64, fp32) from 15.3 to 11.3 local shards (benchmarks/README.md,
     section 4).
@@ -39,16 +45,30 @@ from lightning_sp.comm.stats import CommStats
 
 
 class _Pending:
-    def __init__(self, works, buffers, sent):
-        self._works, self._buffers = works, buffers
+    def __init__(self, works, buffers, sent, per_op: bool):
+        # per_op: one work per op in (send, recv) pairs (gloo), so the sends can be waited for alone; else one
+        # coalesced work for all. A gloo work must be waited for once only (a second wait waits for another
+        # transfer), so each list is emptied as it is waited for.
+        self._sends, self._works = (works[0::2], works[1::2]) if per_op else ((), works)
+        self._buffers = buffers
         self._sent = sent  # keep the send buffers alive until the transfer completes
 
+    def wait_sent(self) -> None:
+        """Wait until the sends of this exchange are complete and drop their buffers, leaving the receives in
+        flight (``wait`` returns them). Without separate send works: the same as ``wait``."""
+        if not self._sends:
+            self.wait()
+            return
+        for w in self._sends:
+            w.wait()
+        self._sends, self._sent = (), None
+
     def wait(self) -> tuple[torch.Tensor, ...]:
-        for w in self._works:
+        for w in (*self._sends, *self._works):
             w.wait()
         # transfer done: drop the send buffers (and the works, which reference them too) so they are
         # freed as soon as the caller lets go of them, not when this object dies
-        self._works, self._sent = (), None
+        self._sends, self._works, self._sent = (), (), None
         return self._buffers
 
 
@@ -86,7 +106,8 @@ class RingComm:
             ops.append(dist.P2POp(dist.irecv, buf, from_global, self.group))
             if self.stats is not None:
                 self.stats.add(op, t.numel() * t.element_size())
-        return _Pending(dist.batch_isend_irecv(ops), tuple(recv), sent)
+        works = dist.batch_isend_irecv(ops)  # gloo: one work per op, in order; a coalescing backend: one in all
+        return _Pending(works, tuple(recv), sent, per_op=len(works) == len(ops))
 
 
 def ring_pass(
@@ -136,25 +157,35 @@ def ring_pass_with_grads(
 def ring_pass_accumulating(
     comm: RingComm | None,
     tensors: tuple[torch.Tensor, ...],
-    grad_fn: Callable[[int, int, tuple[torch.Tensor, ...], "tuple[torch.Tensor, ...] | None"], tuple[torch.Tensor, ...]],
+    grad_fn: Callable[[int, int, tuple[torch.Tensor, ...], bool], "tuple[slice | None, tuple[torch.Tensor, ...]]"],
 ) -> tuple[torch.Tensor, ...]:
     """Like ``ring_pass_with_grads`` (same result, same traffic), with one gradient buffer alive
-    during compute: ``grad_fn(step, source_rank, blocks, partial)`` adds this rank's contribution
-    for ``blocks`` into ``partial`` in place (``None`` at step 0: it allocates and returns it) and
-    returns it. See Note [Gradient partial sums around the ring]."""
+    during compute: ``grad_fn(step, source_rank, blocks, complete)`` returns ``(rows, contributions)``, this
+    rank's gradient contributions for rows ``rows`` (dim 1) of ``blocks`` (``rows = None``: none at all);
+    ``complete=True`` (step 0, or no ring) asks for whole blocks (``rows = slice(None)``). The partial sum of
+    the ranks before arrives while ``grad_fn`` computes and is added into after. See Note [Gradient partial
+    sums around the ring]."""
     if comm is None or comm.world == 1:  # no ring: nothing to send (a one-rank ring would send to itself)
-        return grad_fn(0, 0, tensors, None)
+        return grad_fn(0, 0, tensors, True)[1]
     blocks = tensors
     grads_in_flight: _Pending | None = None
-    partial = None
     for step in range(comm.world):
         pending = comm.start(blocks) if step < comm.world - 1 else None  # K/V: overlapped
         if grads_in_flight is not None:
-            partial = grads_in_flight.wait()  # also frees the partial we sent last step
+            grads_in_flight.wait_sent()  # the partial sent last step has left: freed before the kernel runs
+        rows, contribution = grad_fn(step, (comm.rank - step) % comm.world, blocks, grads_in_flight is None)
+        if pending is None:
+            blocks = None  # the last blocks: free them before the partial sums' buffers arrive
+        if grads_in_flight is not None:  # the ranks before: their partial sum for these blocks, received meanwhile
+            partial = grads_in_flight.wait()
             grads_in_flight = None
-        partial = grad_fn(step, (comm.rank - step) % comm.world, blocks, partial)
-        grads_in_flight = comm.start(partial, op="ring_send_grad")
-        partial = None
+            if rows is not None:
+                for p, c in zip(partial, contribution):
+                    p[:, rows] += c
+            contribution = partial
+            del partial
+        grads_in_flight = comm.start(contribution, op="ring_send_grad")
+        contribution = None
         if pending is not None:
             blocks = pending.wait()  # drop the used blocks before the next step allocates receive buffers
             pending = None

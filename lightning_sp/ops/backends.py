@@ -73,6 +73,7 @@ from lightning_sp.ops.ring_attention import (
     piece_count,
     query_chunks,
     slice_runs,
+    zeros_if_unwritten,
 )
 
 BACKENDS = ("ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal", "local", "auto")
@@ -224,33 +225,35 @@ class _AllGatherKVFunction(torch.autograd.Function):
         acc = accumulation_dtype(q.dtype)
         k_all, v_all = all_gather_raw(k, ctx.group, 1, ctx.stats), all_gather_raw(v, ctx.group, 1, ctx.stats)
         shard = k.size(1)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.empty(k.shape, dtype=acc, device=q.device)
-        dv = torch.empty(v.shape, dtype=acc, device=q.device)
+        dq = None  # first write assigns (Note [First write assigns] in ops/ring_attention.py)
 
         spec = ctx.grad_spec
         pieces = piece_count(ctx.kv_pieces, shard)
         q_chunks = query_chunks(spec.q_runs, q.size(1), pieces)
         kb = piece_bounds(shard, pieces)
         comm = RingComm(ctx.group, ctx.stats)
+        dk = dv = None  # one piece (the default): its ring sum *is* the gradient, no copy
+        if pieces > 1:
+            dk, dv = (torch.empty(t.shape, dtype=acc, device=q.device) for t in (k, v))
         for j in range(pieces):
-            piece_shape = (k.size(0), kb[j + 1] - kb[j], *k.shape[2:])
-
-            def contribute(chunk, partial, j=j, piece_shape=piece_shape):  # this rank's share of piece j
-                # of rank `chunk`'s dK/dV [B, piece, H_kv, D]
-                if partial is None:
-                    partial = (torch.zeros(piece_shape, dtype=acc, device=q.device),
-                               torch.zeros(piece_shape, dtype=acc, device=q.device))
+            def contribute(chunk, partial, j=j):  # this rank's share of piece j of rank `chunk`'s dK/dV
+                # [B, piece, H_kv, D], added into the partial sum received (None: the first covering result)
+                nonlocal dq
                 rows = slice(chunk * shard + kb[j], chunk * shard + kb[j + 1])
-                accumulate_tile_grads(
+                k_p, v_p = k_all[:, rows], v_all[:, rows]
+                dq, partial = accumulate_tile_grads(
                     spec, q_chunks, slice_runs(spec.k_runs_by_rank[chunk], kb[j], kb[j + 1]), dout, q,
-                    k_all[:, rows], v_all[:, rows], out, lse, dq, partial,
+                    k_p, v_p, out, lse, dq, (None, None) if partial is None else partial,
                 )
-                return partial
+                return zeros_if_unwritten(partial, (k_p, v_p), acc)
 
             dk_j, dv_j = ring_reduce_scatter(comm, contribute)
-            dk[:, kb[j]:kb[j + 1]], dv[:, kb[j]:kb[j + 1]] = dk_j, dv_j
+            if pieces == 1:
+                dk, dv = dk_j, dv_j
+            else:
+                dk[:, kb[j]:kb[j + 1]], dv[:, kb[j]:kb[j + 1]] = dk_j, dv_j
             del dk_j, dv_j
+        dq = zeros_if_unwritten((dq,), (q,), acc)[0]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 

@@ -218,11 +218,21 @@ def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResul
     return merged.result()
 
 
-def accumulate_block_grads(spec: BlockAttentionSpec, src: int, dout, q, k_blk, v_blk, out, lse, dq, dkv):
-    """Add the gradients of this rank's queries against source ``src``'s K/V block into ``dq [B, Sq, H, D]``
-    and ``dkv = (dk, dv)``, each ``[B, Sk, H_kv, D]`` (accumulation dtype; ``None``: not written yet).
-    ``accumulate_tile_grads`` with all of ``q`` as one chunk; returns ``(dq, (dk, dv))``."""
-    return accumulate_tile_grads(spec, [(0, spec.q_runs)], spec.k_runs_by_rank[src], dout, q, k_blk, v_blk, out, lse, dq, dkv)
+def block_grad_contribution(spec: BlockAttentionSpec, src: int, dout, q, k_blk, v_blk, out, lse, dq):
+    """This rank's queries' gradients against source ``src``'s K/V block ``[B, Sk, H_kv, D]``: added into
+    ``dq [B, Sq, H, D]`` (``None``: not written yet), and the block's dK/dV contribution restricted to the key
+    rows the plan touches. Returns ``(dq, rows, (dk, dv))``: ``rows`` a ``slice`` of the block's rows, ``dk, dv``
+    ``[B, rows, H_kv, D]`` (accumulation dtype; started by the first covering kernel result, Note [First write
+    assigns]), or ``rows = None`` when every pair is masked (no kernel call). Only the touched rows are
+    allocated: the zigzag ring's off-diagonal step attends to half of a block."""
+    k_runs = spec.k_runs_by_rank[src]
+    calls = plan_blocks(spec.q_runs, k_runs, causal=spec.causal, doc_bounds=spec.doc_bounds)
+    if not calls:
+        return dq, None, (None, None)
+    lo, hi = min(c.k_start for c in calls), max(c.k_start + c.k_len for c in calls)
+    dq, (dk, dv) = accumulate_tile_grads(spec, [(0, spec.q_runs)], slice_runs(k_runs, lo, hi), dout, q,
+                                         k_blk[:, lo:hi], v_blk[:, lo:hi], out, lse, dq, (None, None))
+    return dq, slice(lo, hi), (dk, dv)
 
 
 def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
@@ -239,19 +249,26 @@ def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
         return _pieces_backward(spec, dout, q, k, v, out, lse, pieces)
     dq = None  # first write assigns (Note [First write assigns])
 
-    def grads(_step, src, blocks, partial):
+    def grads(_step, src, blocks, complete):
         nonlocal dq
         k_blk, v_blk = blocks
-        # partial None: first visit of this block; its dK/dV sum starts as the first covering kernel result
-        dq, partial = accumulate_block_grads(spec, src, dout, q, k_blk, v_blk, out, lse, dq, (None, None) if partial is None else partial)
-        return _zeros_if_unwritten(partial, (k_blk, v_blk), acc)
+        # this rank's dK/dV for the block, on the key rows it touches; the ring adds it into the partial sum of
+        # the ranks before (received meanwhile). complete: a whole-block tensor is needed (nothing to add into)
+        dq, rows, contribution = block_grad_contribution(spec, src, dout, q, k_blk, v_blk, out, lse, dq)
+        if complete and (rows is None or (rows.start, rows.stop) != (0, k_blk.size(1))):
+            whole = zeros_if_unwritten((None, None), blocks, acc)
+            if rows is not None:
+                for w, c in zip(whole, contribution):
+                    w[:, rows] = c
+            return slice(None), whole
+        return rows, contribution
 
     dk, dv = ring_pass_accumulating(spec.comm(), (k, v), grads)
-    dq = _zeros_if_unwritten((dq,), (q,), acc)[0]
+    dq = zeros_if_unwritten((dq,), (q,), acc)[0]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _zeros_if_unwritten(sums, like, dtype):
+def zeros_if_unwritten(sums, like, dtype):
     """``sums`` with every ``None`` (no kernel call wrote it: all masked) replaced by zeros shaped as ``like``."""
     return tuple(torch.zeros(t.shape, dtype=dtype, device=t.device) if s is None else s for s, t in zip(sums, like))
 
@@ -367,7 +384,7 @@ def _pieces_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: 
         else:  # another rank's piece: the contribution starts as the first covering kernel result
             dk_p = dv_p = None
         dq, (dk_p, dv_p) = accumulate_tile_grads(spec, q_chunks, piece_runs, dout, q, k_p, v_p, out, lse, dq, (dk_p, dv_p))
-        dk_p, dv_p = _zeros_if_unwritten((dk_p, dv_p), (k_p, v_p), acc)
+        dk_p, dv_p = zeros_if_unwritten((dk_p, dv_p), (k_p, v_p), acc)
         del k_p, v_p
         if t > 0:  # send this contribution to the piece's owner; receive the one for our own piece j
             got_k, got_v = comm.exchange((dk_p, dv_p), -t, op="ring_send_grad").wait()
@@ -375,7 +392,7 @@ def _pieces_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: 
             dk[:, kb[j]:kb[j + 1]] += got_k
             dv[:, kb[j]:kb[j + 1]] += got_v
             del got_k, got_v
-    dq = _zeros_if_unwritten((dq,), (q,), acc)[0]
+    dq = zeros_if_unwritten((dq,), (q,), acc)[0]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

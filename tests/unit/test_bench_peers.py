@@ -59,3 +59,16 @@ def test_quoted_ratios_are_the_committed_results():
     for (pair, n), r in rows.items():
         cells = rf"\| {pair} \| [^|]+ \| {n} \| {r['time_ratio']:.3f} \| {r['time_ratio_best']:.3f} \| \**{r['memory_ratio']:.3f}\**"
         assert re.search(cells, table), (pair, n)
+
+
+def test_ratio_spread_pairs_reps_and_rejects_unpaired():
+    """The per-rep ratios pair rep i of each side (not sorted lists), and their quartiles bracket the median."""
+    spread = _bench_peers().ratio_spread
+    s = spread([1.0, 2.0, 3.0, 4.0, 6.0], [2.0, 2.0, 2.0, 2.0, 2.0])
+    assert s["time_ratios"] == [0.5, 1.0, 1.5, 2.0, 3.0]
+    assert (s["time_ratio_min"], s["time_ratio_q1"], s["time_ratio_rep_median"], s["time_ratio_q3"], s["time_ratio_max"]) \
+        == (0.5, 1.0, 1.5, 2.0, 3.0)
+    assert s["time_ratio_share_le_1"] == pytest.approx(0.4)
+    assert spread([3.0, 1.0], [1.0, 3.0])["time_ratios"] == [3.0, 1 / 3]  # paired by rep, not by rank of time
+    with pytest.raises(ValueError, match="as many ours as peer reps"):
+        spread([1.0, 2.0], [1.0])
