@@ -49,10 +49,16 @@ Note [Per-call terms]
                         beyond the table); GPU presets: FLOPs at ``attention_curve(q_len)``
         kernel_call_s   fixed time of a call (a tiny one), forward and backward
         merge_s, elementwise_s   merge_into / an in-place add: per call + per element
-        message_s       one RingComm exchange of a tiny tensor at that world size (Python, gloo, wait)
-        collective_fits all-to-all / all-gather latency + bandwidth at each group size
-        colossal_s      the materialised score path (q k^T, mask, softmax, p v; fwd+bwd) per score
-                        element and per element x D, in one process
+        message_s       one RingComm exchange of a tiny tensor at that world size (Python, gloo, wait),
+                        measured with every rank computing between exchanges (a message waits for its
+                        peer to get a core when ranks outnumber cores)
+        collective_fits all-to-all / all-gather latency + bandwidth at each group size (least squares
+                        in relative error, so the small messages set the latency)
+        collective_busy_s  a tiny all-to-all / all-gather with every rank computing between them:
+                        replaces the idle latency
+        colossal_s      ``ops/colossal.py``'s own local compute (its forward and hand-written backward
+                        on one rank, the ring's messages stubbed out) per score element and per
+                        element x D
 
     ``fwd+bwd`` FLOPs for the GPU presets: backward = 2.5x forward (flash-style recompute), so
     ``3.5 x`` the forward's ``4 N^2 H D`` (halved for a causal square); ``megatron_sp`` keeps its
@@ -133,6 +139,10 @@ class HardwareProfile:
     collective_fits: tuple[tuple[str, int, float, float], ...] = ()
     """``(op, group size, latency s, bandwidth B/s)`` measured for ``"all_to_all"`` (bytes of the send
     buffer) and ``"all_gather"`` (bytes of one rank's input); empty: the link model."""
+    collective_busy_s: tuple[tuple[str, int, float], ...] = ()
+    """``(op, group size, seconds)``: the fixed cost of one tiny ``"all_to_all"`` / ``"all_gather"`` with
+    every rank computing between collectives (measured: ``calibrate.busy_worker``); replaces the
+    ``collective_fits`` latency (measured on idle ranks) when given."""
 
     def __post_init__(self) -> None:
         if not self.attention_curve:
@@ -191,6 +201,7 @@ class HardwareProfile:
         d["colossal_s"] = tuple(float(x) for x in d.get("colossal_s", (0.0, 0.0, 0.0)))
         d["compute_sharing"] = tuple((int(w), float(x)) for w, x in d.get("compute_sharing", ()))
         d["collective_fits"] = tuple((str(o), int(g), float(la), float(bw)) for o, g, la, bw in d.get("collective_fits", ()))
+        d["collective_busy_s"] = tuple((str(o), int(g), float(t)) for o, g, t in d.get("collective_busy_s", ()))
         return cls(**d)
 
     def kernel_time(self, call, head_dim: int) -> float:
@@ -218,6 +229,9 @@ class HardwareProfile:
         fits = [f for f in self.collective_fits if f[0] == op]
         if fits:
             _, _, lat, bw = min(fits, key=lambda f: (abs(math.log(f[1] / group)), f[1]))
+            busy = [f for f in self.collective_busy_s if f[0] == op]
+            if busy:  # the fixed cost as the layer sees it: ranks computing, not idle, between collectives
+                lat = min(busy, key=lambda f: (abs(math.log(f[1] / group)), f[1]))[2]
             return lat + nbytes / bw
         if op == "all_to_all":
             return _all_to_all_time(nbytes, group, self)
