@@ -56,9 +56,10 @@ Note [Per-call terms]
                         in relative error, so the small messages set the latency)
         collective_busy_s  a tiny all-to-all / all-gather with every rank computing between them:
                         replaces the idle latency
-        colossal_s      ``ops/colossal.py``'s own local compute (its forward and hand-written backward
-                        on one rank, the ring's messages stubbed out) per score element and per
-                        element x D
+        colossal_table  ``ops/colossal.py``'s own local compute (its forward and hand-written backward
+                        on one rank, the ring's messages stubbed out) per score element, at several
+                        sizes of the rank's ``[H, S/P, N]`` scores and D (``colossal_s``: one line
+                        ``a + E (b + c D)``, used when no table is given)
 
     ``fwd+bwd`` FLOPs for the GPU presets: backward = 2.5x forward (flash-style recompute), so
     ``3.5 x`` the forward's ``4 N^2 H D`` (halved for a causal square); ``megatron_sp`` keeps its
@@ -136,6 +137,11 @@ class HardwareProfile:
     colossal_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """``colossal``'s materialised score path on one rank: ``a + E (b + c D)`` seconds fwd+bwd for ``E``
     score elements (``H x rows x keys``); all 0: its matmuls at ``matmul_flops`` instead."""
+    colossal_table: tuple[tuple[int, int, float], ...] = ()
+    """``(score elements of the rank, head_dim, seconds per score element)``: ``colossal``'s local
+    compute (fwd+bwd) measured at several sizes, interpolated log-linearly in the rank's score elements
+    ``H x S/P x N`` and in D (clamped outside); replaces ``colossal_s`` when given. Per element, the
+    time grows once the ``[H, S/P, N]`` rows leave the caches, which one line cannot follow."""
     collective_fits: tuple[tuple[str, int, float, float], ...] = ()
     """``(op, group size, latency s, bandwidth B/s)`` measured for ``"all_to_all"`` (bytes of the send
     buffer) and ``"all_gather"`` (bytes of one rank's input); empty: the link model."""
@@ -199,6 +205,7 @@ class HardwareProfile:
             d[name] = tuple(float(x) for x in d.get(name, (0.0, 0.0)))
         d["message_s"] = tuple((int(w), float(t)) for w, t in d.get("message_s", ()))
         d["colossal_s"] = tuple(float(x) for x in d.get("colossal_s", (0.0, 0.0, 0.0)))
+        d["colossal_table"] = tuple((int(e), int(dd), float(t)) for e, dd, t in d.get("colossal_table", ()))
         d["compute_sharing"] = tuple((int(w), float(x)) for w, x in d.get("compute_sharing", ()))
         d["collective_fits"] = tuple((str(o), int(g), float(la), float(bw)) for o, g, la, bw in d.get("collective_fits", ()))
         d["collective_busy_s"] = tuple((str(o), int(g), float(t)) for o, g, t in d.get("collective_busy_s", ()))
@@ -214,6 +221,16 @@ class HardwareProfile:
         flops = 4.0 * call.q_len * call.k_len * call.heads * head_dim * share * FWD_BWD_FACTOR
         part = (FWD_BWD_FACTOR - 1) / FWD_BWD_FACTOR if call.backward else 1 / FWD_BWD_FACTOR
         return fixed + flops * part / self.attention_rate(call.q_len)
+
+    def colossal_seconds_per_score(self, rank_scores: float, head_dim: int) -> float:
+        """Seconds per score element of ``colossal``'s local fwd+bwd on a rank holding ``rank_scores``
+        score elements (``colossal_table``; requires it)."""
+        dims = sorted({dd for _, dd, _ in self.colossal_table})
+        per_dim = []
+        for dd in dims:
+            pts = sorted((e, t) for e, d2, t in self.colossal_table if d2 == dd)
+            per_dim.append(_interp(rank_scores, [e for e, _ in pts], [t for _, t in pts]))
+        return _interp(head_dim, dims, per_dim)
 
     def message_time(self, world: int) -> float:
         """Fixed seconds of one ring exchange among ``world`` ranks (calibrated at the nearest world)."""
@@ -527,6 +544,8 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
         t += sum(mg_call + mg_elem * e * batch for e in step.merges)
         t += sum(ew_call + ew_elem * e * batch for e in step.accumulates)
         t += ew_elem * step.copies * batch + (ew_call if step.copies else 0.0)
+        if step.scores and hw.colossal_table:  # colossal's local compute, per element at the rank's size
+            return t + hw.colossal_seconds_per_score(step.scores / step.score_share, d) * step.scores * batch
         if step.scores and any(hw.colossal_s):  # colossal's score path, calibrated per element
             a, b, c = hw.colossal_s
             return t + a * step.score_share + (b + c * d) * step.scores * batch

@@ -162,7 +162,7 @@ def run_grid(args, argv, grid: str) -> list[dict]:
     t0 = time.perf_counter()
     # the machine's sharing now (a primitive kernel loop on P ranks at once), for the grid's timings
     sharing = calibrate.measure_sharing((2,) if args.quick else WORLDS)
-    hw = replace(hw, compute_sharing=tuple((w, x) for w, x in sharing.items() if w != "alone_s"))
+    hw = replace(hw, compute_sharing=tuple((w, x) for w, x in sharing.items() if isinstance(w, int)))
     print(f"{grid}: sharing stretch now {sharing}", flush=True)
     measured = {}
     for world in ((2,) if args.quick else WORLDS):

@@ -204,33 +204,38 @@ class _NoRing:
         return _Done()
 
 
-def _colossal_local_time(n: int, d: int, reps: int) -> float:
-    """fwd+bwd of ``ops/colossal.py`` itself as rank 0 of ``COLOSSAL_WORLD`` ranks holding ``n`` tokens
-    each (score rows ``[H, n, world x n]`` built block by block, softmax over whole rows, its
-    hand-written backward), the ring's messages stubbed out by ``_NoRing``: the local compute per
-    score element."""
+def colossal_local(q, k, v, dout):
+    """``ops/colossal.py``'s fwd+bwd (``q [B, n, H, D]``, ``k, v [B, n, H_kv, D]``) as rank 0 of
+    ``COLOSSAL_WORLD`` ranks whose blocks are all this one (``_NoRing``): score rows ``[H, n, world x
+    n]`` built block by block, softmax over whole rows, its hand-written backward, no message. Causal,
+    so the other ranks' blocks are masked: the result is causal attention over ``n`` tokens (tested)."""
     from unittest import mock
 
     from lightning_sp.ops import colossal
 
-    g = torch.Generator().manual_seed(n + d)
-    q, k, v = (torch.randn(1, n, COLOSSAL_HEADS, d, generator=g, requires_grad=True) for _ in range(3))
-    dout = torch.randn(1, n, COLOSSAL_HEADS, d, generator=g)
+    n, d = q.size(1), q.size(-1)
     positions = [torch.arange(r * n, (r + 1) * n) for r in range(COLOSSAL_WORLD)]
-
-    def step():
+    with mock.patch.object(colossal, "RingComm", _NoRing):
         out = colossal.colossal_attention(q, k, v, group=None, positions_by_rank=positions, causal=True,
                                           doc_bounds=None, scale=d ** -0.5, stats=None)
         out.backward(dout)
+    return out
 
-    with mock.patch.object(colossal, "RingComm", _NoRing):
-        return median_seconds(step, reps)
+
+def _colossal_local_time(n: int, d: int, reps: int) -> float:
+    """Seconds of ``colossal_local`` on ``n`` tokens, ``COLOSSAL_HEADS`` heads of ``d``: the backend's
+    local compute per score element, without its messages."""
+    g = torch.Generator().manual_seed(n + d)
+    q, k, v = (torch.randn(1, n, COLOSSAL_HEADS, d, generator=g, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, n, COLOSSAL_HEADS, d, generator=g)
+    return median_seconds(lambda: colossal_local(q, k, v, dout), reps)
 
 
 def calibrate_colossal(reps: int = 3, points=COLOSSAL_POINTS) -> dict:
     """``ops/colossal.py``'s local compute per score element in one process (``_colossal_local_time``):
-    least squares ``t = a + E (b + c D)`` over ``E = H n (world n)`` score elements of the rank ->
-    ``colossal_s = (a, b, c)``."""
+    ``colossal_table`` = seconds per score element at each point's ``E = H n (world n)`` score elements
+    of the rank and D (what the model reads); also the least squares line ``t = a + E (b + c D)`` ->
+    ``colossal_s = (a, b, c)`` for the record."""
     torch.set_num_threads(1)
     times = [_colossal_local_time(n, d, reps) for n, d in points]
     # normal equations for t = a + b E + c E D
@@ -238,7 +243,10 @@ def calibrate_colossal(reps: int = 3, points=COLOSSAL_POINTS) -> dict:
     ata = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
     atb = [sum(r[i] * t for r, t in zip(rows, times)) for i in range(3)]
     coef = torch.linalg.solve(torch.tensor(ata, dtype=torch.float64), torch.tensor(atb, dtype=torch.float64)).tolist()
-    return {"colossal_s": [max(c, 0.0) for c in coef], "points": [[n, d, t] for (n, d), t in zip(points, times)],
+    table = [[COLOSSAL_HEADS * n * n * COLOSSAL_WORLD, d, t / (COLOSSAL_HEADS * n * n * COLOSSAL_WORLD)]
+             for (n, d), t in zip(points, times)]
+    return {"colossal_s": [max(c, 0.0) for c in coef], "colossal_table": table,
+            "points": [[n, d, t] for (n, d), t in zip(points, times)],
             "primitive": f"ops/colossal.py fwd+bwd as rank 0 of {COLOSSAL_WORLD}, messages stubbed (_NoRing)"}
 
 
@@ -275,30 +283,35 @@ SHARING_WINDOWS = 3
 
 
 def sharing_worker(rank, world):
-    """Every rank calls the kernel for the same window at once; the slowest rank's seconds per call,
-    median over ``SHARING_WINDOWS`` windows."""
-    slowest = []
+    """Every rank calls the kernel for the same window at once; per window, the ranks' mean seconds per
+    call in throughput terms (``world`` over the sum of the ranks' calls per second: the cores' share
+    each rank gets on average) and the slowest rank's; medians over ``SHARING_WINDOWS`` windows."""
+    mean, slowest = [], []
     for _ in range(SHARING_WINDOWS):
         dist.barrier()
         t = _kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
         times = [None] * world
         dist.all_gather_object(times, t)
+        mean.append(world / sum(1.0 / x for x in times))
         slowest.append(max(times))
-    return statistics.median(slowest) if rank == 0 else None
+    return (statistics.median(mean), statistics.median(slowest)) if rank == 0 else None
 
 
 def measure_sharing(worlds, reps: int = 1) -> dict:
-    """``{world: stretch}``: seconds per kernel call when ``world`` ranks call it for the same window
-    over the time alone (``P`` ranks sharing the cores, memory bandwidth and whatever else runs on the
-    machine now), measured with a primitive, never a backend. Also ``{"alone_s": ...}``."""
+    """``{world: stretch}``: the ranks' mean seconds per kernel call (throughput of all ranks) when
+    ``world`` ranks call it for the same window, over the time alone (``P`` ranks sharing the cores,
+    memory bandwidth and whatever else runs on the machine now), measured with a primitive, never a
+    backend. The mean, not the slowest rank: ranks of a layer wait for each other at every step, and
+    a waiting rank leaves its core to the others. Also ``{"alone_s": ..., "slowest_<world>": ...}``."""
     from experiments.common import run_on_ranks
 
     alone = statistics.median(_kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
                               for _ in range(SHARING_WINDOWS))
     out = {"alone_s": alone}
     for world in worlds:
-        together = run_on_ranks(sharing_worker, world, (), timeout_s=600)[0]
-        out[int(world)] = together / alone
+        mean, slowest = run_on_ranks(sharing_worker, world, (), timeout_s=600)[0]
+        out[int(world)] = mean / alone
+        out[f"slowest_{world}"] = slowest / alone  # for the record: the unfairness among ranks
     return out
 
 
@@ -333,7 +346,8 @@ def calibrated_profile(local: dict, links: dict, cores: int, sharing: dict | Non
         collective_busy_s=tuple((op, w, float(busy[w][f"{op}_s"])) for w in worlds
                                 for op in ("all_to_all", "all_gather")) if busy else (),
         colossal_s=tuple(local["colossal"]["colossal_s"]) if "colossal" in local else (0.0, 0.0, 0.0),
-        compute_sharing=tuple(sorted((int(w), float(x)) for w, x in (sharing or {}).items() if w != "alone_s")),
+        colossal_table=tuple(tuple(r) for r in local.get("colossal", {}).get("colossal_table", ())),
+        compute_sharing=tuple(sorted((int(w), float(x)) for w, x in (sharing or {}).items() if str(w).isdigit())),
     )
 
 
