@@ -352,8 +352,8 @@ def calibrated_profile(local: dict, links: dict, cores: int, sharing: dict | Non
 
 
 BUSY_CALL = (128, 128, 4, 32)  # q_len, k_len, heads, D: the small kernel call each rank does between messages
-BUSY_ITERS = 40
-BUSY_REPS = 3
+BUSY_ITERS = 150
+BUSY_REPS = 5
 
 
 def busy_worker(rank, world, iters, reps):

@@ -212,3 +212,21 @@ def test_colossal_calibration_primitive_runs_the_backends_own_math():
         torch.testing.assert_close(got, t.grad, rtol=1e-10, atol=1e-10)
     bidirectional = dense_attention(q, k, v, causal=False)
     assert (out - bidirectional).abs().max() > 1e-3  # negative control: the mask matters at this size
+
+
+def test_colossal_table_per_score_element_at_the_ranks_size():
+    """``colossal_table``: seconds per score element interpolated in the rank's score elements (log) and
+    D; a rank's whole layer costs that times its ``H x S/P x N`` scores, whatever the ring's steps."""
+    table = ((1 << 20, 32, 10e-9), (1 << 24, 32, 40e-9), (1 << 20, 128, 20e-9), (1 << 24, 128, 80e-9))
+    hw = replace(A100, colossal_table=table, colossal_s=(1.0, 1.0, 1.0))  # the table wins over the line
+    assert hw.colossal_seconds_per_score(1 << 20, 32) == pytest.approx(10e-9)
+    assert hw.colossal_seconds_per_score(1 << 22, 32) == pytest.approx(25e-9)  # halfway in log E
+    assert hw.colossal_seconds_per_score(1 << 26, 128) == pytest.approx(80e-9)  # clamped outside
+    assert hw.colossal_seconds_per_score(1 << 20, 80) == pytest.approx(15e-9, rel=0.2)  # between the dims
+    free = replace(hw, intra_latency=0.0, intra_bandwidth=1e30)
+    shape = cm.AttentionShape(seq_len=4096, num_heads=8, num_kv_heads=8, head_dim=32, dtype_bytes=4)
+    for p in (2, 4):
+        rank_scores = 8 * (4096 // p) * 4096  # [H, S/P, N]
+        expected = rank_scores * free.colossal_seconds_per_score(rank_scores, 32)
+        assert cm.predict_attention("colossal", shape, p, free).compute_s == pytest.approx(expected, rel=1e-6)
+    assert cm.HardwareProfile.from_dict(hw.to_dict()) == hw
