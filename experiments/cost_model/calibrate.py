@@ -5,7 +5,8 @@
   backward call, per head, at ``q_len x k_len`` in ``KERNEL_SIDES`` (FULL) and CAUSAL squares, for
   ``head_dim`` in ``KERNEL_DIMS``, ``KERNEL_HEADS`` heads; the tiny-call time removed;
 - ``kernel_call_s``: a tiny call (8 x 8 tokens, one head, D = 8), forward and backward;
-- ``merge_s``: ``ops.merge.merge_into`` vs elements; ``elementwise_s``: an in-place ``add_`` vs elements;
+- ``merge_s``: ``ops.merge.merge_into`` vs elements; ``elementwise_s``: an in-place ``add_`` vs elements
+  (both least squares in relative error, as the collectives: the 4 K-element call sets the per-call time);
 - ``matmul_flops``: a batched ``[H, c, D] @ [H, D, c]`` (``colossal``'s score product);
 - ``colossal_s``: ``ops/colossal.py``'s own fwd+bwd on one rank (messages stubbed) per score element;
 - per world size, every rank computing (``busy_worker``): the fixed cost of a ``RingComm`` exchange,
@@ -109,8 +110,8 @@ def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS) -> dict
     t_mm = median_seconds(lambda: a @ b, reps * 10)
     return {
         "kernel_heads": KERNEL_HEADS, "kernel_table": table, "kernel_call_s": list(tiny),
-        "merge_s": list(fit_line(sizes, merge_t)), "merge_points": list(zip(sizes, merge_t)),
-        "elementwise_s": list(fit_line(sizes, add_t)), "elementwise_points": list(zip(sizes, add_t)),
+        "merge_s": list(fit_line(sizes, merge_t, relative=True)), "merge_points": list(zip(sizes, merge_t)),
+        "elementwise_s": list(fit_line(sizes, add_t, relative=True)), "elementwise_points": list(zip(sizes, add_t)),
         "matmul_flops": 2.0 * h * c * c * d / t_mm,
     }
 
