@@ -95,7 +95,7 @@ def parse_args(argv=None):
 def run_calibration(args, argv) -> dict:
     t0 = time.perf_counter()
     if args.quick:
-        local = calibrate.calibrate_local(reps=2, sides=(32, 128), dims=(32,))
+        local = calibrate.calibrate_local(reps=2, sides=(32, 128), dims=(32,), causal_extra=(256,))
         local["colossal"] = calibrate.calibrate_colossal(reps=2, points=((256, 32), (512, 32), (512, 64)))
         links = calibrate.calibrate_links((2,), reps=2, sizes=(1 << 12, 1 << 18))
         busy = calibrate.measure_busy((2,), iters=10, reps=1)

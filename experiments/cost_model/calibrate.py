@@ -2,7 +2,8 @@
 ``lightning_sp/cost_model.py``), never of a backend: the validation rows are not used here.
 
 - ``kernel_table``: one ``LocalKernel`` (``make_kernel("auto")``: SDPA's CPU flash op) forward and
-  backward call, per head, at ``q_len x k_len`` in ``KERNEL_SIDES`` (FULL) and CAUSAL squares, for
+  backward call, per head, at ``q_len x k_len`` in ``KERNEL_SIDES`` (FULL) and CAUSAL squares (also at
+  ``CAUSAL_EXTRA_SIDES``), for
   ``head_dim`` in ``KERNEL_DIMS``, ``KERNEL_HEADS`` heads; the tiny-call time removed;
 - ``kernel_call_s``: a tiny call (8 x 8 tokens, one head, D = 8), forward and backward;
 - ``merge_s``: ``ops.merge.merge_into`` vs elements; ``elementwise_s``: an in-place ``add_`` vs elements
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
     from lightning_sp.cost_model import HardwareProfile
 
 KERNEL_SIDES = (32, 128, 512, 2048)
+CAUSAL_EXTRA_SIDES = (4096, 8192)
+"""Causal squares beyond ``KERNEL_SIDES`` (one causal call over a whole sequence, as Ulysses makes):
+per element, a causal square gets cheaper with its side (the masked half grows, the diagonal's share
+shrinks), so holding the time per element constant beyond 2048 over-predicts it."""
 KERNEL_DIMS = (32, 64, 128)
 KERNEL_HEADS = 4
 LINK_SIZES = tuple(1 << k for k in range(12, 23, 2))  # 4 KiB .. 4 MiB
@@ -78,7 +83,7 @@ def _kernel_pair(kernel, kind, q_len, k_len, heads, d, reps):
     return t_f, t_b
 
 
-def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS) -> dict:
+def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_extra=CAUSAL_EXTRA_SIDES) -> dict:
     """Everything one process measures (kernel table, per-call terms, matmul rate)."""
     from lightning_sp.ops.kernels import make_kernel
     from lightning_sp.ops.merge import merge_into
@@ -96,6 +101,10 @@ def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS) -> dict
                               max(t_b - tiny[1], 1e-9) / KERNEL_HEADS))
             t_f, t_b = _kernel_pair(kernel, "causal", q_len, q_len, KERNEL_HEADS, d, reps)
             table.append(("causal", d, q_len, q_len, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
+                          max(t_b - tiny[1], 1e-9) / KERNEL_HEADS))
+        for side in causal_extra:  # one timed call each (seconds long): warm-up + 1
+            t_f, t_b = _kernel_pair(kernel, "causal", side, side, KERNEL_HEADS, d, 1)
+            table.append(("causal", d, side, side, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
                           max(t_b - tiny[1], 1e-9) / KERNEL_HEADS))
     sizes = (4096, 1 << 18, 1 << 22, 1 << 24)  # 16 KiB .. 64 MiB of fp32: cache-resident to memory-bound
     merge_t, add_t = [], []
