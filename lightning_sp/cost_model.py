@@ -134,9 +134,6 @@ class HardwareProfile:
     """``(world, stretch)``: how much slower one rank's kernel loop runs when ``world`` ranks run it at
     once on this machine (measured, Note [Cost model of one attention layer]); replaces the
     ``compute_slots`` rule when given."""
-    colossal_sharing: tuple[tuple[int, float], ...] = ()
-    """``(world, stretch)``: as ``compute_sharing``, measured with ``colossal``'s own local compute
-    (memory-bound: ranks share the memory bandwidth too); used for its steps when given."""
     colossal_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """``colossal``'s materialised score path on one rank: ``a + E (b + c D)`` seconds fwd+bwd for ``E``
     score elements (``H x rows x keys``); all 0: its matmuls at ``matmul_flops`` instead."""
@@ -210,7 +207,6 @@ class HardwareProfile:
         d["colossal_s"] = tuple(float(x) for x in d.get("colossal_s", (0.0, 0.0, 0.0)))
         d["colossal_table"] = tuple((int(e), int(dd), float(t)) for e, dd, t in d.get("colossal_table", ()))
         d["compute_sharing"] = tuple((int(w), float(x)) for w, x in d.get("compute_sharing", ()))
-        d["colossal_sharing"] = tuple((int(w), float(x)) for w, x in d.get("colossal_sharing", ()))
         d["collective_fits"] = tuple((str(o), int(g), float(la), float(bw)) for o, g, la, bw in d.get("collective_fits", ()))
         d["collective_busy_s"] = tuple((str(o), int(g), float(t)) for o, g, t in d.get("collective_busy_s", ()))
         return cls(**d)
@@ -529,11 +525,8 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
     eb = shape.dtype_bytes * batch
     acc_b = max(shape.dtype_bytes, 4) * batch  # accumulation dtype: fp32 for half types
     slots = hw.compute_slots
-    def nearest(table):
-        return min(table, key=lambda wx: (abs(math.log(wx[0] / world)), wx[0]))[1] if table and world > 1 else None
-
-    sharing = nearest(hw.compute_sharing)
-    score_sharing = nearest(hw.colossal_sharing) or sharing  # colossal's memory-bound steps
+    sharing = (min(hw.compute_sharing, key=lambda wx: (abs(math.log(wx[0] / world)), wx[0]))[1]
+               if hw.compute_sharing and world > 1 else None)
     ring = world // u if backend == "usp" else world
     stride = u if backend == "usp" else 1
     bw, lat = hw.link(ring, stride=stride)
@@ -564,9 +557,8 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
     for phase in ("forward", "backward"):
         for steps in zip(*(getattr(s, phase) for s in scheds)):
             work = [cpu(st) for st in steps]
-            stretch = score_sharing if steps[0].scores else sharing
-            if stretch:  # measured: the mean rank's work, stretched as P ranks running at once are
-                shared = sum(work) / len(steps) * stretch
+            if sharing:  # measured: the mean rank's work, stretched as P ranks running at once are
+                shared = sum(work) / len(steps) * sharing
             else:
                 shared = sum(work) / slots * (world / len(steps)) if slots else 0.0
             step_compute = max(max(work), shared)

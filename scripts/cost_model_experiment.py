@@ -162,10 +162,8 @@ def run_grid(args, argv, grid: str) -> list[dict]:
     t0 = time.perf_counter()
     # the machine's sharing now (a primitive kernel loop on P ranks at once), for the grid's timings
     sharing = calibrate.measure_sharing((2,) if args.quick else WORLDS)
-    colossal_sharing = calibrate.measure_sharing((2,) if args.quick else WORLDS, primitive="colossal")
-    hw = replace(hw, compute_sharing=tuple((w, x) for w, x in sharing.items() if isinstance(w, int)),
-                 colossal_sharing=tuple((w, x) for w, x in colossal_sharing.items() if isinstance(w, int)))
-    print(f"{grid}: sharing stretch now {sharing}; colossal's {colossal_sharing}", flush=True)
+    hw = replace(hw, compute_sharing=tuple((w, x) for w, x in sharing.items() if isinstance(w, int)))
+    print(f"{grid}: sharing stretch now {sharing}", flush=True)
     measured = {}
     for world in ((2,) if args.quick else WORLDS):
         if args.quick:
@@ -182,7 +180,7 @@ def run_grid(args, argv, grid: str) -> list[dict]:
         __file__, argv, kind="measured", calibration_profile=hw.to_dict(), seconds=round(time.perf_counter() - t0, 1),
         columns={"measured_ms": "measured here (median fwd+bwd between barriers, slowest rank)",
                  "model_*": "cost-model output from the calibrated profile (not measured)"},
-        **_summary(rows), sharing_now=sharing, colossal_sharing_now=colossal_sharing,
+        **_summary(rows), sharing_now=sharing,
         note="CPU gloo, shared cores: timings depend on what else runs (load in the README)",
     )
     write_results(f"cost_model_validation_{grid}", meta, rows, args.out)

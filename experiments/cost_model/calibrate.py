@@ -264,32 +264,22 @@ SHARING_CALL = (512, 512, 4, 64)  # q_len, k_len, heads, D of the kernel loop th
 SHARING_WINDOW_S = 1.5
 
 
-def _kernel_seconds_per_call(window_s: float = SHARING_WINDOW_S, primitive: str = "kernel") -> float:
-    """Seconds per fwd+bwd call of ``SHARING_CALL`` (FULL) (``primitive="colossal"``: of
-    ``colossal_local`` on ``SHARING_COLOSSAL`` rows, which streams its ``[H, n, 2n]`` scores through
-    memory), calling it for ``window_s`` in this process (a fixed window, so ranks running it at once
-    compete for all of it)."""
+def _kernel_seconds_per_call(window_s: float = SHARING_WINDOW_S) -> float:
+    """Seconds per fwd+bwd call of ``SHARING_CALL`` (FULL), calling it for ``window_s`` in this
+    process (a fixed window, so ranks running it at once compete for all of it)."""
     from lightning_sp.ops.kernels import make_kernel
     from lightning_sp.ops.plan import MaskKind
 
     torch.set_num_threads(1)
+    kernel = make_kernel("auto")
+    q_len, k_len, h, d = SHARING_CALL
     g = torch.Generator().manual_seed(0)
-    if primitive == "colossal":
-        n, d = SHARING_COLOSSAL
-        q, k, v = (torch.randn(1, n, COLOSSAL_HEADS, d, generator=g, requires_grad=True) for _ in range(3))
-        dout = torch.randn(1, n, COLOSSAL_HEADS, d, generator=g)
+    q, dout = torch.randn(1, q_len, h, d, generator=g), torch.randn(1, q_len, h, d, generator=g)
+    k, v = torch.randn(1, k_len, h, d, generator=g), torch.randn(1, k_len, h, d, generator=g)
 
-        def call():
-            colossal_local(q, k, v, dout)
-    else:
-        kernel = make_kernel("auto")
-        q_len, k_len, h, d = SHARING_CALL
-        q, dout = torch.randn(1, q_len, h, d, generator=g), torch.randn(1, q_len, h, d, generator=g)
-        k, v = torch.randn(1, k_len, h, d, generator=g), torch.randn(1, k_len, h, d, generator=g)
-
-        def call():
-            out, lse = kernel.forward(q, k, v, scale=d ** -0.5, kind=MaskKind.FULL, mask=None)
-            kernel.backward(dout, q, k, v, out, lse, scale=d ** -0.5, kind=MaskKind.FULL, mask=None)
+    def call():
+        out, lse = kernel.forward(q, k, v, scale=d ** -0.5, kind=MaskKind.FULL, mask=None)
+        kernel.backward(dout, q, k, v, out, lse, scale=d ** -0.5, kind=MaskKind.FULL, mask=None)
 
     call()
     calls, t0 = 0, time.perf_counter()
@@ -299,18 +289,17 @@ def _kernel_seconds_per_call(window_s: float = SHARING_WINDOW_S, primitive: str 
     return (time.perf_counter() - t0) / calls
 
 
-SHARING_COLOSSAL = (512, 32)  # rows n, D of the colossal sharing loop (2 heads: 1 M score elements)
 SHARING_WINDOWS = 3
 
 
-def sharing_worker(rank, world, primitive="kernel"):
+def sharing_worker(rank, world):
     """Every rank calls the kernel for the same window at once; per window, the ranks' mean seconds per
     call in throughput terms (``world`` over the sum of the ranks' calls per second: the cores' share
     each rank gets on average) and the slowest rank's; medians over ``SHARING_WINDOWS`` windows."""
     mean, slowest = [], []
     for _ in range(SHARING_WINDOWS):
         dist.barrier()
-        t = _kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2, primitive)
+        t = _kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
         times = [None] * world
         dist.all_gather_object(times, t)
         mean.append(world / sum(1.0 / x for x in times))
@@ -318,21 +307,19 @@ def sharing_worker(rank, world, primitive="kernel"):
     return (statistics.median(mean), statistics.median(slowest)) if rank == 0 else None
 
 
-def measure_sharing(worlds, reps: int = 1, primitive: str = "kernel") -> dict:
+def measure_sharing(worlds, reps: int = 1) -> dict:
     """``{world: stretch}``: the ranks' mean seconds per kernel call (throughput of all ranks) when
     ``world`` ranks call it for the same window, over the time alone (``P`` ranks sharing the cores,
     memory bandwidth and whatever else runs on the machine now), measured with a primitive, never a
     backend. The mean, not the slowest rank: ranks of a layer wait for each other at every step, and
-    a waiting rank leaves its core to the others. Also ``{"alone_s": ..., "slowest_<world>": ...}``.
-    ``primitive="colossal"``: the loop is ``colossal_local`` (memory-bound: ranks also share the memory
-    bandwidth), for ``colossal``'s steps."""
+    a waiting rank leaves its core to the others. Also ``{"alone_s": ..., "slowest_<world>": ...}``."""
     from experiments.common import run_on_ranks
 
-    alone = statistics.median(_kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2, primitive)
+    alone = statistics.median(_kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
                               for _ in range(SHARING_WINDOWS))
     out = {"alone_s": alone}
     for world in worlds:
-        mean, slowest = run_on_ranks(sharing_worker, world, (primitive,), timeout_s=600)[0]
+        mean, slowest = run_on_ranks(sharing_worker, world, (), timeout_s=600)[0]
         out[int(world)] = mean / alone
         out[f"slowest_{world}"] = slowest / alone  # for the record: the unfairness among ranks
     return out

@@ -230,10 +230,3 @@ def test_colossal_table_per_score_element_at_the_ranks_size():
         expected = rank_scores * free.colossal_seconds_per_score(rank_scores, 32)
         assert cm.predict_attention("colossal", shape, p, free).compute_s == pytest.approx(expected, rel=1e-6)
     assert cm.HardwareProfile.from_dict(hw.to_dict()) == hw
-    # colossal's own sharing stretch (memory-bound) applies to its steps only
-    shared = replace(free, compute_slots=2, compute_sharing=((2, 1.0),))
-    both = replace(shared, colossal_sharing=((2, 2.0),))
-    assert cm.predict_attention("colossal", shape, 2, both).compute_s == \
-        pytest.approx(2 * cm.predict_attention("colossal", shape, 2, shared).compute_s, rel=1e-6)
-    assert cm.predict_attention("ulysses", shape, 2, both).total_s == cm.predict_attention("ulysses", shape, 2, shared).total_s
-    assert cm.HardwareProfile.from_dict(both.to_dict()) == both
