@@ -29,8 +29,8 @@ Note [Cost model of one attention layer]
     The first term: a step ends when its slowest rank ends. The second: ranks that share
     ``compute_slots`` cores (``P`` gloo ranks on a 2-core CPU) serialise their compute, so a step
     cannot end before the cores have done every rank's work. A calibrated profile measures the
-    sharing instead (``compute_sharing``: one rank's kernel loop with ``P`` ranks running it at once,
-    over its time alone, which also sees memory bandwidth and other jobs on the machine) and uses
+    sharing instead (``compute_sharing``: one kernel loop on each of ``P`` ranks at once, the ranks' mean
+    time per call over the time alone, which also sees memory bandwidth and other jobs on the machine) and uses
     ``mean_r cpu_r x stretch(P)`` for the second term. ``compute_slots=None`` and no sharing (one
     device per rank): the first term only. A collective step is its calibrated time (latency + bytes /
     bandwidth, measured at that group size); when more ranks run than the group (usp's sub-groups)
