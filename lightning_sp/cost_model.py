@@ -29,8 +29,8 @@ Note [Cost model of one attention layer]
     The first term: a step ends when its slowest rank ends. The second: ranks that share
     ``compute_slots`` cores (``P`` gloo ranks on a 2-core CPU) serialise their compute, so a step
     cannot end before the cores have done every rank's work. A calibrated profile measures the
-    sharing instead (``compute_sharing``: one rank's kernel loop with ``P`` ranks running it at once,
-    over its time alone, which also sees memory bandwidth and other jobs on the machine) and uses
+    sharing instead (``compute_sharing``: one kernel loop on each of ``P`` ranks at once, the ranks' mean
+    time per call over the time alone, which also sees memory bandwidth and other jobs on the machine) and uses
     ``mean_r cpu_r x stretch(P)`` for the second term. ``compute_slots=None`` and no sharing (one
     device per rank): the first term only. A collective step is its calibrated time (latency + bytes /
     bandwidth, measured at that group size); when more ranks run than the group (usp's sub-groups)
@@ -49,10 +49,17 @@ Note [Per-call terms]
                         beyond the table); GPU presets: FLOPs at ``attention_curve(q_len)``
         kernel_call_s   fixed time of a call (a tiny one), forward and backward
         merge_s, elementwise_s   merge_into / an in-place add: per call + per element
-        message_s       one RingComm exchange of a tiny tensor at that world size (Python, gloo, wait)
-        collective_fits all-to-all / all-gather latency + bandwidth at each group size
-        colossal_s      the materialised score path (q k^T, mask, softmax, p v; fwd+bwd) per score
-                        element and per element x D, in one process
+        message_s       one RingComm exchange of a tiny tensor at that world size (Python, gloo, wait),
+                        measured with every rank computing between exchanges (a message waits for its
+                        peer to get a core when ranks outnumber cores)
+        collective_fits all-to-all / all-gather latency + bandwidth at each group size (least squares
+                        in relative error, so the small messages set the latency)
+        collective_busy_s  a tiny all-to-all / all-gather with every rank computing between them:
+                        replaces the idle latency
+        colossal_table  ``ops/colossal.py``'s own local compute (its forward and hand-written backward
+                        on one rank, the ring's messages stubbed out) per score element, at several
+                        sizes of the rank's ``[H, S/P, N]`` scores and D (``colossal_s``: one line
+                        ``a + E (b + c D)``, used when no table is given)
 
     ``fwd+bwd`` FLOPs for the GPU presets: backward = 2.5x forward (flash-style recompute), so
     ``3.5 x`` the forward's ``4 N^2 H D`` (halved for a causal square); ``megatron_sp`` keeps its
@@ -130,9 +137,18 @@ class HardwareProfile:
     colossal_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """``colossal``'s materialised score path on one rank: ``a + E (b + c D)`` seconds fwd+bwd for ``E``
     score elements (``H x rows x keys``); all 0: its matmuls at ``matmul_flops`` instead."""
+    colossal_table: tuple[tuple[int, int, float], ...] = ()
+    """``(score elements of the rank, head_dim, seconds per score element)``: ``colossal``'s local
+    compute (fwd+bwd) measured at several sizes, interpolated log-linearly in the rank's score elements
+    ``H x S/P x N`` and in D (clamped outside); replaces ``colossal_s`` when given. Per element, the
+    time grows once the ``[H, S/P, N]`` rows leave the caches, which one line cannot follow."""
     collective_fits: tuple[tuple[str, int, float, float], ...] = ()
     """``(op, group size, latency s, bandwidth B/s)`` measured for ``"all_to_all"`` (bytes of the send
     buffer) and ``"all_gather"`` (bytes of one rank's input); empty: the link model."""
+    collective_busy_s: tuple[tuple[str, int, float], ...] = ()
+    """``(op, group size, seconds)``: the fixed cost of one tiny ``"all_to_all"`` / ``"all_gather"`` with
+    every rank computing between collectives (measured: ``calibrate.busy_worker``); replaces the
+    ``collective_fits`` latency (measured on idle ranks) when given."""
 
     def __post_init__(self) -> None:
         if not self.attention_curve:
@@ -189,8 +205,10 @@ class HardwareProfile:
             d[name] = tuple(float(x) for x in d.get(name, (0.0, 0.0)))
         d["message_s"] = tuple((int(w), float(t)) for w, t in d.get("message_s", ()))
         d["colossal_s"] = tuple(float(x) for x in d.get("colossal_s", (0.0, 0.0, 0.0)))
+        d["colossal_table"] = tuple((int(e), int(dd), float(t)) for e, dd, t in d.get("colossal_table", ()))
         d["compute_sharing"] = tuple((int(w), float(x)) for w, x in d.get("compute_sharing", ()))
         d["collective_fits"] = tuple((str(o), int(g), float(la), float(bw)) for o, g, la, bw in d.get("collective_fits", ()))
+        d["collective_busy_s"] = tuple((str(o), int(g), float(t)) for o, g, t in d.get("collective_busy_s", ()))
         return cls(**d)
 
     def kernel_time(self, call, head_dim: int) -> float:
@@ -203,6 +221,16 @@ class HardwareProfile:
         flops = 4.0 * call.q_len * call.k_len * call.heads * head_dim * share * FWD_BWD_FACTOR
         part = (FWD_BWD_FACTOR - 1) / FWD_BWD_FACTOR if call.backward else 1 / FWD_BWD_FACTOR
         return fixed + flops * part / self.attention_rate(call.q_len)
+
+    def colossal_seconds_per_score(self, rank_scores: float, head_dim: int) -> float:
+        """Seconds per score element of ``colossal``'s local fwd+bwd on a rank holding ``rank_scores``
+        score elements (``colossal_table``; requires it)."""
+        dims = sorted({dd for _, dd, _ in self.colossal_table})
+        per_dim = []
+        for dd in dims:
+            pts = sorted((e, t) for e, d2, t in self.colossal_table if d2 == dd)
+            per_dim.append(_interp(rank_scores, [e for e, _ in pts], [t for _, t in pts]))
+        return _interp(head_dim, dims, per_dim)
 
     def message_time(self, world: int) -> float:
         """Fixed seconds of one ring exchange among ``world`` ranks (calibrated at the nearest world)."""
@@ -218,6 +246,9 @@ class HardwareProfile:
         fits = [f for f in self.collective_fits if f[0] == op]
         if fits:
             _, _, lat, bw = min(fits, key=lambda f: (abs(math.log(f[1] / group)), f[1]))
+            busy = [f for f in self.collective_busy_s if f[0] == op]
+            if busy:  # the fixed cost as the layer sees it: ranks computing, not idle, between collectives
+                lat = min(busy, key=lambda f: (abs(math.log(f[1] / group)), f[1]))[2]
             return lat + nbytes / bw
         if op == "all_to_all":
             return _all_to_all_time(nbytes, group, self)
@@ -513,6 +544,8 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
         t += sum(mg_call + mg_elem * e * batch for e in step.merges)
         t += sum(ew_call + ew_elem * e * batch for e in step.accumulates)
         t += ew_elem * step.copies * batch + (ew_call if step.copies else 0.0)
+        if step.scores and hw.colossal_table:  # colossal's local compute, per element at the rank's size
+            return t + hw.colossal_seconds_per_score(step.scores / step.score_share, d) * step.scores * batch
         if step.scores and any(hw.colossal_s):  # colossal's score path, calibrated per element
             a, b, c = hw.colossal_s
             return t + a * step.score_share + (b + c * d) * step.scores * batch

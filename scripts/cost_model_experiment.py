@@ -88,27 +88,30 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per case (median)")
     args = p.parse_args(argv)
     args.out = output_dir(args, "cost_model")
-    args.reps = args.reps or (2 if args.quick else 3)
+    args.reps = args.reps or (2 if args.quick else 5)
     return args
 
 
 def run_calibration(args, argv) -> dict:
     t0 = time.perf_counter()
     if args.quick:
-        local = calibrate.calibrate_local(reps=2, sides=(32, 128), dims=(32,))
+        local = calibrate.calibrate_local(reps=2, sides=(32, 128), dims=(32,), causal_extra=(256,))
         local["colossal"] = calibrate.calibrate_colossal(reps=2, points=((256, 32), (512, 32), (512, 64)))
         links = calibrate.calibrate_links((2,), reps=2, sizes=(1 << 12, 1 << 18))
+        busy = calibrate.measure_busy((2,), iters=10, reps=1)
         sharing = calibrate.measure_sharing((2,))
     else:
         local = calibrate.calibrate_local()
         local["colossal"] = calibrate.calibrate_colossal()
         links = calibrate.calibrate_links(WORLDS)
+        busy = calibrate.measure_busy(WORLDS)
         sharing = calibrate.measure_sharing(WORLDS)
     cores = len(os.sched_getaffinity(0))
-    hw = calibrate.calibrated_profile(local, links, cores, sharing)
+    hw = calibrate.calibrated_profile(local, links, cores, sharing, busy)
     meta = run_metadata(__file__, argv, kind="measured", cores=cores, seconds=round(time.perf_counter() - t0, 1),
                         profile=hw.to_dict(), note="microbenchmarks of primitives only; no backend was timed")
-    write_results("cost_model_calibration", {**meta, "local": local, "links": links, "sharing": sharing}, [], args.out)
+    write_results("cost_model_calibration", {**meta, "local": local, "links": links, "busy": busy, "sharing": sharing},
+                  [], args.out)
     write_results("cost_model_cpu_profile", {**meta}, [{"block_tokens": b, "attention_fwd_bwd_flops": r}
                                                       for b, r in hw.attention_curve], args.out)
     print(f"calibrated in {time.perf_counter() - t0:.0f} s: kernel call {hw.kernel_call_s[0] * 1e6:.0f}/"
@@ -159,7 +162,7 @@ def run_grid(args, argv, grid: str) -> list[dict]:
     t0 = time.perf_counter()
     # the machine's sharing now (a primitive kernel loop on P ranks at once), for the grid's timings
     sharing = calibrate.measure_sharing((2,) if args.quick else WORLDS)
-    hw = replace(hw, compute_sharing=tuple((w, x) for w, x in sharing.items() if w != "alone_s"))
+    hw = replace(hw, compute_sharing=tuple((w, x) for w, x in sharing.items() if isinstance(w, int)))
     print(f"{grid}: sharing stretch now {sharing}", flush=True)
     measured = {}
     for world in ((2,) if args.quick else WORLDS):

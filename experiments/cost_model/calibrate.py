@@ -2,12 +2,17 @@
 ``lightning_sp/cost_model.py``), never of a backend: the validation rows are not used here.
 
 - ``kernel_table``: one ``LocalKernel`` (``make_kernel("auto")``: SDPA's CPU flash op) forward and
-  backward call, per head, at ``q_len x k_len`` in ``KERNEL_SIDES`` (FULL) and CAUSAL squares, for
+  backward call, per head, at ``q_len x k_len`` in ``KERNEL_SIDES`` (FULL) and CAUSAL squares (also at
+  ``CAUSAL_EXTRA_SIDES``), for
   ``head_dim`` in ``KERNEL_DIMS``, ``KERNEL_HEADS`` heads; the tiny-call time removed;
 - ``kernel_call_s``: a tiny call (8 x 8 tokens, one head, D = 8), forward and backward;
-- ``merge_s``: ``ops.merge.merge_into`` vs elements; ``elementwise_s``: an in-place ``add_`` vs elements;
+- ``merge_s``: ``ops.merge.merge_into`` vs elements; ``elementwise_s``: an in-place ``add_`` vs elements
+  (both least squares in relative error, as the collectives: the 4 K-element call sets the per-call time);
 - ``matmul_flops``: a batched ``[H, c, D] @ [H, D, c]`` (``colossal``'s score product);
-- per world size: ``message_s`` (a ``RingComm`` exchange of one float, Python and wait included),
+- ``colossal_s``: ``ops/colossal.py``'s own fwd+bwd on one rank (messages stubbed) per score element;
+- per world size, every rank computing (``busy_worker``): the fixed cost of a ``RingComm`` exchange,
+  a tiny all-gather and a tiny all-to-all on top of a small kernel call (what the model uses);
+- per world size, idle ranks: ``message_s`` (a ``RingComm`` exchange of one float, Python and wait included),
   ``all_to_all`` and ``all_gather`` latency + bandwidth (least squares over message sizes) on gloo,
   and the point-to-point bandwidth (ping-pong, ranks 0 and 1, at the smallest world).
 
@@ -29,6 +34,10 @@ if TYPE_CHECKING:
     from lightning_sp.cost_model import HardwareProfile
 
 KERNEL_SIDES = (32, 128, 512, 2048)
+CAUSAL_EXTRA_SIDES = (4096, 8192)
+"""Causal squares beyond ``KERNEL_SIDES`` (one causal call over a whole sequence, as Ulysses makes):
+per element, a causal square gets cheaper with its side (the masked half grows, the diagonal's share
+shrinks), so holding the time per element constant beyond 2048 over-predicts it."""
 KERNEL_DIMS = (32, 64, 128)
 KERNEL_HEADS = 4
 LINK_SIZES = tuple(1 << k for k in range(12, 23, 2))  # 4 KiB .. 4 MiB
@@ -46,12 +55,15 @@ def median_seconds(fn, reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def fit_line(xs, ys) -> tuple[float, float]:
-    """Least squares ``y = a + b x``; ``(a, b)`` clamped to be >= 0."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+def fit_line(xs, ys, *, relative: bool = False) -> tuple[float, float]:
+    """Least squares ``y = a + b x``; ``(a, b)`` clamped to be >= 0. ``relative``: minimise the relative
+    error ``sum ((y - a - b x) / y)^2``, so points 1000x apart in size weigh alike (else the largest
+    message alone sets the line and the latency is whatever its intercept happens to be)."""
+    ws = [1.0 / (y * y) if relative and y > 0 else 1.0 for y in ys]
+    sw = sum(ws)
+    mx, my = sum(w * x for w, x in zip(ws, xs)) / sw, sum(w * y for w, y in zip(ws, ys)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    b = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / sxx if sxx else 0.0
     b = max(b, 0.0)
     return max(my - b * mx, 0.0), b
 
@@ -71,7 +83,7 @@ def _kernel_pair(kernel, kind, q_len, k_len, heads, d, reps):
     return t_f, t_b
 
 
-def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS) -> dict:
+def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_extra=CAUSAL_EXTRA_SIDES) -> dict:
     """Everything one process measures (kernel table, per-call terms, matmul rate)."""
     from lightning_sp.ops.kernels import make_kernel
     from lightning_sp.ops.merge import merge_into
@@ -90,6 +102,10 @@ def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS) -> dict
             t_f, t_b = _kernel_pair(kernel, "causal", q_len, q_len, KERNEL_HEADS, d, reps)
             table.append(("causal", d, q_len, q_len, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
                           max(t_b - tiny[1], 1e-9) / KERNEL_HEADS))
+        for side in causal_extra:  # one timed call each (seconds long): warm-up + 1
+            t_f, t_b = _kernel_pair(kernel, "causal", side, side, KERNEL_HEADS, d, 1)
+            table.append(("causal", d, side, side, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
+                          max(t_b - tiny[1], 1e-9) / KERNEL_HEADS))
     sizes = (4096, 1 << 18, 1 << 22, 1 << 24)  # 16 KiB .. 64 MiB of fp32: cache-resident to memory-bound
     merge_t, add_t = [], []
     for e in sizes:
@@ -103,8 +119,8 @@ def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS) -> dict
     t_mm = median_seconds(lambda: a @ b, reps * 10)
     return {
         "kernel_heads": KERNEL_HEADS, "kernel_table": table, "kernel_call_s": list(tiny),
-        "merge_s": list(fit_line(sizes, merge_t)), "merge_points": list(zip(sizes, merge_t)),
-        "elementwise_s": list(fit_line(sizes, add_t)), "elementwise_points": list(zip(sizes, add_t)),
+        "merge_s": list(fit_line(sizes, merge_t, relative=True)), "merge_points": list(zip(sizes, merge_t)),
+        "elementwise_s": list(fit_line(sizes, add_t, relative=True)), "elementwise_points": list(zip(sizes, add_t)),
         "matmul_flops": 2.0 * h * c * c * d / t_mm,
     }
 
@@ -168,43 +184,80 @@ def calibrate_links(worlds, reps: int = 5, sizes=LINK_SIZES) -> dict:
         pts = got["points"]
         fits = {}
         for op in ("all_to_all", "all_gather", "one_way"):
-            lat, slope = fit_line([p["bytes"] for p in pts], [p[f"{op}_s"] for p in pts])
+            lat, slope = fit_line([p["bytes"] for p in pts], [p[f"{op}_s"] for p in pts], relative=True)
             fits[op] = (lat, 1.0 / slope if slope > 0 else math.inf)
         out[world] = {"message_s": got["message_s"], "barrier_s": got["barrier_s"], **fits, "points": pts}
     return out
 
 
-COLOSSAL_POINTS = tuple((n, d) for n in (512, 1024, 2048) for d in (32, 128))
+COLOSSAL_POINTS = tuple((n, d) for n in (256, 512, 1024, 2048) for d in (32, 128))
 COLOSSAL_HEADS = 2
+COLOSSAL_WORLD = 2  # the stubbed ring's size: score rows of N/2 x N per rank, as on the validation's P ranks
 
 
-def _materialised_attention_time(n: int, d: int, reps: int) -> float:
-    """fwd+bwd of attention with its ``[H, N, N]`` scores materialised (``q k^T``, scale, causal
-    mask, softmax, ``p v``; autograd backward): the primitive ``ops/colossal.py`` is built from."""
+class _NoRing:
+    """A stand-in for ``RingComm`` inside ``ops/colossal.py``: rank 0 of a ring of ``world`` whose
+    exchanges hand back what was sent (no process group, no message), so only the backend's local
+    compute is timed, block for block as rank 0 of ``world`` ranks does it."""
+
+    world = COLOSSAL_WORLD
+    rank = 0
+
+    def __init__(self, group=None, stats=None):
+        pass
+
+    def start(self, tensors, op: str = "ring_send"):
+        class _Done:
+            def wait(self_inner):
+                return tuple(tensors)
+
+        return _Done()
+
+
+def colossal_local(q, k, v, dout):
+    """``ops/colossal.py``'s fwd+bwd (``q [B, n, H, D]``, ``k, v [B, n, H_kv, D]``) as rank 0 of
+    ``COLOSSAL_WORLD`` ranks whose blocks are all this one (``_NoRing``): score rows ``[H, n, world x
+    n]`` built block by block, softmax over whole rows, its hand-written backward, no message. Causal,
+    so the other ranks' blocks are masked: the result is causal attention over ``n`` tokens (tested)."""
+    from unittest import mock
+
+    from lightning_sp.ops import colossal
+
+    n, d = q.size(1), q.size(-1)
+    positions = [torch.arange(r * n, (r + 1) * n) for r in range(COLOSSAL_WORLD)]
+    with mock.patch.object(colossal, "RingComm", _NoRing):
+        out = colossal.colossal_attention(q, k, v, group=None, positions_by_rank=positions, causal=True,
+                                          doc_bounds=None, scale=d ** -0.5, stats=None)
+        out.backward(dout)
+    return out
+
+
+def _colossal_local_time(n: int, d: int, reps: int) -> float:
+    """Seconds of ``colossal_local`` on ``n`` tokens, ``COLOSSAL_HEADS`` heads of ``d``: the backend's
+    local compute per score element, without its messages."""
     g = torch.Generator().manual_seed(n + d)
-    q, k, v = (torch.randn(1, COLOSSAL_HEADS, n, d, generator=g, requires_grad=True) for _ in range(3))
-    dout = torch.randn(1, COLOSSAL_HEADS, n, d, generator=g)
-    pos = torch.arange(n)
-
-    def step():
-        visible = pos[None, :] <= pos[:, None]  # [N, N]
-        scores = (q @ k.transpose(-1, -2) * d ** -0.5).masked_fill(~visible, float("-inf"))
-        (torch.softmax(scores, dim=-1) @ v).backward(dout)
-
-    return median_seconds(step, reps)
+    q, k, v = (torch.randn(1, n, COLOSSAL_HEADS, d, generator=g, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, n, COLOSSAL_HEADS, d, generator=g)
+    return median_seconds(lambda: colossal_local(q, k, v, dout), reps)
 
 
 def calibrate_colossal(reps: int = 3, points=COLOSSAL_POINTS) -> dict:
-    """The materialised score path (``ops/colossal.py``) per score element in one process: least squares
-    ``t = a + E (b + c D)`` over ``E = H N^2`` score elements -> ``colossal_s = (a, b, c)``."""
+    """``ops/colossal.py``'s local compute per score element in one process (``_colossal_local_time``):
+    ``colossal_table`` = seconds per score element at each point's ``E = H n (world n)`` score elements
+    of the rank and D (what the model reads); also the least squares line ``t = a + E (b + c D)`` ->
+    ``colossal_s = (a, b, c)`` for the record."""
     torch.set_num_threads(1)
-    times = [_materialised_attention_time(n, d, reps) for n, d in points]
+    times = [_colossal_local_time(n, d, reps) for n, d in points]
     # normal equations for t = a + b E + c E D
-    rows = [(1.0, COLOSSAL_HEADS * n * n, COLOSSAL_HEADS * n * n * d) for n, d in points]
+    rows = [(1.0, COLOSSAL_HEADS * n * n * COLOSSAL_WORLD, COLOSSAL_HEADS * n * n * COLOSSAL_WORLD * d) for n, d in points]
     ata = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
     atb = [sum(r[i] * t for r, t in zip(rows, times)) for i in range(3)]
     coef = torch.linalg.solve(torch.tensor(ata, dtype=torch.float64), torch.tensor(atb, dtype=torch.float64)).tolist()
-    return {"colossal_s": [max(c, 0.0) for c in coef], "points": [[n, d, t] for (n, d), t in zip(points, times)]}
+    table = [[COLOSSAL_HEADS * n * n * COLOSSAL_WORLD, d, t / (COLOSSAL_HEADS * n * n * COLOSSAL_WORLD)]
+             for (n, d), t in zip(points, times)]
+    return {"colossal_s": [max(c, 0.0) for c in coef], "colossal_table": table,
+            "points": [[n, d, t] for (n, d), t in zip(points, times)],
+            "primitive": f"ops/colossal.py fwd+bwd as rank 0 of {COLOSSAL_WORLD}, messages stubbed (_NoRing)"}
 
 
 SHARING_CALL = (512, 512, 4, 64)  # q_len, k_len, heads, D of the kernel loop the sharing is measured with
@@ -240,39 +293,47 @@ SHARING_WINDOWS = 3
 
 
 def sharing_worker(rank, world):
-    """Every rank calls the kernel for the same window at once; the slowest rank's seconds per call,
-    median over ``SHARING_WINDOWS`` windows."""
-    slowest = []
+    """Every rank calls the kernel for the same window at once; per window, the ranks' mean seconds per
+    call in throughput terms (``world`` over the sum of the ranks' calls per second: the cores' share
+    each rank gets on average) and the slowest rank's; medians over ``SHARING_WINDOWS`` windows."""
+    mean, slowest = [], []
     for _ in range(SHARING_WINDOWS):
         dist.barrier()
         t = _kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
         times = [None] * world
         dist.all_gather_object(times, t)
+        mean.append(world / sum(1.0 / x for x in times))
         slowest.append(max(times))
-    return statistics.median(slowest) if rank == 0 else None
+    return (statistics.median(mean), statistics.median(slowest)) if rank == 0 else None
 
 
 def measure_sharing(worlds, reps: int = 1) -> dict:
-    """``{world: stretch}``: seconds per kernel call when ``world`` ranks call it for the same window
-    over the time alone (``P`` ranks sharing the cores, memory bandwidth and whatever else runs on the
-    machine now), measured with a primitive, never a backend. Also ``{"alone_s": ...}``."""
+    """``{world: stretch}``: the ranks' mean seconds per kernel call (throughput of all ranks) when
+    ``world`` ranks call it for the same window, over the time alone (``P`` ranks sharing the cores,
+    memory bandwidth and whatever else runs on the machine now), measured with a primitive, never a
+    backend. The mean, not the slowest rank: ranks of a layer wait for each other at every step, and
+    a waiting rank leaves its core to the others. Also ``{"alone_s": ..., "slowest_<world>": ...}``."""
     from experiments.common import run_on_ranks
 
     alone = statistics.median(_kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
                               for _ in range(SHARING_WINDOWS))
     out = {"alone_s": alone}
     for world in worlds:
-        together = run_on_ranks(sharing_worker, world, (), timeout_s=600)[0]
-        out[int(world)] = together / alone
+        mean, slowest = run_on_ranks(sharing_worker, world, (), timeout_s=600)[0]
+        out[int(world)] = mean / alone
+        out[f"slowest_{world}"] = slowest / alone  # for the record: the unfairness among ranks
     return out
 
 
-def calibrated_profile(local: dict, links: dict, cores: int, sharing: dict | None = None) -> HardwareProfile:
-    """The ``HardwareProfile`` of this machine from ``calibrate_local`` and ``calibrate_links``:
-    ``compute_slots`` = the cores this process may use (ranks beyond share them)."""
+def calibrated_profile(local: dict, links: dict, cores: int, sharing: dict | None = None,
+                       busy: dict | None = None) -> HardwareProfile:
+    """The ``HardwareProfile`` of this machine from ``calibrate_local``, ``calibrate_links`` and
+    ``measure_busy`` (when given, its per-message and per-collective costs with every rank computing
+    replace the idle ones): ``compute_slots`` = the cores this process may use (ranks beyond share them)."""
     from lightning_sp.cost_model import FWD_BWD_FACTOR, HardwareProfile
 
     links = {int(w): v for w, v in links.items()}  # JSON keys are strings
+    busy = {int(w): v for w, v in busy.items()} if busy else None
     worlds = sorted(links)
     get = links.__getitem__
     lat, bw = get(worlds[0])["one_way"]
@@ -291,7 +352,88 @@ def calibrated_profile(local: dict, links: dict, cores: int, sharing: dict | Non
         ranks_per_node=1 << 16, compute_slots=cores,
         kernel_table=tuple(tuple(r) for r in local["kernel_table"]), kernel_call_s=tuple(local["kernel_call_s"]),
         merge_s=tuple(local["merge_s"]), elementwise_s=tuple(local["elementwise_s"]),
-        message_s=tuple((w, float(get(w)["message_s"])) for w in worlds), collective_fits=tuple(fits),
+        message_s=tuple((w, float((busy or links)[w]["message_s"])) for w in worlds), collective_fits=tuple(fits),
+        collective_busy_s=tuple((op, w, float(busy[w][f"{op}_s"])) for w in worlds
+                                for op in ("all_to_all", "all_gather")) if busy else (),
         colossal_s=tuple(local["colossal"]["colossal_s"]) if "colossal" in local else (0.0, 0.0, 0.0),
-        compute_sharing=tuple(sorted((int(w), float(x)) for w, x in (sharing or {}).items() if w != "alone_s")),
+        colossal_table=tuple(tuple(r) for r in local.get("colossal", {}).get("colossal_table", ())),
+        compute_sharing=tuple(sorted((int(w), float(x)) for w, x in (sharing or {}).items() if str(w).isdigit())),
     )
+
+
+BUSY_CALL = (128, 128, 4, 32)  # q_len, k_len, heads, D: the small kernel call each rank does between messages
+BUSY_ITERS = 150
+BUSY_REPS = 5
+
+
+def busy_worker(rank, world, iters, reps):
+    """Per-message and per-collective fixed cost with every rank busy (Note [Per-call terms]): each
+    rank loops ``iters`` times over one small kernel forward call (``BUSY_CALL``) with, per iteration,
+    (a) nothing else, (b) a ``RingComm`` exchange of one float started before the call and waited after
+    it (as the ring backends do), (c) a small all-gather after the call (the cross-rank check), (d) a
+    small all-to-all after it. Each loop ends with a barrier and takes the slowest rank; the cost per
+    message / collective is ``(loop with it - loop without) / iters``, median over ``reps`` rounds
+    (loops rotated). Unlike ``links_worker`` (ranks waiting idle for the message), this sees a
+    message waiting for its peer to get a core when more ranks than cores compute."""
+    from lightning_sp.comm.ring import RingComm
+    from lightning_sp.ops.kernels import make_kernel
+    from lightning_sp.ops.plan import MaskKind
+
+    torch.set_num_threads(1)
+    comm = RingComm(dist.group.WORLD)
+    kernel = make_kernel("auto")
+    q_len, k_len, h, d = BUSY_CALL
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = torch.randn(1, q_len, h, d, generator=g), torch.randn(1, k_len, h, d, generator=g), torch.randn(1, k_len, h, d, generator=g)
+    one = torch.zeros(1)
+    row = torch.zeros(4, dtype=torch.float64)
+    rows = [torch.empty_like(row) for _ in range(world)]
+    a2a_send, a2a_recv = torch.zeros(64 * world), torch.empty(64 * world)
+
+    def call():
+        kernel.forward(q, k, v, scale=d ** -0.5, kind=MaskKind.FULL, mask=None)
+
+    def plain():
+        call()
+
+    def message():
+        pending = comm.start((one,))
+        call()
+        pending.wait()
+
+    def gather():
+        call()
+        dist.all_gather(rows, row)
+
+    def a2a():
+        call()
+        dist.all_to_all_single(a2a_recv, a2a_send)
+
+    loops = {"plain": plain, "message": message, "all_gather": gather, "all_to_all": a2a}
+    names = list(loops)
+    got = {n: [] for n in names}
+    for i in range(reps + 1):  # round 0 warms up
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                loops[name]()
+            dist.barrier()
+            t = time.perf_counter() - t0
+            times = [None] * world
+            dist.all_gather_object(times, t)
+            if i:
+                got[name].append(max(times) / iters)
+    per_iter = {n: statistics.median(ts) for n, ts in got.items()}
+    if rank:
+        return None
+    return {"plain_s": per_iter["plain"],
+            **{f"{n}_s": max(per_iter[n] - per_iter["plain"], 0.0) for n in names if n != "plain"},
+            "rounds": got}
+
+
+def measure_busy(worlds, iters: int = BUSY_ITERS, reps: int = BUSY_REPS) -> dict:
+    """``{world: {"message_s", "all_gather_s", "all_to_all_s", "plain_s", "rounds"}}`` (``busy_worker``)."""
+    from experiments.common import run_on_ranks
+
+    return {int(w): run_on_ranks(busy_worker, w, (iters, reps), timeout_s=600, pg_timeout_s=300)[0] for w in worlds}

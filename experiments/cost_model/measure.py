@@ -4,6 +4,8 @@ before and after (the slowest rank's time). Calibration (primitives only) is ``c
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.distributed as dist
 
@@ -18,24 +20,34 @@ def _inputs(seed, n, h, h_kv, d, dtype):
 
 def time_backends_worker(rank, world, cases, reps):
     """``cases``: ``(backend, ulysses_degree, N, H, H_kv, D, causal, kv_pieces)``; returns the median
-    fwd+bwd seconds between barriers for each (rank 0)."""
+    fwd+bwd seconds between barriers for each (rank 0). Every case is warmed up once, then timed in
+    ``reps`` rounds over all cases, the order rotated by one case per round, so a slow spell of the
+    machine spreads over the cases instead of landing on the ones timed during it."""
     from lightning_sp import SequenceParallelAttention, shard_sequence
 
     torch.set_num_threads(1)
     group = dist.group.WORLD
-    out = []
+    steps = []
     for i, (backend, u, n, h, h_kv, d, causal, kv_pieces) in enumerate(cases):
         attn = SequenceParallelAttention(causal=causal, backend=backend, group=group, ulysses_degree=u,
                                          kv_pieces=kv_pieces)
         q, k, v, dout = (shard_sequence(t, group, layout=attn.layout) for t in _inputs(i, n, h, h_kv, d, torch.float32))
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
 
-        def step():
+        def step(attn=attn, q=q, k=k, v=v, dout=dout, n=n):
             dist.barrier()
             attn(q, k, v, seq_len=n).backward(dout)
             dist.barrier()
 
-        out.append(median_seconds(step, reps))
+        step()  # warm-up
+        steps.append(step)
+    times = [[] for _ in cases]
+    for r in range(reps):
+        order = list(range(len(cases)))
+        order = order[r % len(order):] + order[:r % len(order)]
+        for i in order:
+            times[i].append(median_seconds(steps[i], 1, warmup=0))
+    out = [statistics.median(t) for t in times]
     return out if rank == 0 else None
 
 

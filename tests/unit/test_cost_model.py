@@ -156,3 +156,77 @@ def test_bad_input_errors():
     calibrated = replace(A100, kernel_table=(("full", 32, 64, 64, 1e-6, 2e-6),), kernel_call_s=(1e-5, 2e-5),
                          message_s=((2, 1e-4),), collective_fits=(("all_to_all", 2, 1e-4, 1e9),), colossal_s=(0.1, 1e-9, 0.0))
     assert cm.HardwareProfile.from_dict(calibrated.to_dict()) == calibrated
+
+
+def test_busy_collective_cost_replaces_the_idle_latency():
+    """``collective_busy_s`` (a tiny collective with every rank computing) replaces the idle fit's
+    latency for its op and group size only; the bandwidth term stays the fit's."""
+    fits = (("all_to_all", 4, 1e-4, 1e9), ("all_gather", 4, 2e-4, 5e8))
+    idle = replace(A100, collective_fits=fits)
+    busy = replace(idle, collective_busy_s=(("all_to_all", 4, 3e-3),))
+    assert idle.collective_time("all_to_all", 1e6, 4) == pytest.approx(1e-4 + 1e-3)
+    assert busy.collective_time("all_to_all", 1e6, 4) == pytest.approx(3e-3 + 1e-3)
+    assert busy.collective_time("all_gather", 1e6, 4) == idle.collective_time("all_gather", 1e6, 4)  # not measured busy
+    # it reaches a prediction: Ulysses' all-to-alls each pay the busy cost
+    shape = cm.AttentionShape(seq_len=4096, num_heads=8, num_kv_heads=8, head_dim=64, dtype_bytes=4)
+    gap = cm.predict_attention("ulysses", shape, 4, busy).total_s - cm.predict_attention("ulysses", shape, 4, idle).total_s
+    assert gap == pytest.approx(8 * (3e-3 - 1e-4), rel=1e-6)  # 4 all-to-alls forward, 4 backward
+    assert cm.HardwareProfile.from_dict(busy.to_dict()) == busy
+
+
+def test_calibration_fit_in_relative_error_keeps_the_small_messages_latency():
+    from experiments.cost_model.calibrate import fit_line
+
+    xs = [1 << k for k in range(12, 23, 2)]  # 4 KiB .. 4 MiB, as calibrate_links
+    line = [2e-3 + x / 1e9 for x in xs]
+    for relative in (False, True):  # an exact line is recovered either way
+        a, b = fit_line(xs, line, relative=relative)
+        assert a == pytest.approx(2e-3, rel=1e-6) and b == pytest.approx(1e-9, rel=1e-6)
+    # gloo's all-gather on 8 ranks of 2 cores (calibration of 2026-11-23): 11-16 ms up to 256 KiB, then
+    # steeply up; the plain fit's latency is set by the 4 MiB point, the relative one's by the small ones
+    measured = [12.7e-3, 15.1e-3, 11.2e-3, 16.1e-3, 28.3e-3, 190.9e-3]
+    assert fit_line(xs, measured)[0] < 7e-3  # negative control: the old fit, half the small messages' time
+    assert 10e-3 < fit_line(xs, measured, relative=True)[0] < 14e-3
+
+
+def test_colossal_calibration_primitive_runs_the_backends_own_math():
+    """``calibrate.colossal_local`` (ops/colossal.py with its messages stubbed) is exact causal attention
+    forward and backward in float64: the timed primitive is the backend's whole local compute."""
+    import torch
+
+    from experiments.cost_model.calibrate import colossal_local
+    from tests.reference import dense_attention
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 24, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 24, 2, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    dout = torch.randn(1, 24, 4, 8, generator=g, dtype=torch.float64)
+    out = colossal_local(q, k, v, dout)
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = dense_attention(q, k, v, causal=True)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for got, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(got, t.grad, rtol=1e-10, atol=1e-10)
+    bidirectional = dense_attention(q, k, v, causal=False)
+    assert (out - bidirectional).abs().max() > 1e-3  # negative control: the mask matters at this size
+
+
+def test_colossal_table_per_score_element_at_the_ranks_size():
+    """``colossal_table``: seconds per score element interpolated in the rank's score elements (log) and
+    D; a rank's whole layer costs that times its ``H x S/P x N`` scores, whatever the ring's steps."""
+    table = ((1 << 20, 32, 10e-9), (1 << 24, 32, 40e-9), (1 << 20, 128, 20e-9), (1 << 24, 128, 80e-9))
+    hw = replace(A100, colossal_table=table, colossal_s=(1.0, 1.0, 1.0))  # the table wins over the line
+    assert hw.colossal_seconds_per_score(1 << 20, 32) == pytest.approx(10e-9)
+    assert hw.colossal_seconds_per_score(1 << 22, 32) == pytest.approx(25e-9)  # halfway in log E
+    assert hw.colossal_seconds_per_score(1 << 26, 128) == pytest.approx(80e-9)  # clamped outside
+    assert hw.colossal_seconds_per_score(1 << 20, 80) == pytest.approx(15e-9, rel=0.2)  # between the dims
+    free = replace(hw, intra_latency=0.0, intra_bandwidth=1e30)
+    shape = cm.AttentionShape(seq_len=4096, num_heads=8, num_kv_heads=8, head_dim=32, dtype_bytes=4)
+    for p in (2, 4):
+        rank_scores = 8 * (4096 // p) * 4096  # [H, S/P, N]
+        expected = rank_scores * free.colossal_seconds_per_score(rank_scores, 32)
+        assert cm.predict_attention("colossal", shape, p, free).compute_s == pytest.approx(expected, rel=1e-6)
+    assert cm.HardwareProfile.from_dict(hw.to_dict()) == hw
