@@ -83,9 +83,12 @@ class RingComm:
         self.next_global = ranks[(self.rank + 1) % self.world]  # isend/irecv take global ranks
         self.prev_global = ranks[(self.rank - 1) % self.world]
 
-    def start(self, tensors: Sequence[torch.Tensor], op: str = "ring_send") -> _Pending:
-        """Send ``tensors`` to the next rank and receive same-shaped ones from the previous."""
-        return self._exchange(tensors, self.next_global, self.prev_global, op)
+    def start(self, tensors: Sequence[torch.Tensor], op: str = "ring_send", heads_major: bool = False) -> _Pending:
+        """Send ``tensors`` to the next rank and receive same-shaped ones from the previous. ``heads_major``:
+        the ``[B, S, H, D]`` tensors travel as ``[B, H, S, D]`` memory (no copy for one already laid out so)
+        and arrive as ``[B, S, H, D]`` views of such memory. Every rank must pass the same ``heads_major``:
+        the bytes are read in that layout."""
+        return self._exchange(tensors, self.next_global, self.prev_global, op, heads_major)
 
     def exchange(self, tensors: Sequence[torch.Tensor], offset: int, op: str = "ring_send") -> _Pending:
         """Send ``tensors`` to group rank ``rank + offset`` and receive same-shaped ones from group
@@ -95,13 +98,13 @@ class RingComm:
             tensors, self._ranks[(self.rank + offset) % self.world], self._ranks[(self.rank - offset) % self.world], op
         )
 
-    def _exchange(self, tensors, to_global: int, from_global: int, op: str) -> _Pending:
+    def _exchange(self, tensors, to_global: int, from_global: int, op: str, heads_major: bool = False) -> _Pending:
         ops, recv, sent = [], [], []
         for t in tensors:
-            t = t.contiguous()
+            t = t.transpose(1, 2).contiguous() if heads_major else t.contiguous()  # [B, H, S, D] on the wire
             sent.append(t)
             buf = torch.empty_like(t)
-            recv.append(buf)
+            recv.append(buf.transpose(1, 2) if heads_major else buf)  # [B, S, H, D] (a view when heads_major)
             ops.append(dist.P2POp(dist.isend, t, to_global, self.group))
             ops.append(dist.P2POp(dist.irecv, buf, from_global, self.group))
             if self.stats is not None:
@@ -114,15 +117,17 @@ def ring_pass(
     comm: RingComm | None,
     tensors: tuple[torch.Tensor, ...],
     step_fn: Callable[[int, int, tuple[torch.Tensor, ...]], None],
+    heads_major: bool = False,
 ) -> None:
     """Visit every rank's ``tensors``: ``step_fn(step, source_rank, blocks)`` runs while the next
-    blocks are in flight. ``world - 1`` transfers; with ``comm=None`` a single local step."""
+    blocks are in flight. ``world - 1`` transfers; with ``comm=None`` a single local step.
+    ``heads_major``: ``RingComm.start``'s. ``tensors`` are not referenced after step 0."""
     if comm is None:
         step_fn(0, 0, tensors)
         return
-    blocks = tensors
+    blocks, tensors = tensors, None
     for step in range(comm.world):
-        pending = comm.start(blocks) if step < comm.world - 1 else None
+        pending = comm.start(blocks, heads_major=heads_major) if step < comm.world - 1 else None
         step_fn(step, (comm.rank - step) % comm.world, blocks)
         if pending is not None:
             blocks = pending.wait()  # the blocks just used are freed here (unless they are the inputs)
@@ -158,19 +163,22 @@ def ring_pass_accumulating(
     comm: RingComm | None,
     tensors: tuple[torch.Tensor, ...],
     grad_fn: Callable[[int, int, tuple[torch.Tensor, ...], bool], "tuple[slice | None, tuple[torch.Tensor, ...]]"],
+    heads_major: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Like ``ring_pass_with_grads`` (same result, same traffic), with one gradient buffer alive
     during compute: ``grad_fn(step, source_rank, blocks, complete)`` returns ``(rows, contributions)``, this
     rank's gradient contributions for rows ``rows`` (dim 1) of ``blocks`` (``rows = None``: none at all);
     ``complete=True`` (step 0, or no ring) asks for whole blocks (``rows = slice(None)``). The partial sum of
     the ranks before arrives while ``grad_fn`` computes and is added into after. See Note [Gradient partial
-    sums around the ring]."""
+    sums around the ring]. ``heads_major``: ``RingComm.start``'s, for the blocks only (the partial sums
+    travel in the layout they have: ``[B, S, H, D]``, as the CPU kernel returns dK/dV whatever K's layout).
+    ``tensors`` are not referenced after step 0."""
     if comm is None or comm.world == 1:  # no ring: nothing to send (a one-rank ring would send to itself)
         return grad_fn(0, 0, tensors, True)[1]
-    blocks = tensors
+    blocks, tensors = tensors, None
     grads_in_flight: _Pending | None = None
     for step in range(comm.world):
-        pending = comm.start(blocks) if step < comm.world - 1 else None  # K/V: overlapped
+        pending = comm.start(blocks, heads_major=heads_major) if step < comm.world - 1 else None  # K/V: overlapped
         if grads_in_flight is not None:
             grads_in_flight.wait_sent()  # the partial sent last step has left: freed before the kernel runs
         rows, contribution = grad_fn(step, (comm.rank - step) % comm.world, blocks, grads_in_flight is None)

@@ -111,6 +111,12 @@ def reduce_kv_grad(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 class LocalKernel(Protocol):
     name: str
 
+    def prefers_heads_major(self, device: torch.device) -> bool:
+        """Whether the op reads ``[B, S, H, D]`` q/K/V faster when their memory is head-major (``[B, H, S, D]``
+        contiguous, seen through a transpose): the ring then lays them out so once per call
+        (``ops/ring_attention.py``, Note [Head-major blocks]). Optional: a kernel without it gets ``[B, S, H, D]``."""
+        ...
+
     def forward(self, q, k, v, *, scale: float, kind: MaskKind, mask) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(self, dout, q, k, v, out, lse, *, scale: float, kind: MaskKind, mask) -> tuple[torch.Tensor, ...]: ...
@@ -464,6 +470,11 @@ class SDPAKernel(_CudaChainKernel):
 
     name = "sdpa"
     ops = ("flash", "efficient")
+
+    def prefers_heads_major(self, device: torch.device) -> bool:
+        """CPU: the flash op reads head-major q/K/V 3-4% faster (benchmarks/README.md, section 8, "Ring pairs");
+        CUDA: the fused ops take contiguous ``[B, S, H, D]`` (``_fused_input``)."""
+        return torch.device(device).type == "cpu"
 
     def _cpu_forward(self, q, k, v, *, scale, kind, mask):
         h = q.size(2)

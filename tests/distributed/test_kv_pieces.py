@@ -4,7 +4,9 @@
 ``ops/backends.py``), equal dense float64 attention, forward and backward, on 2 and 4 gloo ranks;
 they send the same K/V bytes as whole blocks; and ``kv_pieces`` is validated. ``"auto"`` cases: ``ulysses``
 with no budget, the cost rule of Note [Ulysses' head groups by default] opened up for these tiny shards
-(``GROUPS_MIN_SHARD_TOKENS = 1``, any predicted cost), so it runs 2 head groups: the default's path, exact."""
+(``GROUPS_MIN_SHARD_TOKENS = 1``, any predicted cost), so it runs 2 head groups: the default's path, exact.
+The rings with whole blocks hand the CPU SDPA kernel head-major q/K/V (Note [Head-major blocks]); in pieces
+they do not (the negative control)."""
 
 from __future__ import annotations
 
@@ -59,6 +61,28 @@ def _attention(backend, causal, group, pieces):
     return attn
 
 
+def _rows_adjacent(x) -> bool:
+    """``x [B, S, H, D]``: a head's rows are adjacent in memory (head-major, or a row slice of it)."""
+    return x.stride(3) == 1 and x.stride(1) == x.size(3)
+
+
+def _record_kernel_layouts(seen: list) -> None:
+    """Make the CPU SDPA kernel append, per call, whether its q, k, v came head-major (``_rows_adjacent``)."""
+    from lightning_sp.ops.kernels import SDPAKernel
+
+    fwd, bwd = SDPAKernel._cpu_forward, SDPAKernel._cpu_backward
+
+    def forward(self, q, k, v, **kw):
+        seen.append(tuple(_rows_adjacent(t) for t in (q, k, v)))
+        return fwd(self, q, k, v, **kw)
+
+    def backward(self, dout, q, k, v, out, lse, **kw):
+        seen.append(tuple(_rows_adjacent(t) for t in (q, k, v)))
+        return bwd(self, dout, q, k, v, out, lse, **kw)
+
+    SDPAKernel._cpu_forward, SDPAKernel._cpu_backward = forward, backward
+
+
 def _worker(rank, world):
     import torch.distributed as dist
 
@@ -68,6 +92,8 @@ def _worker(rank, world):
     ring_attention.MIN_PIECE_TOKENS = 1  # pieces on a 10-token block
     choices.GROUPS_MIN_SHARD_TOKENS, choices.GROUPS_MAX_PREDICTED_COST = 1, float("inf")  # "auto": head groups here
     group = dist.group.WORLD
+    seen = []  # (q, k, v head-major?) per CPU SDPA kernel call
+    _record_kernel_layouts(seen)
     errors = {}
     for i, (backend, causal, (h, h_kv), docs, pieces) in enumerate(CASES[world]):
         q, k, v, dout = _tensors(i, h, h_kv)
@@ -85,16 +111,17 @@ def _worker(rank, world):
         errs = [float((a - b).abs().max()) for a, b in zip(got, (ref.detach(), *ref_grads))]
         control = float((got[0] - dense_attention(q, k, v, causal=not causal, cu_seqlens=cu)).abs().max())
         # bytes: forward and backward of pieces vs whole blocks (kv_pieces=1), same shards
-        sent = {}
+        sent, layouts = {}, {}
         for p in (pieces, 1):
             a = _attention(backend, causal, group, p)
             x = [t.detach().clone().requires_grad_() for t in local[:3]]
             a(*x, cu_seqlens=cu, seq_len=N)  # warm-up (usp sub-groups)
             a.comm_stats.reset()
+            del seen[:]
             a(*x, cu_seqlens=cu, seq_len=N).backward(local[3])
-            sent[p] = dict(a.comm_stats.snapshot())
+            sent[p], layouts[p] = dict(a.comm_stats.snapshot()), list(seen)
         ring_world = world // attn.layout.ulysses_degree if backend == "usp" else world
-        errors[(backend, causal, h_kv, docs, pieces)] = (errs, control, sent, ring_world, forward_all_to_alls)
+        errors[(backend, causal, h_kv, docs, pieces)] = (errs, control, sent, ring_world, forward_all_to_alls, layouts)
     return errors
 
 
@@ -115,7 +142,7 @@ def test_pieces_send_the_same_kv_bytes_and_fewer_gradient_bytes(results):
     once, straight to its owner (the ring sends the partial sum P times, the last to its owner)."""
     world, per_rank = results
     for rank_result in per_rank:
-        for key, (_, _, sent, ring_world, _) in rank_result.items():
+        for key, (_, _, sent, ring_world, *_) in rank_result.items():
             pieces, whole = sent[key[-1]], sent[1]
             if key[0] in ("allgather_kv", "ulysses", "auto->ulysses"):  # no ring: the same bytes either way
                 assert pieces == whole, (world, key)
@@ -129,11 +156,25 @@ def test_ulysses_and_usp_run_in_head_groups(results):
     """Each head group is one round of all-to-alls (q, k, v forward; the output's comes back): the
     count shows the groups were used; the bytes (test above) show they add up to the whole."""
     world, per_rank = results
-    for key, (*_, forward_all_to_alls) in per_rank[0].items():
+    for key, (*_, forward_all_to_alls, _) in per_rank[0].items():
         backend, h_kv, pieces = key[0], key[2], key[-1]
         if backend in ("ulysses", "usp", "auto->ulysses"):
             groups = HEAD_GROUPS[(world, backend, h_kv, pieces)]
             assert forward_all_to_alls == 4 * groups, (world, key, forward_all_to_alls)
+
+
+def test_rings_hand_the_kernel_heads_major_blocks_only_when_whole(results):
+    """Note [Head-major blocks]: with whole blocks every CPU SDPA call of ``ring``/``zigzag_ring`` reads q, k, v
+    head-major (step 0's own block included); in pieces (not head-major) some call reads a strided K."""
+    world, per_rank = results
+    for rank_result in per_rank:
+        for key, (*_, layouts) in rank_result.items():
+            if key[0] not in ("ring", "zigzag_ring"):
+                continue
+            whole, pieces = layouts[1], layouts[key[-1]]
+            assert whole and all(all(call) for call in whole), (world, key, whole)
+            if key[2] > 1:  # H_kv > 1: [B, S, H_kv, D] rows are not adjacent (with one head, both layouts are)
+                assert any(not call[1] for call in pieces), (world, key, pieces)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "8"])
