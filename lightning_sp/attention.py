@@ -466,6 +466,7 @@ class SequenceParallelAttention(nn.Module):
             kernel=self._make_kernel(q), scale=scale, causal=self.causal, layout=layout,
             padded_len=padded_len, doc_bounds=_doc_bounds(bounds, seq_len, padded_len), stats=stats,
             kv_pieces=self._kv_pieces(backend, q, k, world, auto_u),
+            heads_major=self._memory_budget() is None,  # Note [Head-major blocks]: copies no budget predicts
         )
 
     def _dispatch(self, backend, auto_u, q, k, v, call, group, world) -> torch.Tensor:
@@ -492,10 +493,17 @@ class SequenceParallelAttention(nn.Module):
             if backend == "auto" else None
         pieces = None
         if self.kv_pieces == "auto":
-            pieces = self.memory_budget if self.memory_budget is not None else ctx.memory_budget
+            pieces = self._memory_budget()
             if backend == "ulysses":  # its head groups also follow the hardware profile's predicted cost
                 pieces = (pieces, repr(ctx.hardware))
-        return 0 if auto is None and pieces is None else stable_hash(auto, pieces)
+        budget_in_force = self._memory_budget() is not None  # also decides head-major ring blocks
+        if auto is None and pieces is None and not budget_in_force:
+            return 0
+        return stable_hash(auto, pieces, budget_in_force)
+
+    def _memory_budget(self) -> int | None:
+        """The module's ``memory_budget``, else the context's (the strategy's); ``None``: no budget."""
+        return self.memory_budget if self.memory_budget is not None else self.context.memory_budget
 
     def _kv_pieces(self, backend, q, k, world, auto_u) -> int:
         """``kv_pieces`` as given, or for ``"auto"`` the fewest pieces whose predicted peak fits the memory
@@ -503,7 +511,7 @@ class SequenceParallelAttention(nn.Module):
         if self.kv_pieces != "auto":
             return self.kv_pieces
         ctx = self.context
-        budget = self.memory_budget if self.memory_budget is not None else ctx.memory_budget
+        budget = self._memory_budget()
         if budget is None and q.device.type != "cuda" and backend != "ulysses":
             return 1
         key = (backend, auto_u, tuple(q.shape), tuple(k.shape), q.dtype, world, budget)

@@ -92,6 +92,8 @@ class AttentionCall:
     stats: CommStats | None
     kv_pieces: int = 1
     """Ring-style backends: pieces each K/V block travels in (``BlockAttentionSpec.kv_pieces``)."""
+    heads_major: bool = True
+    """Ring-style backends may copy blocks to head-major memory (``BlockAttentionSpec.heads_major``)."""
 
     def positions(self, world: int, rank: int, device=None) -> torch.Tensor:
         """Global positions of rank ``rank``'s tokens ``[padded_len / world]``; cached per layout,
@@ -106,7 +108,7 @@ class AttentionCall:
         return BlockAttentionSpec(
             kernel=self.kernel, scale=self.scale, causal=self.causal, q_runs=q_runs,
             k_runs_by_rank=k_runs_by_rank, doc_bounds=self.doc_bounds, group=group, stats=self.stats,
-            kv_pieces=self.kv_pieces,
+            kv_pieces=self.kv_pieces, heads_major=self.heads_major,
         )
 
 

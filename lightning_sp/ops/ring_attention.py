@@ -34,7 +34,8 @@ Note [First write assigns]
 Note [Head-major blocks]
     The CPU SDPA flash op reads q/K/V 3-4% faster (N/P = 4096, H = 8, D = 64, fwd and bwd) when their
     memory is head-major, ``[B, H, S, D]`` contiguous, than through the strided ``[B, S, H, D]`` views the
-    ring otherwise hands it. So with whole blocks (``kv_pieces = 1``) on a ring, when the kernel
+    ring otherwise hands it. So with whole blocks (``kv_pieces = 1``) on a ring and no memory budget in
+    force (``BlockAttentionSpec.heads_major``: a budget's predicted peak does not count the copies), when the kernel
     ``prefers_heads_major`` (``SDPAKernel`` on CPU), each call copies this rank's q, k, v once into
     head-major memory (``heads_major``; the tensors keep their ``[B, S, H, D]`` shape), and K/V travel the
     ring in that memory (``RingComm.start(heads_major=True)``: no copy to send, received as such). The
@@ -116,6 +117,10 @@ class BlockAttentionSpec:
     kv_pieces: int = 1
     """Ring only: fetch each K/V block from its owner in this many pieces (Note [K/V in pieces]);
     1: the neighbour ring with whole blocks."""
+    heads_major: bool = True
+    """Whether whole-block rings may copy q, k, v to head-major memory for a kernel that prefers it (Note
+    [Head-major blocks]); ``False`` where a memory budget is in force, whose predicted peak does not count
+    the copies."""
     min_piece_tokens: int | None = None
     """A piece is never shorter than this (shorter blocks use fewer pieces); ``None``:
     ``MIN_PIECE_TOKENS``, read at call time."""
@@ -150,7 +155,8 @@ def _heads_major_ring(spec: BlockAttentionSpec, q, pieces: int) -> bool:
     """Whether this call runs the ring on head-major blocks (Note [Head-major blocks]): the same on every
     rank (the kernel, the device type and the piece count are)."""
     prefers = getattr(spec.kernel, "prefers_heads_major", None)
-    return spec.group is not None and pieces == 1 and prefers is not None and bool(prefers(q.device))
+    return (spec.heads_major and spec.group is not None and pieces == 1 and prefers is not None
+            and bool(prefers(q.device)))
 
 
 def _mask_for(call, spec: BlockAttentionSpec, device):

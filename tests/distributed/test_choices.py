@@ -134,7 +134,9 @@ def _pieces_worker(rank, world):
         for backend in ("ring", "zigzag_ring", "allgather_kv", "ulysses", "usp"):
             for pieces in (1, 4):
                 attn = SequenceParallelAttention(causal=True, backend=backend, group=group, kernel="sdpa",
-                                                 kv_pieces=pieces, validate_inputs=False)
+                                                 kv_pieces=pieces, validate_inputs=False,
+                                                 memory_budget=1 << 40)  # the model serves budgets: a budget in
+                # force, as when it is used (whole-block rings then make no head-major copies: Note [Head-major blocks])
                 q, k, v, dout = (shard_sequence(t, group, layout=attn.layout).clone() for t in full)
                 q, k, v = (t.requires_grad_() for t in (q, k, v))
                 peak, inputs = attention_peak_bytes(attn, q, k, v, dout, seq_len=n, group=group)

@@ -120,6 +120,12 @@ def _worker(rank, world):
             del seen[:]
             a(*x, cu_seqlens=cu, seq_len=N).backward(local[3])
             sent[p], layouts[p] = dict(a.comm_stats.snapshot()), list(seen)
+        if backend in ("ring", "zigzag_ring"):  # whole blocks under a memory budget: no head-major copies
+            a = SequenceParallelAttention(causal=causal, backend=backend, group=group, kv_pieces=1, memory_budget=1 << 40)
+            x = [t.detach().clone().requires_grad_() for t in local[:3]]
+            del seen[:]
+            a(*x, cu_seqlens=cu, seq_len=N).backward(local[3])
+            layouts["budget"] = list(seen)
         ring_world = world // attn.layout.ulysses_degree if backend == "usp" else world
         errors[(backend, causal, h_kv, docs, pieces)] = (errs, control, sent, ring_world, forward_all_to_alls, layouts)
     return errors
@@ -165,16 +171,18 @@ def test_ulysses_and_usp_run_in_head_groups(results):
 
 def test_rings_hand_the_kernel_heads_major_blocks_only_when_whole(results):
     """Note [Head-major blocks]: with whole blocks every CPU SDPA call of ``ring``/``zigzag_ring`` reads q, k, v
-    head-major (step 0's own block included); in pieces (not head-major) some call reads a strided K."""
+    head-major (step 0's own block included); in pieces, or whole under a memory budget, K is read strided."""
     world, per_rank = results
     for rank_result in per_rank:
         for key, (*_, layouts) in rank_result.items():
             if key[0] not in ("ring", "zigzag_ring"):
                 continue
-            whole, pieces = layouts[1], layouts[key[-1]]
+            whole, pieces, budget = layouts[1], layouts[key[-1]], layouts["budget"]
             assert whole and all(all(call) for call in whole), (world, key, whole)
             if key[2] > 1:  # H_kv > 1: [B, S, H_kv, D] rows are not adjacent (with one head, both layouts are)
                 assert any(not call[1] for call in pieces), (world, key, pieces)
+                # a memory budget's predicted peak does not count the copies: whole blocks stay strided then
+                assert budget and not any(call[1] for call in budget), (world, key, budget)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "8"])
