@@ -69,7 +69,10 @@ def _worker(rank, world):
     choices.GROUPS_MIN_SHARD_TOKENS, choices.GROUPS_MAX_PREDICTED_COST = 1, float("inf")  # "auto": head groups here
     group = dist.group.WORLD
     errors = {}
+    kernel_inputs_head_major = []  # per CPU SDPA call: q, k, v (and dout) in [B, H, S, D] memory
+    _spy_on_kernel_layouts(kernel_inputs_head_major)
     for i, (backend, causal, (h, h_kv), docs, pieces) in enumerate(CASES[world]):
+        kernel_inputs_head_major.clear()
         q, k, v, dout = _tensors(i, h, h_kv)
         cu = torch.tensor(DOCS, dtype=torch.int32) if docs else None
         attn = _attention(backend, causal, group, pieces)
@@ -78,6 +81,7 @@ def _worker(rank, world):
         out = attn(*local[:3], cu_seqlens=cu, seq_len=N)
         forward_all_to_alls = attn.comm_stats.calls_by_op.get("all_to_all", 0) - before
         out.backward(local[3])
+        head_major = list(kernel_inputs_head_major)
         got = [gather_sequence(t, group, layout=attn.layout, seq_len=N) for t in (out.detach(), *(x.grad for x in local[:3]))]
         qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
         ref = dense_attention(qd, kd, vd, causal=causal, cu_seqlens=cu)
@@ -94,8 +98,30 @@ def _worker(rank, world):
             a(*x, cu_seqlens=cu, seq_len=N).backward(local[3])
             sent[p] = dict(a.comm_stats.snapshot())
         ring_world = world // attn.layout.ulysses_degree if backend == "usp" else world
-        errors[(backend, causal, h_kv, docs, pieces)] = (errs, control, sent, ring_world, forward_all_to_alls)
+        errors[(backend, causal, h_kv, docs, pieces)] = (errs, control, sent, ring_world, forward_all_to_alls, head_major)
     return errors
+
+
+def _spy_on_kernel_layouts(seen: list) -> None:
+    """Record, for every CPU SDPA forward and backward, whether all its ``[B, S, H, D]`` inputs are head-major
+    in memory (Note [Head-major gather] in ``comm/collectives.py``): a head's consecutive tokens adjacent
+    (a block call's token slice of a head-major tensor is that too, without being contiguous)."""
+    from lightning_sp.ops.kernels import SDPAKernel
+
+    forward, backward = SDPAKernel._cpu_forward, SDPAKernel._cpu_backward
+
+    def head_major(*tensors):
+        return all(t.stride(3) == 1 and t.stride(1) == t.size(3) for t in tensors)
+
+    def spy_forward(self, q, k, v, **kwargs):
+        seen.append(head_major(q, k, v))
+        return forward(self, q, k, v, **kwargs)
+
+    def spy_backward(self, dout, q, k, v, out, lse, **kwargs):
+        seen.append(head_major(dout, q, k, v))
+        return backward(self, dout, q, k, v, out, lse, **kwargs)
+
+    SDPAKernel._cpu_forward, SDPAKernel._cpu_backward = spy_forward, spy_backward
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -115,7 +141,7 @@ def test_pieces_send_the_same_kv_bytes_and_fewer_gradient_bytes(results):
     once, straight to its owner (the ring sends the partial sum P times, the last to its owner)."""
     world, per_rank = results
     for rank_result in per_rank:
-        for key, (_, _, sent, ring_world, _) in rank_result.items():
+        for key, (_, _, sent, ring_world, *_) in rank_result.items():
             pieces, whole = sent[key[-1]], sent[1]
             if key[0] in ("allgather_kv", "ulysses", "auto->ulysses"):  # no ring: the same bytes either way
                 assert pieces == whole, (world, key)
@@ -129,11 +155,24 @@ def test_ulysses_and_usp_run_in_head_groups(results):
     """Each head group is one round of all-to-alls (q, k, v forward; the output's comes back): the
     count shows the groups were used; the bytes (test above) show they add up to the whole."""
     world, per_rank = results
-    for key, (*_, forward_all_to_alls) in per_rank[0].items():
+    for key, (*_, forward_all_to_alls, _) in per_rank[0].items():
         backend, h_kv, pieces = key[0], key[2], key[-1]
         if backend in ("ulysses", "usp", "auto->ulysses"):
             groups = HEAD_GROUPS[(world, backend, h_kv, pieces)]
             assert forward_all_to_alls == 4 * groups, (world, key, forward_all_to_alls)
+
+
+def test_ulysses_hands_the_cpu_kernel_head_major_tensors(results):
+    """Ulysses' gathered q, k, v and dout reach the CPU flash op in ``[B, H, S, D]`` memory, through head
+    groups, token reordering and GQA replication (Note [Head-major gather]); control: the ring backends'
+    shards (``[B, S, H, D]`` memory, H > 1) do not, so the check can fail."""
+    world, per_rank = results
+    for rank_result in per_rank:
+        for key, (*_, head_major) in rank_result.items():
+            if key[0] in ("ulysses", "auto->ulysses"):
+                assert head_major and all(head_major), (world, key, head_major)
+            elif key[0] in ("ring", "zigzag_ring", "allgather_kv"):
+                assert head_major and not any(head_major), (world, key, head_major)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "8"])
