@@ -66,17 +66,18 @@ class TokenOrder(NamedTuple):
 
 # Note [Head-major gather]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# The CPU flash op (aten._scaled_dot_product_flash_attention_for_cpu and its backward) takes [B, H, S, D]
-# tensors of any strides, and runs faster when they are contiguous (head-major memory) than when they are
-# transposed views of [B, S, H, D] memory (benchmarks/README.md, section 8, "Ulysses memory";
-# scripts/bench_headmajor_sdpa.py). So seq_to_head_all_to_all hands out its [B, S, H/P, D] result as the
-# transpose of a contiguous [B, H/P, S, D] tensor: with a token order the gather writes it (no extra
-# copy), without one a copy of the receive buffer does (recv is freed after it, so the extra memory is
-# transient). Only Ulysses on CPU asks for it: the CUDA ops (_fused_input in ops/kernels.py) and the ring's
-# sends (USP) copy anything but contiguous [B, S, H, D]. The SDPA kernel's CPU path only transposes (no copy), BlockAttentionFunction keeps a
-# head-major dout (``_dense_grad``), the head-major kernel outputs (out, dq, dk, dv) go back through
-# head_to_seq_all_to_all's one send copy, and head groups are chunked before the all-to-all, so each
-# group's gathered tensors are head-major too.
+# The CPU flash op (aten._scaled_dot_product_flash_attention_for_cpu) takes [B, H, S, D] tensors of any
+# strides, and runs faster when q, k, v are contiguous (head-major memory) than when they are transposed
+# views of [B, S, H, D] memory (benchmarks/README.md, section 8, "Ulysses memory", "Head-major gathers";
+# scripts/bench_headmajor_sdpa.py). So seq_to_head_all_to_all(head_major=True) hands out its [B, S, H/P, D]
+# result as the transpose of a contiguous [B, H/P, S, D] tensor: with a token order the gather writes it
+# (no extra copy), without one a copy of the receive buffer does (recv is freed after it: a transient).
+# Ulysses on CPU asks for it for q, k, v (head groups are chunked before the all-to-all, so every group's
+# are head-major), not for dout (head_to_seq's backward): given a head-major dout, the CPU flash backward
+# allocates a dout-sized buffer of its own (AllocatorPeak, torch 2.13: one tensor more at the backward's
+# peak, +u/2 per rank in bench_peers' ulysses pair). Not on CUDA, nor in USP: the CUDA ops (_fused_input in
+# ops/kernels.py) and the ring's sends copy anything but contiguous [B, S, H, D]. The SDPA kernel's CPU path
+# only transposes (no copy of its own).
 
 
 def seq_to_head_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None,

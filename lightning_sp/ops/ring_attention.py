@@ -394,17 +394,8 @@ class BlockAttentionFunction(torch.autograd.Function):
     @autocast_off
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_attention_backward(ctx.spec, _dense_grad(dout), q, k, v, out, lse)
+        dq, dk, dv = block_attention_backward(ctx.spec, dout.contiguous(), q, k, v, out, lse)
         return dq, dk, dv, None
-
-
-def _dense_grad(dout: torch.Tensor) -> torch.Tensor:
-    """``dout [B, S, H, D]`` as the kernels take it: contiguous, or head-major memory (``[B, H, S, D]``
-    contiguous, as Ulysses' all-to-all gathers it: Note [Head-major gather] in comm/collectives.py) kept as
-    it is; any other strides (the expanded gradient of a ``sum()``) copied to contiguous."""
-    if dout.is_contiguous() or dout.transpose(1, 2).is_contiguous():
-        return dout
-    return dout.contiguous()
 
 
 def block_attention(q, k, v, spec: BlockAttentionSpec) -> torch.Tensor:

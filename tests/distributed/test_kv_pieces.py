@@ -69,7 +69,7 @@ def _worker(rank, world):
     choices.GROUPS_MIN_SHARD_TOKENS, choices.GROUPS_MAX_PREDICTED_COST = 1, float("inf")  # "auto": head groups here
     group = dist.group.WORLD
     errors = {}
-    kernel_inputs_head_major = []  # per CPU SDPA call: q, k, v (and dout) in [B, H, S, D] memory
+    kernel_inputs_head_major = []  # per CPU SDPA call: q, k, v in [B, H, S, D] memory
     _spy_on_kernel_layouts(kernel_inputs_head_major)
     for i, (backend, causal, (h, h_kv), docs, pieces) in enumerate(CASES[world]):
         kernel_inputs_head_major.clear()
@@ -103,8 +103,8 @@ def _worker(rank, world):
 
 
 def _spy_on_kernel_layouts(seen: list) -> None:
-    """Record, for every CPU SDPA forward and backward, whether all its ``[B, S, H, D]`` inputs are head-major
-    in memory (Note [Head-major gather] in ``comm/collectives.py``): a head's consecutive tokens adjacent
+    """Record, for every CPU SDPA forward and backward, whether its ``[B, S, H, D]`` q, k, v are head-major in
+    memory (Note [Head-major gather] in ``comm/collectives.py``): a head's consecutive tokens adjacent
     (a block call's token slice of a head-major tensor is that too, without being contiguous)."""
     from lightning_sp.ops.kernels import SDPAKernel
 
@@ -118,7 +118,7 @@ def _spy_on_kernel_layouts(seen: list) -> None:
         return forward(self, q, k, v, **kwargs)
 
     def spy_backward(self, dout, q, k, v, out, lse, **kwargs):
-        seen.append(head_major(dout, q, k, v))
+        seen.append(head_major(q, k, v))  # dout is not (Note [Head-major gather])
         return backward(self, dout, q, k, v, out, lse, **kwargs)
 
     SDPAKernel._cpu_forward, SDPAKernel._cpu_backward = spy_forward, spy_backward
@@ -163,7 +163,7 @@ def test_ulysses_and_usp_run_in_head_groups(results):
 
 
 def test_ulysses_hands_the_cpu_kernel_head_major_tensors(results):
-    """Ulysses' gathered q, k, v and dout reach the CPU flash op in ``[B, H, S, D]`` memory, through head
+    """Ulysses' gathered q, k, v reach the CPU flash op in ``[B, H, S, D]`` memory (dout in ``[B, S, H, D]``), through head
     groups, token reordering and GQA replication (Note [Head-major gather]); control: the ring backends'
     shards (``[B, S, H, D]`` memory, H > 1) do not, so the check can fail."""
     world, per_rank = results
