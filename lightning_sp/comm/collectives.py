@@ -64,24 +64,51 @@ class TokenOrder(NamedTuple):
     unsort: torch.Tensor
 
 
+# Note [Head-major gather]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# The CPU flash op (aten._scaled_dot_product_flash_attention_for_cpu) takes [B, H, S, D] tensors of any
+# strides, and runs faster when q, k, v are contiguous (head-major memory) than when they are transposed
+# views of [B, S, H, D] memory (benchmarks/README.md, section 8, "Ulysses memory", "Head-major gathers";
+# scripts/bench_headmajor_sdpa.py). So seq_to_head_all_to_all(head_major=True) hands out its [B, S, H/P, D]
+# result as the transpose of a contiguous [B, H/P, S, D] tensor: with a token order the gather writes it
+# (no extra copy), without one a copy of the receive buffer does (recv is freed after it: a transient).
+# Ulysses on CPU asks for it for q, k, v (head groups are chunked before the all-to-all, so every group's
+# are head-major), not for dout (head_to_seq's backward): given a head-major dout, the CPU flash backward
+# allocates a dout-sized buffer of its own (AllocatorPeak, torch 2.13: one tensor more at the backward's
+# peak, +u/2 per rank in bench_peers' ulysses pair). Not on CUDA, nor in USP: the CUDA ops (_fused_input in
+# ops/kernels.py) and the ring's sends copy anything but contiguous [B, S, H, D]. The SDPA kernel's CPU path
+# only transposes (no copy of its own).
+
+
 def seq_to_head_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None,
-                           order: TokenOrder | None = None) -> torch.Tensor:
+                           order: TokenOrder | None = None, *, head_major: bool = False) -> torch.Tensor:
     """``[B, S/P, H, D] -> [B, S, H/P, D]``: gather the sequence, scatter the heads (no autograd). With
-    ``order``, the gathered tokens come out sorted by ``order.sort`` (one gather copy, no extra pass)."""
+    ``order``, the gathered tokens come out sorted by ``order.sort`` (one gather copy, no extra pass).
+
+    ``head_major`` (Note [Head-major gather]): the result's memory is ``[B, H/P, S, D]`` contiguous (returned
+    as its ``.transpose(1, 2)``, shape ``[B, S, H/P, D]``), which the CPU flash op reads faster; without
+    ``order`` that costs one copy of the receive buffer (none when ``B = H/P = 1``: the layouts coincide).
+    Else a view of the receive buffer (``[B, S, H/P, D]`` memory where ``B = 1``) or the sorted gather's
+    contiguous ``[B, S, H/P, D]``: what the CUDA ops and the ring's sends take without a copy."""
     world = dist.get_world_size(group)
     b, s_local, h, d = x.shape
+    h_local, s = h // world, world * s_local
     # [B, S/P, H, D] -> [B, S/P, P, H/P, D] -> [P, S/P, B, H/P, D]: chunk p goes to rank p
-    send = x.reshape(b, s_local, world, h // world, d).permute(2, 1, 0, 3, 4).contiguous()
+    send = x.reshape(b, s_local, world, h_local, d).permute(2, 1, 0, 3, 4).contiguous()
     recv = torch.empty_like(send)  # [P(source rank), S/P, B, H/P, D]
     _count(stats, "all_to_all", _nbytes(send))
     dist.all_to_all_single(recv, send, group=group)
     _release_now(send, x)
-    if order is not None:
-        # [P, S/P, B, H/P, D] -> [B, S(source-rank order), H/P, D] (a view) -> gather -> [B, S(sorted), H/P, D]
-        out = recv.permute(2, 0, 1, 3, 4).reshape(b, world * s_local, h // world, d).index_select(1, order.sort)
+    if head_major:
+        # [P, S/P, B, H/P, D] -> [B, H/P, P, S/P, D] -> [B, H/P, S(source-rank order), D] (a view)
+        gathered = recv.permute(2, 3, 0, 1, 4).reshape(b, h_local, s, d)
+        # -> contiguous [B, H/P, S(sorted), D] (the gather or one copy) -> [B, S, H/P, D] view
+        out = (gathered.index_select(2, order.sort) if order is not None else gathered.contiguous()).transpose(1, 2)
     else:
-        # [P, S/P, B, H/P, D] -> [B, P, S/P, H/P, D] -> [B, S, H/P, D]
-        out = recv.permute(2, 0, 1, 3, 4).reshape(b, world * s_local, h // world, d)
+        # [P, S/P, B, H/P, D] -> [B, S(source-rank order), H/P, D] (a view) [-> gather -> [B, S(sorted), H/P, D]]
+        out = recv.permute(2, 0, 1, 3, 4).reshape(b, s, h_local, d)
+        if order is not None:
+            out = out.index_select(1, order.sort)
     _release_now(recv, out)
     return out
 
@@ -112,31 +139,39 @@ def head_to_seq_all_to_all(x: torch.Tensor, group, stats: CommStats | None = Non
 
 
 class _AllToAll(torch.autograd.Function):
-    """Either direction; the backward is the other direction (with the same token order)."""
+    """Either direction; the backward is the other direction (with the same token order and, for the
+    gradient gathered to heads, the same ``head_major``)."""
 
     @staticmethod
-    def forward(ctx, x, group, stats, to_heads: bool, order):
-        ctx.group, ctx.stats, ctx.to_heads, ctx.order = group, stats, to_heads, order
-        return (seq_to_head_all_to_all if to_heads else head_to_seq_all_to_all)(x, group, stats, order)
+    def forward(ctx, x, group, stats, to_heads: bool, order, head_major: bool):
+        ctx.group, ctx.stats, ctx.to_heads, ctx.order, ctx.head_major = group, stats, to_heads, order, head_major
+        if to_heads:
+            return seq_to_head_all_to_all(x, group, stats, order, head_major=head_major)
+        return head_to_seq_all_to_all(x, group, stats, order)
 
     @staticmethod
     def backward(ctx, grad):
-        inverse = head_to_seq_all_to_all if ctx.to_heads else seq_to_head_all_to_all
         # any strides: both directions build their send buffer with one copy (a head group's gradient, a
         # slice of the whole one, is not contiguous; a .contiguous() here would copy it twice)
-        return inverse(grad, ctx.group, ctx.stats, ctx.order), None, None, None, None
+        if ctx.to_heads:
+            dx = head_to_seq_all_to_all(grad, ctx.group, ctx.stats, ctx.order)
+        else:
+            dx = seq_to_head_all_to_all(grad, ctx.group, ctx.stats, ctx.order, head_major=ctx.head_major)
+        return dx, None, None, None, None, None
 
 
 def seq_to_head(x: torch.Tensor, group, stats: CommStats | None = None,
-                order: TokenOrder | None = None) -> torch.Tensor:
-    """Differentiable ``[B, S/P, H, D] -> [B, S, H/P, D]``; ``order``: sort the gathered tokens (``TokenOrder``)."""
-    return _AllToAll.apply(x, group, stats, True, order)
+                order: TokenOrder | None = None, *, head_major: bool = False) -> torch.Tensor:
+    """Differentiable ``[B, S/P, H, D] -> [B, S, H/P, D]``; ``order``: sort the gathered tokens (``TokenOrder``);
+    ``head_major``: the result's memory is ``[B, H/P, S, D]`` (Note [Head-major gather])."""
+    return _AllToAll.apply(x, group, stats, True, order, head_major)
 
 
 def head_to_seq(x: torch.Tensor, group, stats: CommStats | None = None,
-                order: TokenOrder | None = None) -> torch.Tensor:
-    """Differentiable ``[B, S, H/P, D] -> [B, S/P, H, D]``; ``order``: ``x``'s tokens are sorted by it."""
-    return _AllToAll.apply(x, group, stats, False, order)
+                order: TokenOrder | None = None, *, head_major: bool = False) -> torch.Tensor:
+    """Differentiable ``[B, S, H/P, D] -> [B, S/P, H, D]``; ``order``: ``x``'s tokens are sorted by it;
+    ``head_major``: the memory of the gradient it hands back (``[B, S, H/P, D]``), as in ``seq_to_head``."""
+    return _AllToAll.apply(x, group, stats, False, order, head_major)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -183,8 +183,12 @@ def ulysses_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     spec = call.spec(whole, [whole])
     order = _token_order(call.layout, world, call.padded_len, everyone, q.device)  # Note [Sorting while gathering]
 
+    head_major = q.device.type == "cpu"  # the CPU flash op reads it faster (Note [Head-major gather])
+
     def attend(qg, kg, vg):  # one head group: [B, S/P, H', D] -> [B, S, H'/P, D] (global order) -> attention -> back
-        qh, kh, vh = (seq_to_head(t, group, call.stats, order) for t in (qg, kg, vg))
+        qh, kh, vh = (seq_to_head(t, group, call.stats, order, head_major=head_major) for t in (qg, kg, vg))
+        # dout stays [B, S, H'/P, D] memory: the CPU flash backward copies a head-major dout (one more tensor
+        # at the backward's peak), Note [Head-major gather]
         return head_to_seq(block_attention(qh, kh, vh, spec), group, call.stats, order)  # [B, S/P, H', D]
 
     groups = head_group_count(call.kv_pieces, k.size(2) // world, q.size(1))

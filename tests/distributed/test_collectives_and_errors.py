@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import SequenceParallelAttention, gather_sequence, sequence_parallel_cross_entropy, shard_sequence
-from lightning_sp.comm.collectives import all_gather_along, head_to_seq, seq_to_head
+from lightning_sp.comm.collectives import all_gather_along, head_to_seq, seq_to_head, seq_to_head_all_to_all
 from tests.distributed.harness import run_on_ranks
 
 pytestmark = pytest.mark.distributed
@@ -36,28 +36,37 @@ def _worker(rank, world):
     x = _global(0, 2, 8, 8, 3)  # [B, N, H, D]
     w = _global(1, 2, 8, 8, 3)  # a weight so every element's gradient is distinct
     xl = shard_sequence(x, group).requires_grad_()
-    y = seq_to_head(xl, group)  # [B, N, H/P, D]
+    y = seq_to_head(xl, group, head_major=True)  # [B, N, H/P, D]
     res["a2a_fwd"] = torch.equal(y, x[:, :, rank * 2 : rank * 2 + 2])
     (y * w[:, :, rank * 2 : rank * 2 + 2]).sum().backward()
     res["a2a_bwd"] = torch.equal(xl.grad, shard_sequence(w, group))
     back = head_to_seq(y.detach(), group)
     res["a2a_roundtrip"] = torch.equal(back, xl.detach())
+    # Note [Head-major gather]: the [B, N, H/P, D] result's memory is [B, H/P, N, D] (B = H/P = 2 here, so the
+    # two layouts differ); control: the default (head_major=False) gives the same values in [B, N, H/P, D] memory
+    seq_major = seq_to_head_all_to_all(xl.detach(), group)
+    res["a2a_head_major"] = y.transpose(1, 2).is_contiguous() and not y.is_contiguous()
+    res["a2a_head_major_control"] = torch.equal(seq_major, y) and not seq_major.transpose(1, 2).is_contiguous()
     # with a TokenOrder (Note [Sorting while gathering]): zigzag shards come out in global order, and back
     from lightning_sp.layout import SequenceLayout
     from lightning_sp.ops.backends import _token_order
 
     order = _token_order(SequenceLayout("zigzag"), world, 8, tuple(range(world)), torch.device("cpu"))
     zl = shard_sequence(x, group, layout="zigzag").requires_grad_()
-    yz = seq_to_head(zl, group, order=order)  # [B, N, H/P, D], global order
+    yz = seq_to_head(zl, group, order=order, head_major=True)  # [B, N, H/P, D], global order
     res["a2a_sorted_fwd"] = torch.equal(yz, x[:, :, rank * 2 : rank * 2 + 2])
+    sorted_seq_major = seq_to_head_all_to_all(zl.detach(), group, order=order)
+    res["a2a_sorted_head_major"] = yz.transpose(1, 2).is_contiguous() and torch.equal(sorted_seq_major, yz)
+    res["a2a_sorted_head_major_control"] = not sorted_seq_major.transpose(1, 2).is_contiguous()
     res["a2a_sorted_control"] = not torch.equal(seq_to_head(zl.detach(), group), x[:, :, rank * 2 : rank * 2 + 2])
     (yz * w[:, :, rank * 2 : rank * 2 + 2]).sum().backward()
     res["a2a_sorted_bwd"] = torch.equal(zl.grad, shard_sequence(w, group, layout="zigzag"))
     yh = yz.detach().requires_grad_()
-    back = head_to_seq(yh, group, order=order)  # [B, N/P, H, D] zigzag shard again
+    back = head_to_seq(yh, group, order=order, head_major=True)  # [B, N/P, H, D] zigzag shard again
     res["a2a_sorted_roundtrip"] = torch.equal(back, zl.detach())
     (back * shard_sequence(w, group, layout="zigzag")).sum().backward()
     res["a2a_sorted_roundtrip_bwd"] = torch.equal(yh.grad, w[:, :, rank * 2 : rank * 2 + 2])
+    res["a2a_sorted_roundtrip_bwd_head_major"] = yh.grad.transpose(1, 2).is_contiguous()  # the kernels' dout
     # all-gather: each rank's loss differs; the gradient of a shard is the SUM over ranks
     zl = shard_sequence(x, group, layout="zigzag").requires_grad_()
     full = gather_sequence(zl, group, layout="zigzag", seq_len=7)
@@ -97,7 +106,9 @@ def results():
     return run_on_ranks(_worker, WORLD, timeout_s=120, pg_timeout_s=30)
 
 
-@pytest.mark.parametrize("key", ["a2a_fwd", "a2a_bwd", "a2a_roundtrip", "a2a_sorted_fwd", "a2a_sorted_control", "a2a_sorted_bwd",
+@pytest.mark.parametrize("key", ["a2a_fwd", "a2a_bwd", "a2a_roundtrip", "a2a_head_major", "a2a_head_major_control",
+                                 "a2a_sorted_fwd", "a2a_sorted_head_major", "a2a_sorted_head_major_control",
+                                 "a2a_sorted_roundtrip_bwd_head_major", "a2a_sorted_control", "a2a_sorted_bwd",
                                  "a2a_sorted_roundtrip", "a2a_sorted_roundtrip_bwd", "gather_inverse", "gather_bwd"])
 def test_collective_matches_single_process(results, key):
     assert all(r[key] for r in results), [r[key] for r in results]

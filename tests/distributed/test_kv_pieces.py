@@ -96,6 +96,7 @@ def _worker(rank, world):
     _record_kernel_layouts(seen)
     errors = {}
     for i, (backend, causal, (h, h_kv), docs, pieces) in enumerate(CASES[world]):
+        del seen[:]
         q, k, v, dout = _tensors(i, h, h_kv)
         cu = torch.tensor(DOCS, dtype=torch.int32) if docs else None
         attn = _attention(backend, causal, group, pieces)
@@ -104,6 +105,7 @@ def _worker(rank, world):
         out = attn(*local[:3], cu_seqlens=cu, seq_len=N)
         forward_all_to_alls = attn.comm_stats.calls_by_op.get("all_to_all", 0) - before
         out.backward(local[3])
+        head_major = [all(call) for call in seen]  # per CPU SDPA call: q, k, v all in [B, H, S, D] memory
         got = [gather_sequence(t, group, layout=attn.layout, seq_len=N) for t in (out.detach(), *(x.grad for x in local[:3]))]
         qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
         ref = dense_attention(qd, kd, vd, causal=causal, cu_seqlens=cu)
@@ -127,8 +129,10 @@ def _worker(rank, world):
             a(*x, cu_seqlens=cu, seq_len=N).backward(local[3])
             layouts["budget"] = list(seen)
         ring_world = world // attn.layout.ulysses_degree if backend == "usp" else world
-        errors[(backend, causal, h_kv, docs, pieces)] = (errs, control, sent, ring_world, forward_all_to_alls, layouts)
+        errors[(backend, causal, h_kv, docs, pieces)] = (errs, control, sent, ring_world, forward_all_to_alls,
+                                                         head_major, layouts)
     return errors
+
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -162,7 +166,7 @@ def test_ulysses_and_usp_run_in_head_groups(results):
     """Each head group is one round of all-to-alls (q, k, v forward; the output's comes back): the
     count shows the groups were used; the bytes (test above) show they add up to the whole."""
     world, per_rank = results
-    for key, (*_, forward_all_to_alls, _) in per_rank[0].items():
+    for key, (*_, forward_all_to_alls, _, _) in per_rank[0].items():
         backend, h_kv, pieces = key[0], key[2], key[-1]
         if backend in ("ulysses", "usp", "auto->ulysses"):
             groups = HEAD_GROUPS[(world, backend, h_kv, pieces)]
@@ -183,6 +187,19 @@ def test_rings_hand_the_kernel_heads_major_blocks_only_when_whole(results):
                 assert any(not call[1] for call in pieces), (world, key, pieces)
                 # a memory budget's predicted peak does not count the copies: whole blocks stay strided then
                 assert budget and not any(call[1] for call in budget), (world, key, budget)
+
+
+def test_ulysses_hands_the_cpu_kernel_head_major_tensors(results):
+    """Ulysses' gathered q, k, v reach the CPU flash op in ``[B, H, S, D]`` memory (dout in ``[B, S, H, D]``), through head
+    groups, token reordering and GQA replication (Note [Head-major gather]); control: ``allgather_kv``'s
+    shards (``[B, S, H, D]`` memory, H > 1) do not, so the check can fail."""
+    world, per_rank = results
+    for rank_result in per_rank:
+        for key, (*_, head_major, _) in rank_result.items():
+            if key[0] in ("ulysses", "auto->ulysses"):
+                assert head_major and all(head_major), (world, key, head_major)
+            elif key[0] == "allgather_kv":
+                assert head_major and not any(head_major), (world, key, head_major)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "8"])

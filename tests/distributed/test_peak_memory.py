@@ -100,6 +100,8 @@ def _late_references(group) -> dict:
                 collectives._release_now = lambda *args: None
             result[label] = {
                 "seq_to_head B=2": seen(collectives.seq_to_head_all_to_all, torch.randn(2, 8, 2 * world, 4)),
+                "seq_to_head head-major B=2": seen(lambda x, g: collectives.seq_to_head_all_to_all(x, g, head_major=True),
+                                                   torch.randn(2, 8, 2 * world, 4)),
                 "head_to_seq B=1": seen(collectives.head_to_seq_all_to_all, torch.randn(1, 8 * world, 2, 4)),
             }
     finally:
@@ -140,6 +142,8 @@ def test_ulysses_frees_its_all_to_all_buffers_whoever_holds_them(shares):
     for s in shares:
         late = s["released"]
         assert late["released"]["seq_to_head B=2"] == (True, False, True), late  # recv is the output's storage
+        assert late["released"]["seq_to_head head-major B=2"] == (True, True, True), late  # output: a copy of recv
+        assert late["control"]["seq_to_head head-major B=2"] == (False, False, True), late
         assert late["released"]["head_to_seq B=1"] == (False, True, True), late  # send is the input itself
         assert late["control"]["seq_to_head B=2"] == (False, False, True), late
         assert late["control"]["head_to_seq B=1"] == (False, False, True), late
