@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """What K/V in pieces costs in time: fwd+bwd of one attention call with ``kv_pieces=8`` (what a tight
 memory budget asks for) against whole blocks (``kv_pieces=1``), side by side in one run (Note [K/V in pieces]; for
-``ulysses``, head groups against one group, Note [Heads in groups]).
+``ulysses``, head groups against one group, Note [Heads in groups]). ``--pieces auto``: the default
+(``kv_pieces="auto"``, no budget) against ``kv_pieces=1``: what the default costs where memory does not bind.
 
     .venv/bin/python scripts/bench_kv_pieces.py --seq-lens 4096 8192 --reps 7
+    .venv/bin/python scripts/bench_kv_pieces.py --pieces auto --backends ulysses --reps 9
 
 Two gloo ranks on CPU (one thread each), causal, H=8, D=64, fp32, ``kernel="sdpa"``; the two variants
 alternate rep by rep (``experiments.throughput.time_alternating``: the order rotates every rep, a
@@ -22,10 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.common import run_on_ranks  # noqa: E402
 
-PIECES = 8  # the pieces variant timed against whole blocks
-
-
-def _worker(rank: int, world: int, seq_len: int, backends: list[str], reps: int) -> dict:
+def _worker(rank: int, world: int, seq_len: int, backends: list[str], reps: int, pieces: int | str = 8) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -37,7 +36,7 @@ def _worker(rank: int, world: int, seq_len: int, backends: list[str], reps: int)
     results = {}
     for backend in backends:
         mods = {p: SequenceParallelAttention(causal=True, backend=backend, group=group, kernel="sdpa", kv_pieces=p)
-                for p in (PIECES, 1)}
+                for p in (pieces, 1)}
         shards = [shard_sequence(t, group, layout=mods[1].layout) for t in full]  # [1, N/P, H, D] each
 
         def fwd_bwd(mod):
@@ -54,17 +53,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--backends", default="ring,zigzag_ring,allgather_kv,ulysses")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--pieces", default="8", help='the variant timed against kv_pieces=1: an int, or "auto" (the default)')
     a = ap.parse_args(argv)
+    pieces = a.pieces if a.pieces == "auto" else int(a.pieces)
     if a.reps < 1 or any(n % 4 for n in a.seq_lens):
         ap.error("--reps must be >= 1 and every --seq-lens divisible by 4 (2 ranks x 2 zigzag chunks)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     for n in a.seq_lens:
-        res = run_on_ranks(_worker, 2, (n, a.backends.split(","), a.reps), timeout_s=1200)[0]
+        res = run_on_ranks(_worker, 2, (n, a.backends.split(","), a.reps, pieces), timeout_s=1200)[0]
         for backend, r in res.items():
-            (pm, pmin), (wm, wmin) = r[PIECES], r[1]
-            print(f"N={n} P=2 {backend:12s} kv_pieces={PIECES}: median {pm:.3f} s (min {pmin:.3f}) | "
+            (pm, pmin), (wm, wmin) = r[pieces], r[1]
+            print(f"N={n} P=2 {backend:12s} kv_pieces={pieces}: median {pm:.3f} s (min {pmin:.3f}) | "
                   f"kv_pieces=1: median {wm:.3f} s (min {wmin:.3f}) | ratio median {pm / wm:.3f}, min {pmin / wmin:.3f}",
                   flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")

@@ -72,8 +72,8 @@ class TokenOrder(NamedTuple):
 # scripts/bench_headmajor_sdpa.py). So seq_to_head_all_to_all(head_major=True) hands out its [B, S, H/P, D]
 # result as the transpose of a contiguous [B, H/P, S, D] tensor: with a token order the gather writes it
 # (no extra copy), without one a copy of the receive buffer does (recv is freed after it: a transient).
-# Ulysses on CPU asks for it for q, k, v (head groups are chunked before the all-to-all, so every group's
-# are head-major), not for dout (head_to_seq's backward): given a head-major dout, the CPU flash backward
+# Ulysses asks for it for q, k, v where the kernel prefers_heads_major (SDPAKernel on CPU; head groups are
+# chunked before the all-to-all, so every group's are head-major), not for dout (head_to_seq's backward): given a head-major dout, the CPU flash backward
 # allocates a dout-sized buffer of its own (AllocatorPeak, torch 2.13: one tensor more at the backward's
 # peak, +u/2 per rank in bench_peers' ulysses pair). Not on CUDA, nor in USP: the CUDA ops (_fused_input in
 # ops/kernels.py) and the ring's sends copy anything but contiguous [B, S, H, D]. The SDPA kernel's CPU path

@@ -62,7 +62,7 @@ from lightning_sp.comm.stats import CommStats
 from lightning_sp.layout import Run, SequenceLayout, runs_for_ranks, runs_of, token_indices
 from lightning_sp.ops.precision import autocast_off
 from lightning_sp.ops.colossal import colossal_attention
-from lightning_sp.ops.kernels import LocalKernel
+from lightning_sp.ops.kernels import LocalKernel, prefers_heads_major
 from lightning_sp.ops.merge import accumulation_dtype
 from lightning_sp.ops.ring_attention import (
     BlockAttentionSpec,
@@ -183,7 +183,7 @@ def ulysses_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     spec = call.spec(whole, [whole])
     order = _token_order(call.layout, world, call.padded_len, everyone, q.device)  # Note [Sorting while gathering]
 
-    head_major = q.device.type == "cpu"  # the CPU flash op reads it faster (Note [Head-major gather])
+    head_major = prefers_heads_major(call.kernel, q.device)  # the CPU flash op (Note [Head-major gather])
 
     def attend(qg, kg, vg):  # one head group: [B, S/P, H', D] -> [B, S, H'/P, D] (global order) -> attention -> back
         qh, kh, vh = (seq_to_head(t, group, call.stats, order, head_major=head_major) for t in (qg, kg, vg))

@@ -114,12 +114,19 @@ class LocalKernel(Protocol):
     def prefers_heads_major(self, device: torch.device) -> bool:
         """Whether the op reads ``[B, S, H, D]`` q/K/V faster when their memory is head-major (``[B, H, S, D]``
         contiguous, seen through a transpose): the ring then lays them out so once per call
-        (``ops/ring_attention.py``, Note [Head-major blocks]). Optional: a kernel without it gets ``[B, S, H, D]``."""
+        (``ops/ring_attention.py``, Note [Head-major blocks]) and Ulysses gathers them so (Note [Head-major
+        gather] in ``comm/collectives.py``). Optional: a kernel without it gets ``[B, S, H, D]`` memory."""
         ...
 
     def forward(self, q, k, v, *, scale: float, kind: MaskKind, mask) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(self, dout, q, k, v, out, lse, *, scale: float, kind: MaskKind, mask) -> tuple[torch.Tensor, ...]: ...
+
+
+def prefers_heads_major(kernel: LocalKernel, device: torch.device) -> bool:
+    """``kernel.prefers_heads_major(device)``, ``False`` for a kernel without the method (it is optional)."""
+    prefers = getattr(kernel, "prefers_heads_major", None)
+    return prefers is not None and bool(prefers(device))
 
 
 # ----------------------------------------------------------------------------------------------

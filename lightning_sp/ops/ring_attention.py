@@ -83,7 +83,7 @@ from lightning_sp.comm.ring import RingComm, ring_pass, ring_pass_accumulating
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.layout import Run
 from lightning_sp.ops.precision import autocast_off
-from lightning_sp.ops.kernels import LocalKernel
+from lightning_sp.ops.kernels import LocalKernel, prefers_heads_major
 from lightning_sp.ops.merge import accumulation_dtype, merge_into
 from lightning_sp.ops.plan import MaskKind, plan_blocks
 
@@ -154,9 +154,7 @@ def heads_major(x: torch.Tensor) -> torch.Tensor:
 def _heads_major_ring(spec: BlockAttentionSpec, q, pieces: int) -> bool:
     """Whether this call runs the ring on head-major blocks (Note [Head-major blocks]): the same on every
     rank (the kernel, the device type and the piece count are)."""
-    prefers = getattr(spec.kernel, "prefers_heads_major", None)
-    return (spec.heads_major and spec.group is not None and pieces == 1 and prefers is not None
-            and bool(prefers(q.device)))
+    return spec.heads_major and spec.group is not None and pieces == 1 and prefers_heads_major(spec.kernel, q.device)
 
 
 def _mask_for(call, spec: BlockAttentionSpec, device):
