@@ -42,7 +42,10 @@ Note [Head-major blocks]
     dK/dV partial sums are not converted: the op returns dQ/dK/dV as ``[B, S, H, D]`` memory whatever the
     inputs' layout, and they travel so. Memory: the head-major q copy (``u``) lives through the loop; the
     k, v copies only until step 0's blocks are replaced by received ones (the caller's k, v are the
-    ring's step-0 blocks otherwise). Bytes and messages on the wire are unchanged.
+    ring's step-0 blocks otherwise). Bytes and messages on the wire are unchanged. The kernel writes the
+    output in q's head-major memory; it is copied back to ``[B, S, H, D]`` memory once at the end, else the
+    output projection's reshape to ``[B, S, H*D]`` copies it and both are kept for backward (+1 ``sbh/P``
+    per layer: ``tests/unit/test_activation_memory.py`` caught it).
 
 Note [K/V in pieces]
     A ring that only talks to its neighbours cannot hold less than about one whole K/V block of
@@ -246,7 +249,11 @@ def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResul
             del o_b, lse_b
 
     ring_pass(spec.comm(), (heads_major(k), heads_major(v)) if hm else (k, v), step, heads_major=hm)
-    return merged.result()
+    res = merged.result()
+    if hm:  # the kernel wrote out in q's head-major memory: back to [B, S, H, D] memory, or the caller's
+        # reshape to [B, S, H*D] (the output projection's input) would copy it and both would be kept for backward
+        res = AttentionResult(res.out.contiguous(), res.lse)
+    return res
 
 
 def block_grad_contribution(spec: BlockAttentionSpec, src: int, dout, q, k_blk, v_blk, out, lse, dq):
