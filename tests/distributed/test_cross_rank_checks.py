@@ -28,7 +28,9 @@ RAISE_WITHIN_S = 2.0
 N, H, D = 32, 4, 8
 BAD_STEP = 2
 BACKENDS = ("ring", "zigzag_ring", "ulysses", "allgather_kv", "usp", "colossal", "auto")
-CHANGES = ("length", "padded_length", "dtype", "heads", "cu_seqlens", "bad_cu_seqlens", "not_4d")
+CHANGES = ("length", "padded_length", "dtype", "heads", "cu_seqlens", "bad_cu_seqlens", "not_4d", "memory_budget")
+# memory_budget: one rank sets a budget at BAD_STEP; whole-block rings copy blocks head-major only without one, so the
+# ranks would read each other's blocks in different layouts (Note [Head-major blocks]): it must be rejected too
 # The check runs before the backend does anything: every backend once, every change on zigzag_ring.
 CASES_P4 = (*((b, "length") for b in BACKENDS), *(("zigzag_ring", c) for c in CHANGES[1:]))
 CASES_P2 = (("ring", "length"), ("zigzag_ring", "padded_length"), ("usp", "dtype"), ("allgather_kv", "bad_cu_seqlens"),
@@ -73,6 +75,7 @@ def _expected(change: str, bad_rank: int, world: int) -> str:
     field, value = {
         "length": ("S_local", str(2 * N // world)), "padded_length": ("seq_len", str(N - 1)),
         "dtype": ("dtype", "torch.float64"), "heads": ("H", str(2 * H)), "cu_seqlens": ("hash\\(cu_seqlens\\)", r"\d+"),
+        "memory_budget": (r"hash\(auto_policy, hardware, ranks_per_node, memory_budget\)", r"\d+"),
     }[change]
     return rf"different inputs.*\n(.*\n)*  {field}: .*{value} on rank \[{bad_rank}\]"
 
@@ -97,10 +100,14 @@ def _standalone_worker(rank: int, world: int, bad_rank: int, cases: tuple, negat
     results = {}
     for backend, change in cases:
         attn = SequenceParallelAttention(causal=True, backend=backend, group=group,
-                                         ulysses_degree=2 if backend == "usp" and world == 4 else None)
+                                         ulysses_degree=2 if backend == "usp" and world == 4 else None,
+                                         # explicit whole blocks: the budget then decides nothing but the layout
+                                         kv_pieces=1 if change == "memory_budget" else "auto")
         outcomes = []
         for step in range(BAD_STEP + 1):
             n, heads, dtype, cu, flat = _step_inputs(change, step, rank == bad_rank)
+            if change == "memory_budget":
+                attn.memory_budget = 1 << 40 if rank == bad_rank and step == BAD_STEP else None
             q, k, v = (shard_sequence(t, group, layout=attn.layout).requires_grad_()
                        for t in _global(step, n, heads, dtype))
 
