@@ -42,7 +42,7 @@ Note [Ulysses' head groups by default]
 For ``ulysses`` ``kv_pieces`` is the number of head groups (Note [Heads in groups] in ``ops/backends.py``): the
 same all-to-alls (q, k, v gathered whole), one kernel call per group. Where the kernel reads head-major memory
 (the CPU flash op, Note [Head-major gather]) the gather copies each group apart anyway, so two groups cost two
-kernel calls of half the heads and one copy of ``dq, dk, dv`` into the send buffers; they lower the peak per rank
+kernel calls of half the heads and one copy of ``dout, dq, dk, dv``; they lower the peak per rank
 below DeepSpeed's Ulysses, which runs whole heads. So where memory does not bind (no budget, or whole heads fit
 it) and the gather copies anyway, ``"auto"`` runs ``ulysses`` in ``ULYSSES_GROUPS_WHEN_FREE`` groups when the
 cost model predicts at most ``GROUPS_MAX_PREDICTED_COST`` times whole heads' time on the bound hardware profile
@@ -105,7 +105,7 @@ _PEAK_MODEL: dict[str, tuple[float, float, float, float, float, float]] = {
     "ring":         (2.375, 13.188, 3.836, 1.669, 0.0,   8.192),
     "zigzag_ring":  (3.985, 7.687,  3.836, 1.669, 0.0,   8.192),
     "allgather_kv": (4.188, 6.375,  4.834, 3.166, 0.0,   0.0),    # + its gathered K/V, 2 P u_kv
-    "ulysses":      (6.501, 6.03,   9.532, 0.0,   4.0,   0.0),    # 2026-11-24: groups after the gather
+    "ulysses":      (6.501, 6.03,   9.532, 0.0,   3.0,   0.0),    # 2026-11-24: groups after the gather
     "usp":          (7.189, 7.374,  5.939, 3.87,  1.085, 0.0),
 }
 

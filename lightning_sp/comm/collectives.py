@@ -85,16 +85,16 @@ def _heads_slice(c: int, heads_per_group: int) -> slice:
 
 
 def seq_to_head_groups_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None,
-                                  order: TokenOrder | None = None, *, head_major: bool = False, groups: int = 1,
-                                  own_memory: bool = True) -> list[torch.Tensor]:
+                                  order: TokenOrder | None = None, *, head_major: bool = False,
+                                  groups: int = 1) -> list[torch.Tensor]:
     """``[B, S/P, H, D] -> groups x [B, S, H/(P G), D]``: gather the sequence, scatter the heads in one all-to-all
     (no autograd), then hand out this rank's ``H/P`` heads (global heads ``rank H/P ...``, in order) in ``groups``
     groups of consecutive heads (Note [Heads in groups] in ``ops/backends.py``). With ``order``, the gathered
     tokens come out sorted by ``order.sort`` (one gather copy, no extra pass).
 
-    ``own_memory`` (``groups > 1``): each group in memory of its own, so that what a group's kernel saves is freed
-    when that group's backward is done; without a token order or head-major memory that is one copy (with them,
-    the copy made anyway writes each group apart). Else slices of one tensor.
+    With ``groups > 1`` each group is in memory of its own, so that what a group's kernel saves is freed when that
+    group's backward is done: without a token order or head-major memory that is one copy (with them, the copy
+    made anyway writes each group apart).
 
     ``head_major`` (Note [Head-major gather]): each result's memory is ``[B, H/(P G), S, D]`` contiguous (returned
     as its ``.transpose(1, 2)``); without ``order`` that costs one copy of the receive buffer (none when
@@ -112,10 +112,9 @@ def seq_to_head_groups_all_to_all(x: torch.Tensor, group, stats: CommStats | Non
     _count(stats, "all_to_all", _nbytes(send))
     dist.all_to_all_single(recv, send, group=group)
     _release_now(send, x)
-    apart = groups > 1 and own_memory  # gather each group on its own, else the whole and slice it
-    hg = h_local // groups if apart else h_local
+    hg = h_local // groups
     outs = []
-    for c in range(groups if apart else 1):
+    for c in range(groups):
         part = recv[:, :, :, _heads_slice(c, hg)]  # [P, S/P, B, hg, D]
         if head_major:
             # -> [B, hg, P, S/P, D] -> [B, hg, S(source-rank order), D] (a view)
@@ -127,13 +126,10 @@ def seq_to_head_groups_all_to_all(x: torch.Tensor, group, stats: CommStats | Non
             out = part.permute(2, 0, 1, 3, 4).reshape(b, s, hg, d)
             if order is not None:
                 out = out.index_select(1, order.sort)  # [B, S(sorted), hg, D]
-            elif apart:
+            elif groups > 1:
                 out = out.contiguous()
         outs.append(out)
     _release_now(recv, *outs)
-    if not apart and groups > 1:
-        hg = h_local // groups
-        outs = [outs[0][:, :, _heads_slice(c, hg)] for c in range(groups)]
     return outs
 
 
@@ -186,20 +182,20 @@ class _SeqToHeadGroups(torch.autograd.Function):
     """``seq_to_head_groups_all_to_all``; the backward sends the groups' gradients back in one all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group, stats, order, head_major: bool, groups: int, own_memory: bool):
+    def forward(ctx, x, group, stats, order, head_major: bool, groups: int):
         ctx.group, ctx.stats, ctx.order = group, stats, order
-        return tuple(seq_to_head_groups_all_to_all(x, group, stats, order, head_major=head_major, groups=groups,
-                                                   own_memory=own_memory))
+        return tuple(seq_to_head_groups_all_to_all(x, group, stats, order, head_major=head_major, groups=groups))
 
     @staticmethod
     def backward(ctx, *grads):
         # any strides: the send buffer is built with one copy (a .contiguous() here would copy twice)
-        return head_groups_to_seq_all_to_all(list(grads), ctx.group, ctx.stats, ctx.order), *(None,) * 6
+        return head_groups_to_seq_all_to_all(list(grads), ctx.group, ctx.stats, ctx.order), *(None,) * 5
 
 
 class _HeadGroupsToSeq(torch.autograd.Function):
     """``head_groups_to_seq_all_to_all``; the backward gathers the gradient to heads and hands each group its
-    slice (the groups' backward runs one after another, so they need no memory of their own)."""
+    own contiguous ``[B, S, H/(P G), D]`` (the CPU flash backward copies a strided head slice of ``dout`` inside
+    the call, at its peak; so each group's is freed when that group's backward is done)."""
 
     @staticmethod
     def forward(ctx, group, stats, order, head_major: bool, *parts):
@@ -209,7 +205,7 @@ class _HeadGroupsToSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         parts = seq_to_head_groups_all_to_all(grad, ctx.group, ctx.stats, ctx.order, head_major=ctx.head_major,
-                                              groups=ctx.groups, own_memory=False)
+                                              groups=ctx.groups)
         return None, None, None, None, *parts
 
 
@@ -218,7 +214,7 @@ def seq_to_head_groups(x: torch.Tensor, group, stats: CommStats | None = None, o
     """Differentiable ``[B, S/P, H, D] -> groups x [B, S, H/(P G), D]``, each group in memory of its own
     (``seq_to_head_groups_all_to_all``); ``order``: sort the gathered tokens (``TokenOrder``); ``head_major``:
     each result's memory is ``[B, H/(P G), S, D]`` (Note [Head-major gather])."""
-    return list(_SeqToHeadGroups.apply(x, group, stats, order, head_major, groups, True))
+    return list(_SeqToHeadGroups.apply(x, group, stats, order, head_major, groups))
 
 
 def head_groups_to_seq(parts: list[torch.Tensor], group, stats: CommStats | None = None,

@@ -47,8 +47,9 @@ Note [Heads in groups]
     then finishes one group (and autograd frees what that group saved) before it starts the next, so
     the kernel's transients are ``3u / G`` and the saved tensors shrink by ``4u / G`` per group done
     (``scripts/bench_attention.py --sections memory``). Same all-to-alls and bytes as whole heads; ``G`` kernel calls of
-    ``H/(PG)`` heads; one copy of each group's ``dq, dk, dv`` into the send buffers (whole heads send
-    the kernel's ``[B, S, H/P, D]`` gradients as they are where ``B = 1``); query head ``h`` stays
+    ``H/(PG)`` heads; one copy of each group's ``dq, dk, dv`` into the send buffers and of its ``dout``
+    out of the receive buffer (whole heads use both as they are where ``B = 1``; the CPU flash backward
+    would copy a strided head slice of ``dout`` itself, inside the call); query head ``h`` stays
     with K/V head ``h // (H / H_kv)``. ``usp`` runs a round of all-to-alls per group instead (its
     ring takes ``[B, S, H, D]`` blocks, so there is no gather copy to split the groups in).
 """
