@@ -27,7 +27,7 @@ from lightning_sp.comm.stats import CommStats
 from lightning_sp.context import SequenceParallelContext
 from lightning_sp.layout import SequenceLayout, global_seq_len_of, padded_length
 from lightning_sp.ops import backends
-from lightning_sp.ops.kernels import KERNELS, make_kernel
+from lightning_sp.ops.kernels import KERNELS, make_kernel, prefers_heads_major
 
 log = logging.getLogger(__name__)
 
@@ -530,7 +530,8 @@ class SequenceParallelAttention(nn.Module):
                 pieces = choices.ulysses_groups_when_memory_is_free(
                     batch=q.size(0), shard_len=q.size(1), num_heads=q.size(2), num_kv_heads=k.size(2),
                     head_dim=q.size(3), element_size=q.element_size(), world=world, causal=self.causal,
-                    hardware=hardware_profile(ctx.hardware, q.device.type))
+                    hardware=hardware_profile(ctx.hardware, q.device.type),
+                    gather_copies=prefers_heads_major(self._make_kernel(q), q.device))
             log.info("lightning_sp: kv_pieces='auto' runs %s with %d piece(s): predicted peak %.3g MiB per rank, "
                      "budget %s", backend, pieces, peak / 2**20,
                      "none" if budget is None else f"{budget / 2**20:.3g} MiB")

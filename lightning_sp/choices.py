@@ -39,17 +39,17 @@ the minimum over the ranks; on CPU with no budget, whole blocks. ``ulysses`` is 
 
 Note [Ulysses' head groups by default]
 --------------------------------------
-For ``ulysses`` ``kv_pieces`` is the number of head groups (Note [Heads in groups] in ``ops/backends.py``), and
-two groups cost almost nothing where the shard is long: the same bytes and kernel work in twice as many calls,
-plus one copy of the output (``torch.cat``) and of ``dq, dk, dv`` (the chunks' backward). They lower the peak
-per rank from 8u to 6u (``u`` = one ``[B, S/P, H, D]`` shard; beyond the inputs), below DeepSpeed's Ulysses,
-which runs whole heads (8u). So where memory does not bind (no budget, or whole heads fit it), ``"auto"`` runs
-``ulysses`` in ``ULYSSES_GROUPS_WHEN_FREE`` groups when the cost model predicts at most
-``GROUPS_MAX_PREDICTED_COST`` times whole heads' time on the bound hardware profile and the shard holds at
-least ``GROUPS_MIN_SHARD_TOKENS`` tokens, else whole heads. Measured on CPU gloo at P = 2 (benchmarks/README.md,
-section 8, "Ulysses memory"): 0.76x DeepSpeed's peak, time within ~1% of whole heads at shards of 2048 and
-4096 tokens. On GPUs the profile's all-to-all latency makes the predicted cost larger except on long shards,
-so there it mostly stays whole heads; every extra all-to-all is a latency paid twice per layer on NCCL.
+For ``ulysses`` ``kv_pieces`` is the number of head groups (Note [Heads in groups] in ``ops/backends.py``): the
+same all-to-alls (q, k, v gathered whole), one kernel call per group. Where the kernel reads head-major memory
+(the CPU flash op, Note [Head-major gather]) the gather copies each group apart anyway, so two groups cost two
+kernel calls of half the heads and one copy of ``dout, dq, dk, dv``; they lower the peak per rank
+below DeepSpeed's Ulysses, which runs whole heads. So where memory does not bind (no budget, or whole heads fit
+it) and the gather copies anyway, ``"auto"`` runs ``ulysses`` in ``ULYSSES_GROUPS_WHEN_FREE`` groups when the
+cost model predicts at most ``GROUPS_MAX_PREDICTED_COST`` times whole heads' time on the bound hardware profile
+and the shard holds at least ``GROUPS_MIN_SHARD_TOKENS`` tokens, else whole heads. Measured on CPU gloo at P = 2
+(benchmarks/README.md, section 8, "Ulysses: groups after the gather"). On CUDA (seq-major gathers) each group
+would cost one more copy of q, k, v and launches the model does not price, so there it stays whole heads unless
+a budget binds.
 """
 
 from __future__ import annotations
@@ -95,13 +95,17 @@ Pessimistic by design: an overestimate costs more pieces (time), an underestimat
 # pieces ``f_u * u + f_kv * u_kv + (m_u * u + m_kv * u_kv) / m``. Non-negative least squares on allocator peaks
 # (``experiments.peak_memory.AllocatorPeak``) at P = 4, fp32, causal, shapes (N, H, H_kv, D) = (4096, 16, 16, 32)
 # and (2048, 8, 2, 64), kv_pieces 1, 2, 4, 8 (``scripts/calibrate_peak_memory.py``, 2026-11-23; max error on
-# those rows 4.2%). ``tests/distributed/test_choices.py`` checks the prediction at other shapes.
+# those rows 4.2%). ``tests/distributed/test_choices.py`` checks the prediction at other shapes. ``ulysses``
+# re-fitted 2026-11-24 (Note [Heads in groups]: groups after the gather; its groups are head-group counts, so
+# only the first shape has rows with groups). The rings' rows are kept from 2026-11-23 on purpose: a rerun
+# without a budget fits their whole blocks higher (the head-major copies of Note [Head-major blocks]), which a
+# budget in force turns off.
 #                  (w_u,   w_kv,   f_u,   f_kv,  m_u,   m_kv)
 _PEAK_MODEL: dict[str, tuple[float, float, float, float, float, float]] = {
     "ring":         (2.375, 13.188, 3.836, 1.669, 0.0,   8.192),
     "zigzag_ring":  (3.985, 7.687,  3.836, 1.669, 0.0,   8.192),
     "allgather_kv": (4.188, 6.375,  4.834, 3.166, 0.0,   0.0),    # + its gathered K/V, 2 P u_kv
-    "ulysses":      (6.0,   5.031,  6.75,  3.531, 0.0,   0.0),
+    "ulysses":      (6.501, 6.03,   9.532, 0.0,   3.0,   0.0),    # 2026-11-24: groups after the gather
     "usp":          (7.189, 7.374,  5.939, 3.87,  1.085, 0.0),
 }
 
@@ -114,19 +118,21 @@ GROUPS_MAX_PREDICTED_COST = 1.01
 """... when the cost model predicts the groups at most this times whole heads' fwd+bwd time ..."""
 
 GROUPS_MIN_SHARD_TOKENS = 2048
-"""... and the shard holds at least this many tokens: the shortest shard measured at P = 2 on CPU (N = 4096) where
-two groups cost ~1% (the cost model predicts less than it measures there, so shorter shards are not trusted
-to it)."""
+"""... and the shard holds at least this many tokens: the shortest shard measured at P = 2 on CPU (N = 4096);
+shorter shards are not trusted to the model, which prices no per-call overhead for the groups' kernel calls."""
 
 
 def ulysses_groups_when_memory_is_free(*, batch: int, shard_len: int, num_heads: int, num_kv_heads: int,
-                                       head_dim: int, element_size: int, world: int, causal: bool, hardware) -> int:
+                                       head_dim: int, element_size: int, world: int, causal: bool, hardware,
+                                       gather_copies: bool) -> int:
     """``kv_pieces`` for ``ulysses`` where memory does not bind: ``ULYSSES_GROUPS_WHEN_FREE`` or 1 (Note
-    [Ulysses' head groups by default]). ``hardware``: the cost model's ``HardwareProfile``. A function of the
-    shapes and the profile only, so every rank decides the same (the shapes are checked across ranks)."""
+    [Ulysses' head groups by default]). ``hardware``: the cost model's ``HardwareProfile``; ``gather_copies``:
+    the all-to-all copies its result anyway (the kernel prefers head-major memory). A function of the shapes,
+    the kernel, the device type and the profile only, so every rank decides the same (the shapes are checked
+    across ranks)."""
     from lightning_sp import cost_model
 
-    if shard_len < GROUPS_MIN_SHARD_TOKENS or num_heads % world:
+    if not gather_copies or shard_len < GROUPS_MIN_SHARD_TOKENS or num_heads % world:
         return 1
     shape = cost_model.AttentionShape(seq_len=shard_len * world, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                       head_dim=head_dim, batch=batch, dtype_bytes=element_size, causal=causal)
@@ -146,6 +152,7 @@ def predicted_peak_bytes(backend: str, *, batch: int, shard_len: int, num_heads:
     """Predicted peak bytes per rank of one attention fwd+bwd on a shard of ``shard_len`` tokens, its inputs
     ``q, k, v, dout`` included (``_PEAK_MODEL`` times ``PEAK_MARGIN``; backends outside it: the ring's).
     ``ulysses_degree``: ``usp``'s inner degree (default 2)."""
+    from lightning_sp.ops.backends import head_group_count
     from lightning_sp.ops.ring_attention import piece_count
 
     kv_heads = num_kv_heads
@@ -155,7 +162,10 @@ def predicted_peak_bytes(backend: str, *, batch: int, shard_len: int, num_heads:
     u = batch * shard_len * num_heads * head_dim * element_size
     u_kv = batch * shard_len * kv_heads * head_dim * element_size
     w_u, w_kv, f_u, f_kv, m_u, m_kv = _PEAK_MODEL.get(backend, _PEAK_MODEL["ring"])
-    m = piece_count(pieces, shard_len)  # what runs: pieces never shorter than MIN_PIECE_TOKENS
+    if backend == "ulysses":  # what runs: head groups dividing the K/V heads per rank
+        m = head_group_count(pieces, kv_heads // split, shard_len)
+    else:  # pieces never shorter than MIN_PIECE_TOKENS
+        m = piece_count(pieces, shard_len)
     peak = w_u * u + w_kv * u_kv if m == 1 else f_u * u + f_kv * u_kv + (m_u * u + m_kv * u_kv) / m
     if backend == "allgather_kv":  # the gathered K/V of the whole sequence: kept by design
         peak += 2 * world * batch * shard_len * num_kv_heads * head_dim * element_size

@@ -58,6 +58,7 @@ def fit(rows: list[dict]) -> dict[str, tuple[float, ...]]:
     import numpy as np
     from scipy.optimize import nnls
 
+    from lightning_sp.ops.backends import head_group_count
     from lightning_sp.ops.ring_attention import piece_count
 
     table = {}
@@ -69,6 +70,8 @@ def fit(rows: list[dict]) -> dict[str, tuple[float, ...]]:
             u, u_kv = r["u"], r["u_kv"] * (degree // h_kv if degree > h_kv else 1)  # after K/V head replication
             y = r["peak"] + r["inputs"] - (2 * WORLD * r["u_kv"] if backend == "allgather_kv" else 0)
             m = piece_count(r["pieces"], n // WORLD, MIN_PIECE_TOKENS)
+            if backend == "ulysses":  # head groups: a divisor of the K/V heads per rank (after replication)
+                m = head_group_count(r["pieces"], max(h_kv, WORLD) // WORLD, n // WORLD)
             if m == 1:
                 whole.append([u, u_kv]), whole_y.append(y)
             else:

@@ -72,106 +72,170 @@ class TokenOrder(NamedTuple):
 # scripts/bench_headmajor_sdpa.py). So seq_to_head_all_to_all(head_major=True) hands out its [B, S, H/P, D]
 # result as the transpose of a contiguous [B, H/P, S, D] tensor: with a token order the gather writes it
 # (no extra copy), without one a copy of the receive buffer does (recv is freed after it: a transient).
-# Ulysses asks for it for q, k, v where the kernel prefers_heads_major (SDPAKernel on CPU; head groups are
-# chunked before the all-to-all, so every group's are head-major), not for dout (head_to_seq's backward): given a head-major dout, the CPU flash backward
+# Ulysses asks for it for q, k, v where the kernel prefers_heads_major (SDPAKernel on CPU; each head group is
+# copied out on its own, Note [Heads in groups]), not for dout (head_to_seq's backward): given a head-major dout, the CPU flash backward
 # allocates a dout-sized buffer of its own (AllocatorPeak, torch 2.13: one tensor more at the backward's
 # peak, +u/2 per rank in bench_peers' ulysses pair). Not on CUDA, nor in USP: the CUDA ops (_fused_input in
 # ops/kernels.py) and the ring's sends copy anything but contiguous [B, S, H, D]. The SDPA kernel's CPU path
 # only transposes (no copy of its own).
 
 
-def seq_to_head_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None,
-                           order: TokenOrder | None = None, *, head_major: bool = False) -> torch.Tensor:
-    """``[B, S/P, H, D] -> [B, S, H/P, D]``: gather the sequence, scatter the heads (no autograd). With
-    ``order``, the gathered tokens come out sorted by ``order.sort`` (one gather copy, no extra pass).
+def _heads_slice(c: int, heads_per_group: int) -> slice:
+    return slice(c * heads_per_group, (c + 1) * heads_per_group)
 
-    ``head_major`` (Note [Head-major gather]): the result's memory is ``[B, H/P, S, D]`` contiguous (returned
-    as its ``.transpose(1, 2)``, shape ``[B, S, H/P, D]``), which the CPU flash op reads faster; without
-    ``order`` that costs one copy of the receive buffer (none when ``B = H/P = 1``: the layouts coincide).
-    Else a view of the receive buffer (``[B, S, H/P, D]`` memory where ``B = 1``) or the sorted gather's
-    contiguous ``[B, S, H/P, D]``: what the CUDA ops and the ring's sends take without a copy."""
+
+def seq_to_head_groups_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None,
+                                  order: TokenOrder | None = None, *, head_major: bool = False,
+                                  groups: int = 1) -> list[torch.Tensor]:
+    """``[B, S/P, H, D] -> groups x [B, S, H/(P G), D]``: gather the sequence, scatter the heads in one all-to-all
+    (no autograd), then hand out this rank's ``H/P`` heads (global heads ``rank H/P ...``, in order) in ``groups``
+    groups of consecutive heads (Note [Heads in groups] in ``ops/backends.py``). With ``order``, the gathered
+    tokens come out sorted by ``order.sort`` (one gather copy, no extra pass).
+
+    With ``groups > 1`` each group is in memory of its own, so that what a group's kernel saves is freed when that
+    group's backward is done: without a token order or head-major memory that is one copy (with them, the copy
+    made anyway writes each group apart).
+
+    ``head_major`` (Note [Head-major gather]): each result's memory is ``[B, H/(P G), S, D]`` contiguous (returned
+    as its ``.transpose(1, 2)``); without ``order`` that costs one copy of the receive buffer (none when
+    ``B = H/P = 1``: the layouts coincide). Else (``groups = 1``) a view of the receive buffer (``[B, S, H/P, D]``
+    memory where ``B = 1``) or the sorted gather's contiguous ``[B, S, H/P, D]``: what the CUDA ops and the
+    ring's sends take without a copy."""
     world = dist.get_world_size(group)
     b, s_local, h, d = x.shape
     h_local, s = h // world, world * s_local
+    if h_local % groups:
+        raise ValueError(f"{h_local} heads per rank do not split into {groups} groups")
     # [B, S/P, H, D] -> [B, S/P, P, H/P, D] -> [P, S/P, B, H/P, D]: chunk p goes to rank p
     send = x.reshape(b, s_local, world, h_local, d).permute(2, 1, 0, 3, 4).contiguous()
     recv = torch.empty_like(send)  # [P(source rank), S/P, B, H/P, D]
     _count(stats, "all_to_all", _nbytes(send))
     dist.all_to_all_single(recv, send, group=group)
     _release_now(send, x)
-    if head_major:
-        # [P, S/P, B, H/P, D] -> [B, H/P, P, S/P, D] -> [B, H/P, S(source-rank order), D] (a view)
-        gathered = recv.permute(2, 3, 0, 1, 4).reshape(b, h_local, s, d)
-        # -> contiguous [B, H/P, S(sorted), D] (the gather or one copy) -> [B, S, H/P, D] view
-        out = (gathered.index_select(2, order.sort) if order is not None else gathered.contiguous()).transpose(1, 2)
-    else:
-        # [P, S/P, B, H/P, D] -> [B, S(source-rank order), H/P, D] (a view) [-> gather -> [B, S(sorted), H/P, D]]
-        out = recv.permute(2, 0, 1, 3, 4).reshape(b, s, h_local, d)
-        if order is not None:
-            out = out.index_select(1, order.sort)
-    _release_now(recv, out)
-    return out
+    hg = h_local // groups
+    outs = []
+    for c in range(groups):
+        part = recv[:, :, :, _heads_slice(c, hg)]  # [P, S/P, B, hg, D]
+        if head_major:
+            # -> [B, hg, P, S/P, D] -> [B, hg, S(source-rank order), D] (a view)
+            gathered = part.permute(2, 3, 0, 1, 4).reshape(b, hg, s, d)
+            # -> contiguous [B, hg, S(sorted), D] (the gather or one copy) -> [B, S, hg, D] view
+            out = (gathered.index_select(2, order.sort) if order is not None else gathered.contiguous()).transpose(1, 2)
+        else:
+            # -> [B, S(source-rank order), hg, D] (a view where B = 1 and the group is all heads)
+            out = part.permute(2, 0, 1, 3, 4).reshape(b, s, hg, d)
+            if order is not None:
+                out = out.index_select(1, order.sort)  # [B, S(sorted), hg, D]
+            elif groups > 1:
+                out = out.contiguous()
+        outs.append(out)
+    _release_now(recv, *outs)
+    return outs
 
 
-def head_to_seq_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None,
-                           order: TokenOrder | None = None) -> torch.Tensor:
-    """``[B, S, H/P, D] -> [B, S/P, H, D]``: scatter the sequence, gather the heads (no autograd). With
-    ``order``, ``x``'s tokens are in ``order.sort`` order and go back to their source ranks (the inverse of
-    ``seq_to_head_all_to_all(..., order)``), folded into the send buffer's copy."""
+def seq_to_head_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None,
+                           order: TokenOrder | None = None, *, head_major: bool = False) -> torch.Tensor:
+    """``[B, S/P, H, D] -> [B, S, H/P, D]``: ``seq_to_head_groups_all_to_all`` in one group."""
+    return seq_to_head_groups_all_to_all(x, group, stats, order, head_major=head_major)[0]
+
+
+def head_groups_to_seq_all_to_all(parts: list[torch.Tensor], group, stats: CommStats | None = None,
+                                  order: TokenOrder | None = None) -> torch.Tensor:
+    """``groups x [B, S, H/(P G), D] -> [B, S/P, H, D]``: scatter the sequence, gather the heads (no autograd); the
+    inverse of ``seq_to_head_groups_all_to_all`` (any strides). With ``order``, the tokens are in ``order.sort``
+    order and go back to their source ranks, folded into the send buffer's copy."""
     world = dist.get_world_size(group)
-    b, s, h_local, d = x.shape
-    s_local = s // world
-    if order is not None:
+    b, s, hg, d = parts[0].shape
+    s_local, h_local = s // world, hg * len(parts)
+    if len(parts) == 1 and order is not None:
         # [B, S(sorted), H/P, D] -> [S, B, H/P, D] (a view) -> gather by unsort -> [S(source-rank order), B, H/P, D]
         # = [P, S/P, B, H/P, D] contiguous: sequence chunk p goes to rank p
-        send = x.transpose(0, 1).index_select(0, order.unsort).view(world, s_local, b, h_local, d)
-    else:
-        # [B, S, H/P, D] -> [B, P, S/P, H/P, D] -> [P, S/P, B, H/P, D]: sequence chunk p goes to rank p
-        send = x.reshape(b, world, s_local, h_local, d).permute(1, 2, 0, 3, 4).contiguous()
+        send = parts[0].transpose(0, 1).index_select(0, order.unsort).view(world, s_local, b, h_local, d)
+    elif len(parts) == 1:
+        # [B, S, H/P, D] -> [B, P, S/P, H/P, D] -> [P, S/P, B, H/P, D] (no copy where it is that memory already)
+        send = parts[0].reshape(b, world, s_local, h_local, d).permute(1, 2, 0, 3, 4).contiguous()
+    else:  # each group written into its heads of one send buffer
+        send = torch.empty(world, s_local, b, h_local, d, dtype=parts[0].dtype, device=parts[0].device)
+        for c, x in enumerate(parts):
+            dst = send[:, :, :, _heads_slice(c, hg)]  # [P, S/P, B, hg, D]
+            if order is not None:  # dst[unsort-th token] = x[token]: dst[sort[i]] = x[i]
+                dst.view(s, b, hg, d).index_copy_(0, order.sort, x.transpose(0, 1))
+            else:
+                dst.copy_(x.reshape(b, world, s_local, hg, d).permute(1, 2, 0, 3, 4))
     recv = torch.empty_like(send)  # [P(source rank = head group), S/P, B, H/P, D]
     _count(stats, "all_to_all", _nbytes(send))
     dist.all_to_all_single(recv, send, group=group)
-    _release_now(send, x)
+    _release_now(send, *parts)
     # [P, S/P, B, H/P, D] -> [B, S/P, P, H/P, D] -> [B, S/P, H, D]
     out = recv.permute(2, 1, 0, 3, 4).reshape(b, s_local, world * h_local, d)
     _release_now(recv, out)
     return out
 
 
-class _AllToAll(torch.autograd.Function):
-    """Either direction; the backward is the other direction (with the same token order and, for the
-    gradient gathered to heads, the same ``head_major``)."""
+def head_to_seq_all_to_all(x: torch.Tensor, group, stats: CommStats | None = None,
+                           order: TokenOrder | None = None) -> torch.Tensor:
+    """``[B, S, H/P, D] -> [B, S/P, H, D]``: ``head_groups_to_seq_all_to_all`` of one group."""
+    return head_groups_to_seq_all_to_all([x], group, stats, order)
+
+
+class _SeqToHeadGroups(torch.autograd.Function):
+    """``seq_to_head_groups_all_to_all``; the backward sends the groups' gradients back in one all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group, stats, to_heads: bool, order, head_major: bool):
-        ctx.group, ctx.stats, ctx.to_heads, ctx.order, ctx.head_major = group, stats, to_heads, order, head_major
-        if to_heads:
-            return seq_to_head_all_to_all(x, group, stats, order, head_major=head_major)
-        return head_to_seq_all_to_all(x, group, stats, order)
+    def forward(ctx, x, group, stats, order, head_major: bool, groups: int):
+        ctx.group, ctx.stats, ctx.order = group, stats, order
+        return tuple(seq_to_head_groups_all_to_all(x, group, stats, order, head_major=head_major, groups=groups))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # any strides: the send buffer is built with one copy (a .contiguous() here would copy twice)
+        return head_groups_to_seq_all_to_all(list(grads), ctx.group, ctx.stats, ctx.order), *(None,) * 5
+
+
+class _HeadGroupsToSeq(torch.autograd.Function):
+    """``head_groups_to_seq_all_to_all``; the backward gathers the gradient to heads and hands each group its
+    own contiguous ``[B, S, H/(P G), D]`` (the CPU flash backward copies a strided head slice of ``dout`` inside
+    the call, at its peak; so each group's is freed when that group's backward is done)."""
+
+    @staticmethod
+    def forward(ctx, group, stats, order, head_major: bool, *parts):
+        ctx.group, ctx.stats, ctx.order, ctx.head_major, ctx.groups = group, stats, order, head_major, len(parts)
+        return head_groups_to_seq_all_to_all(list(parts), group, stats, order)
 
     @staticmethod
     def backward(ctx, grad):
-        # any strides: both directions build their send buffer with one copy (a head group's gradient, a
-        # slice of the whole one, is not contiguous; a .contiguous() here would copy it twice)
-        if ctx.to_heads:
-            dx = head_to_seq_all_to_all(grad, ctx.group, ctx.stats, ctx.order)
-        else:
-            dx = seq_to_head_all_to_all(grad, ctx.group, ctx.stats, ctx.order, head_major=ctx.head_major)
-        return dx, None, None, None, None, None
+        parts = seq_to_head_groups_all_to_all(grad, ctx.group, ctx.stats, ctx.order, head_major=ctx.head_major,
+                                              groups=ctx.groups)
+        return None, None, None, None, *parts
+
+
+def seq_to_head_groups(x: torch.Tensor, group, stats: CommStats | None = None, order: TokenOrder | None = None, *,
+                       head_major: bool = False, groups: int = 1) -> list[torch.Tensor]:
+    """Differentiable ``[B, S/P, H, D] -> groups x [B, S, H/(P G), D]``, each group in memory of its own
+    (``seq_to_head_groups_all_to_all``); ``order``: sort the gathered tokens (``TokenOrder``); ``head_major``:
+    each result's memory is ``[B, H/(P G), S, D]`` (Note [Head-major gather])."""
+    return list(_SeqToHeadGroups.apply(x, group, stats, order, head_major, groups))
+
+
+def head_groups_to_seq(parts: list[torch.Tensor], group, stats: CommStats | None = None,
+                       order: TokenOrder | None = None, *, head_major: bool = False) -> torch.Tensor:
+    """Differentiable ``groups x [B, S, H/(P G), D] -> [B, S/P, H, D]``; ``order``: the parts' tokens are sorted
+    by it; ``head_major``: the memory of the gradients it hands back, as in ``seq_to_head``."""
+    return _HeadGroupsToSeq.apply(group, stats, order, head_major, *parts)
 
 
 def seq_to_head(x: torch.Tensor, group, stats: CommStats | None = None,
                 order: TokenOrder | None = None, *, head_major: bool = False) -> torch.Tensor:
     """Differentiable ``[B, S/P, H, D] -> [B, S, H/P, D]``; ``order``: sort the gathered tokens (``TokenOrder``);
     ``head_major``: the result's memory is ``[B, H/P, S, D]`` (Note [Head-major gather])."""
-    return _AllToAll.apply(x, group, stats, True, order, head_major)
+    return seq_to_head_groups(x, group, stats, order, head_major=head_major)[0]
 
 
 def head_to_seq(x: torch.Tensor, group, stats: CommStats | None = None,
                 order: TokenOrder | None = None, *, head_major: bool = False) -> torch.Tensor:
     """Differentiable ``[B, S, H/P, D] -> [B, S/P, H, D]``; ``order``: ``x``'s tokens are sorted by it;
     ``head_major``: the memory of the gradient it hands back (``[B, S, H/P, D]``), as in ``seq_to_head``."""
-    return _AllToAll.apply(x, group, stats, False, order, head_major)
+    return head_groups_to_seq([x], group, stats, order, head_major=head_major)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,13 +39,19 @@ Note [Heads in groups]
     outputs are copies, not the caller's tensors), ``dout`` and the kernel's ``dq, dk, dv`` (``4u``)
     at once: with the caller's ``q, k, v, dout`` that is ``12u``, 0.375 of what one process
     doing the whole sequence needs (``8P u``) at P = 4. Attention is independent per head, so
-    ``ulysses`` and ``usp`` run the all-to-alls and the attention on ``G`` groups of heads
-    (``head_group_count``: the largest divisor of the K/V heads per rank that is at most
-    ``kv_pieces``, fewer on short shards), each group its own autograd nodes. The backward then
-    finishes one group (and autograd frees what that group saved) before it starts the next, so
-    the transients are ``4u / G`` and the peak falls to about ``8u + 4u / G`` with the inputs
-    (``scripts/bench_attention.py --sections memory``). Same bytes, ``G`` times as many (smaller)
-    all-to-alls and kernel calls; query head ``h`` stays with K/V head ``h // (H / H_kv)``.
+    ``ulysses`` gathers q, k, v whole (one all-to-all each, as with one group) and hands this rank's
+    ``H/P`` heads out in ``G`` groups of consecutive heads, each in memory of its own
+    (``seq_to_head_groups``; ``head_group_count``: the largest divisor of the K/V heads per rank that
+    is at most ``kv_pieces``, fewer on short shards), then runs one kernel call, its own autograd node,
+    per group; the output's all-to-all takes the groups' outputs in one send buffer. The backward
+    then finishes one group (and autograd frees what that group saved) before it starts the next, so
+    the kernel's transients are ``3u / G`` and the saved tensors shrink by ``4u / G`` per group done
+    (``scripts/bench_attention.py --sections memory``). Same all-to-alls and bytes as whole heads; ``G`` kernel calls of
+    ``H/(PG)`` heads; one copy of each group's ``dq, dk, dv`` into the send buffers and of its ``dout``
+    out of the receive buffer (whole heads use both as they are where ``B = 1``; the CPU flash backward
+    would copy a strided head slice of ``dout`` itself, inside the call); query head ``h`` stays
+    with K/V head ``h // (H / H_kv)``. ``usp`` runs a round of all-to-alls per group instead (its
+    ring takes ``[B, S, H, D]`` blocks, so there is no gather copy to split the groups in).
 """
 
 from __future__ import annotations
@@ -56,7 +62,14 @@ from functools import lru_cache
 
 import torch
 
-from lightning_sp.comm.collectives import TokenOrder, all_gather_raw, head_to_seq, seq_to_head
+from lightning_sp.comm.collectives import (
+    TokenOrder,
+    all_gather_raw,
+    head_groups_to_seq,
+    head_to_seq,
+    seq_to_head,
+    seq_to_head_groups,
+)
 from lightning_sp.comm.ring import RingComm, ring_reduce_scatter
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.layout import Run, SequenceLayout, runs_for_ranks, runs_of, token_indices
@@ -184,15 +197,14 @@ def ulysses_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     order = _token_order(call.layout, world, call.padded_len, everyone, q.device)  # Note [Sorting while gathering]
 
     head_major = prefers_heads_major(call.kernel, q.device)  # the CPU flash op (Note [Head-major gather])
-
-    def attend(qg, kg, vg):  # one head group: [B, S/P, H', D] -> [B, S, H'/P, D] (global order) -> attention -> back
-        qh, kh, vh = (seq_to_head(t, group, call.stats, order, head_major=head_major) for t in (qg, kg, vg))
-        # dout stays [B, S, H'/P, D] memory: the CPU flash backward copies a head-major dout (one more tensor
-        # at the backward's peak), Note [Head-major gather]
-        return head_to_seq(block_attention(qh, kh, vh, spec), group, call.stats, order)  # [B, S/P, H', D]
-
     groups = head_group_count(call.kv_pieces, k.size(2) // world, q.size(1))
-    return _in_head_groups(q, k, v, groups, attend)  # [B, S/P, H, D]
+    # [B, S/P, H, D] -> groups x [B, S, H/(P G), D] (global order), each group its own memory (Note [Heads in groups])
+    qs, ks, vs = (seq_to_head_groups(t, group, call.stats, order, head_major=head_major, groups=groups)
+                  for t in (q, k, v))
+    outs = [block_attention(qg, kg, vg, spec) for qg, kg, vg in zip(qs, ks, vs)]  # one autograd node per group
+    # dout stays [B, S, H/P, D] memory: the CPU flash backward copies a head-major dout (one more tensor at the
+    # backward's peak), Note [Head-major gather]
+    return head_groups_to_seq(outs, group, call.stats, order)  # [B, S/P, H, D]
 
 
 def ring_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:

@@ -230,20 +230,16 @@ def _ulysses(layout, n, p, h, hkv, d, causal, kv_pieces) -> RankSchedule:
     c = n // p
     hkv_r = _replicated_kv_heads(h, hkv, p)
     groups = _head_groups(kv_pieces, hkv_r // p, c)
-    hg, kg = h // groups, hkv_r // groups  # heads per group before the all-to-all
     runs = runs_for_ranks(layout, p, n, tuple(range(p)))
     whole = runs_for_ranks(SequenceLayout("contiguous"), 1, n, (0,))
-    f_attn, b_attn = _single_or_merged(whole, whole, n, n, causal, hg // p, kg // p, d)
+    # q, k, v gathered whole, then one kernel call per head group (Note [Heads in groups])
+    f_attn, b_attn = _single_or_merged(whole, whole, n, n, causal, h // groups // p, hkv_r // groups // p, d)
     if len(runs) > 1:  # _attend_gathered reorders q, k, v and back (and the same in backward)
-        reorder = n * (hg + 2 * kg) // p * d + n * hg // p * d
+        reorder = n * (h + 2 * hkv_r) // p * d + n * h // p * d
         f_attn.copies += reorder
         b_attn.copies += reorder
-    fwd, bwd = [], []
-    for _ in range(groups):
-        fwd += _all_to_alls(c, (hg, kg, kg), d, p) + [f_attn] + _all_to_alls(c, (hg,), d, p)
-        bwd += _all_to_alls(c, (hg,), d, p) + [b_attn] + _all_to_alls(c, (hg, kg, kg), d, p)
-    if groups > 1:
-        fwd.append(Step(copies=c * h * d))  # torch.cat of the groups' outputs
+    fwd = _all_to_alls(c, (h, hkv_r, hkv_r), d, p) + [f_attn] * groups + _all_to_alls(c, (h,), d, p)
+    bwd = _all_to_alls(c, (h,), d, p) + [b_attn] * groups + _all_to_alls(c, (h, hkv_r, hkv_r), d, p)
     return RankSchedule(fwd, bwd)
 
 

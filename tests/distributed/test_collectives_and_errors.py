@@ -8,7 +8,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import SequenceParallelAttention, gather_sequence, sequence_parallel_cross_entropy, shard_sequence
-from lightning_sp.comm.collectives import all_gather_along, head_to_seq, seq_to_head, seq_to_head_all_to_all
+from lightning_sp.comm.collectives import (
+    all_gather_along,
+    head_groups_to_seq,
+    head_to_seq,
+    seq_to_head,
+    seq_to_head_all_to_all,
+    seq_to_head_groups,
+)
 from tests.distributed.harness import run_on_ranks
 
 pytestmark = pytest.mark.distributed
@@ -27,6 +34,36 @@ def _expect_error(fn, exc_type, match):
 
         return bool(re.search(match, str(e))), str(e)
     return False, "no error raised"
+
+
+def _head_groups(rank, world, group) -> dict[str, bool]:
+    """Note [Heads in groups]: ``seq_to_head_groups`` hands this rank's ``H/P`` heads out in groups of consecutive
+    heads, each in memory of its own, with and without a token order, head-major or not (B = 2); backward and
+    ``head_groups_to_seq`` invert it. Control: the groups' memory is distinct, which slices of one tensor's
+    would not be."""
+    from lightning_sp.layout import SequenceLayout
+    from lightning_sp.ops.backends import _token_order
+
+    x, w = _global(10, 2, 8, 16, 3), _global(11, 2, 8, 16, 3)  # [B, N, H, D]: 4 heads per rank, 2 groups of 2
+    heads = [slice(rank * 4 + 2 * c, rank * 4 + 2 * c + 2) for c in range(2)]
+    zigzag = _token_order(SequenceLayout("zigzag"), world, 8, tuple(range(world)), torch.device("cpu"))
+    ok = {}
+    for layout, order in (("contiguous", None), ("zigzag", zigzag)):
+        for head_major in (False, True):
+            name = f"{layout}{'_head_major' if head_major else ''}"
+            xl = shard_sequence(x, group, layout=layout).requires_grad_()
+            parts = seq_to_head_groups(xl, group, order=order, head_major=head_major, groups=2)
+            ok[f"groups_fwd_{name}"] = all(torch.equal(p, x[:, :, h]) for p, h in zip(parts, heads))
+            ok[f"groups_own_memory_{name}"] = parts[0].untyped_storage().data_ptr() != parts[1].untyped_storage().data_ptr()
+            ok[f"groups_layout_{name}"] = all(p.transpose(1, 2).is_contiguous() == head_major for p in parts)
+            sum((p * w[:, :, h]).sum() for p, h in zip(parts, heads)).backward()
+            ok[f"groups_bwd_{name}"] = torch.equal(xl.grad, shard_sequence(w, group, layout=layout))
+            leaves = [p.detach().requires_grad_() for p in parts]
+            back = head_groups_to_seq(leaves, group, order=order)  # [B, N/P, H, D]
+            ok[f"groups_roundtrip_{name}"] = torch.equal(back, xl.detach())
+            (back * shard_sequence(w, group, layout=layout)).sum().backward()
+            ok[f"groups_roundtrip_bwd_{name}"] = all(torch.equal(p.grad, w[:, :, h]) for p, h in zip(leaves, heads))
+    return ok
 
 
 def _worker(rank, world):
@@ -67,6 +104,7 @@ def _worker(rank, world):
     (back * shard_sequence(w, group, layout="zigzag")).sum().backward()
     res["a2a_sorted_roundtrip_bwd"] = torch.equal(yh.grad, w[:, :, rank * 2 : rank * 2 + 2])
     res["a2a_sorted_roundtrip_bwd_head_major"] = yh.grad.transpose(1, 2).is_contiguous()  # the kernels' dout
+    res.update(_head_groups(rank, world, group))
     # all-gather: each rank's loss differs; the gradient of a shard is the SUM over ranks
     zl = shard_sequence(x, group, layout="zigzag").requires_grad_()
     full = gather_sequence(zl, group, layout="zigzag", seq_len=7)
@@ -109,7 +147,10 @@ def results():
 @pytest.mark.parametrize("key", ["a2a_fwd", "a2a_bwd", "a2a_roundtrip", "a2a_head_major", "a2a_head_major_control",
                                  "a2a_sorted_fwd", "a2a_sorted_head_major", "a2a_sorted_head_major_control",
                                  "a2a_sorted_roundtrip_bwd_head_major", "a2a_sorted_control", "a2a_sorted_bwd",
-                                 "a2a_sorted_roundtrip", "a2a_sorted_roundtrip_bwd", "gather_inverse", "gather_bwd"])
+                                 "a2a_sorted_roundtrip", "a2a_sorted_roundtrip_bwd", "gather_inverse", "gather_bwd",
+                                 *(f"groups_{what}_{name}" for what in ("fwd", "own_memory", "layout", "bwd", "roundtrip",
+                                                                        "roundtrip_bwd")
+                                   for name in ("contiguous", "contiguous_head_major", "zigzag", "zigzag_head_major"))])
 def test_collective_matches_single_process(results, key):
     assert all(r[key] for r in results), [r[key] for r in results]
 

@@ -44,7 +44,7 @@ CASES = {  # world -> [(backend, causal, (H, H_kv), docs, kv_pieces)]
 HEAD_GROUPS = {(2, "ulysses", 4, 2): 2, (2, "ulysses", 8, 4): 4, (4, "usp", 2, 3): 1, (4, "usp", 4, 4): 2,
                (4, "ulysses", 8, 3): 2, (4, "ulysses", 2, 8): 1, (4, "auto->ulysses", 8, 2): 2,
                (2, "ulysses", 4, "auto"): 2, (4, "auto->ulysses", 8, "auto"): 2}
-"""(world, backend, H_kv, kv_pieces) -> head groups the all-to-alls must run in (3 forward all-to-alls each)."""
+"""(world, backend, H_kv, kv_pieces) -> head groups (``ulysses``: kernel calls per pass; ``usp``: rounds of all-to-alls)."""
 
 
 def _tensors(seed, h, h_kv):
@@ -66,14 +66,16 @@ def _rows_adjacent(x) -> bool:
     return x.stride(3) == 1 and x.stride(1) == x.size(3)
 
 
-def _record_kernel_layouts(seen: list) -> None:
-    """Make the CPU SDPA kernel append, per call, whether its q, k, v came head-major (``_rows_adjacent``)."""
+def _record_kernel_layouts(seen: list, storages: list) -> None:
+    """Make the CPU SDPA kernel append, per call, whether its q, k, v came head-major (``_rows_adjacent``) to
+    ``seen``, and, per forward call, where q's memory is to ``storages``."""
     from lightning_sp.ops.kernels import SDPAKernel
 
     fwd, bwd = SDPAKernel._cpu_forward, SDPAKernel._cpu_backward
 
     def forward(self, q, k, v, **kw):
         seen.append(tuple(_rows_adjacent(t) for t in (q, k, v)))
+        storages.append(q.untyped_storage().data_ptr())
         return fwd(self, q, k, v, **kw)
 
     def backward(self, dout, q, k, v, out, lse, **kw):
@@ -93,10 +95,11 @@ def _worker(rank, world):
     choices.GROUPS_MIN_SHARD_TOKENS, choices.GROUPS_MAX_PREDICTED_COST = 1, float("inf")  # "auto": head groups here
     group = dist.group.WORLD
     seen = []  # (q, k, v head-major?) per CPU SDPA kernel call
-    _record_kernel_layouts(seen)
+    storages = []  # q's storage per forward kernel call
+    _record_kernel_layouts(seen, storages)
     errors = {}
     for i, (backend, causal, (h, h_kv), docs, pieces) in enumerate(CASES[world]):
-        del seen[:]
+        del seen[:], storages[:]
         q, k, v, dout = _tensors(i, h, h_kv)
         cu = torch.tensor(DOCS, dtype=torch.int32) if docs else None
         attn = _attention(backend, causal, group, pieces)
@@ -106,6 +109,7 @@ def _worker(rank, world):
         forward_all_to_alls = attn.comm_stats.calls_by_op.get("all_to_all", 0) - before
         out.backward(local[3])
         head_major = [all(call) for call in seen]  # per CPU SDPA call: q, k, v all in [B, H, S, D] memory
+        group_memory = list(storages)  # q's storage per forward kernel call
         got = [gather_sequence(t, group, layout=attn.layout, seq_len=N) for t in (out.detach(), *(x.grad for x in local[:3]))]
         qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
         ref = dense_attention(qd, kd, vd, causal=causal, cu_seqlens=cu)
@@ -130,7 +134,7 @@ def _worker(rank, world):
             layouts["budget"] = list(seen)
         ring_world = world // attn.layout.ulysses_degree if backend == "usp" else world
         errors[(backend, causal, h_kv, docs, pieces)] = (errs, control, sent, ring_world, forward_all_to_alls,
-                                                         head_major, layouts)
+                                                         group_memory, head_major, layouts)
     return errors
 
 
@@ -163,12 +167,17 @@ def test_pieces_send_the_same_kv_bytes_and_fewer_gradient_bytes(results):
 
 
 def test_ulysses_and_usp_run_in_head_groups(results):
-    """Each head group is one round of all-to-alls (q, k, v forward; the output's comes back): the
-    count shows the groups were used; the bytes (test above) show they add up to the whole."""
+    """``ulysses`` gathers q, k, v whole (3 forward all-to-alls, the output's 1) and attends per head group, each
+    group's q in memory of its own (so what a group saves is freed when its backward is done); ``usp`` runs one
+    round of all-to-alls per group. Control: with one group, one kernel call on one storage."""
     world, per_rank = results
-    for key, (*_, forward_all_to_alls, _, _) in per_rank[0].items():
+    for key, (*_, forward_all_to_alls, group_memory, _, _) in per_rank[0].items():
         backend, h_kv, pieces = key[0], key[2], key[-1]
-        if backend in ("ulysses", "usp", "auto->ulysses"):
+        if backend in ("ulysses", "auto->ulysses"):
+            groups = HEAD_GROUPS[(world, backend, h_kv, pieces)]
+            assert forward_all_to_alls == 4, (world, key, forward_all_to_alls)
+            assert len(set(group_memory)) == groups, (world, key, group_memory)  # a call per group and document
+        elif backend == "usp":
             groups = HEAD_GROUPS[(world, backend, h_kv, pieces)]
             assert forward_all_to_alls == 4 * groups, (world, key, forward_all_to_alls)
 

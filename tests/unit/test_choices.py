@@ -33,8 +33,9 @@ def test_predicted_peak_falls_with_pieces_and_grows_with_the_shard():
 
 def test_ulysses_runs_two_head_groups_where_memory_is_free_and_cheap():
     """Note [Ulysses' head groups by default]: the benchmark's shapes (P = 2, H = 8, D = 64, fp32, N = 4096 and
-    8192) on the CPU profile get 2 groups; a shard under ``GROUPS_MIN_SHARD_TOKENS``, heads the ranks cannot
-    split, and the H100 profile (whose all-to-all latency the model prices at more than 1%) get whole heads."""
+    8192) on the CPU profile with a kernel that reads head-major gathers get 2 groups; a shard under
+    ``GROUPS_MIN_SHARD_TOKENS``, heads the ranks cannot split, and seq-major gathers (CUDA: each group would
+    cost a copy) get whole heads."""
     import torch
 
     from lightning_sp import cost_model
@@ -42,17 +43,19 @@ def test_ulysses_runs_two_head_groups_where_memory_is_free_and_cheap():
     cpu, h100 = cost_model.default_profile("cpu"), cost_model.PRESETS["h100-80gb"]
     kw = dict(batch=1, num_heads=8, num_kv_heads=8, head_dim=64, element_size=4, world=2, causal=True)
     for n in (4096, 8192):
-        assert choices.ulysses_groups_when_memory_is_free(shard_len=n // 2, hardware=cpu, **kw) == 2, n
+        assert choices.ulysses_groups_when_memory_is_free(shard_len=n // 2, hardware=cpu, gather_copies=True, **kw) == 2
     assert choices.ulysses_groups_when_memory_is_free(shard_len=choices.GROUPS_MIN_SHARD_TOKENS - 1, hardware=cpu,
-                                                      **kw) == 1
-    assert choices.ulysses_groups_when_memory_is_free(shard_len=2048, hardware=h100, **kw) == 1  # the control
-    assert choices.ulysses_groups_when_memory_is_free(shard_len=2048, hardware=cpu, **{**kw, "num_heads": 6,
-                                                                                       "world": 4}) == 1
-    # what SequenceParallelAttention(kv_pieces="auto") resolves to on CPU without a budget (meta: no memory)
-    q = torch.empty(1, 2048, 8, 64, device="meta")
+                                                      gather_copies=True, **kw) == 1
+    for hw in (cpu, h100):  # the control: the same shapes with seq-major gathers
+        assert choices.ulysses_groups_when_memory_is_free(shard_len=2048, hardware=hw, gather_copies=False, **kw) == 1
+    assert choices.ulysses_groups_when_memory_is_free(shard_len=2048, hardware=cpu, gather_copies=True,
+                                                      **{**kw, "num_heads": 6, "world": 4}) == 1
+    # what SequenceParallelAttention(kv_pieces="auto") resolves to on CPU without a budget (expanded: no memory)
+    q = torch.zeros(()).expand(1, 2048, 8, 64)
     for backend, pieces in (("ulysses", 2), ("ring", 1), ("zigzag_ring", 1), ("usp", 1)):
         assert SequenceParallelAttention(backend=backend)._kv_pieces(backend, q, q, 2, None) == pieces, backend
-    short = torch.empty(1, 1024, 8, 64, device="meta")
+    assert SequenceParallelAttention(backend="ulysses", kernel="torch")._kv_pieces("ulysses", q, q, 2, None) == 1
+    short = torch.zeros(()).expand(1, 1024, 8, 64)
     assert SequenceParallelAttention(backend="ulysses")._kv_pieces("ulysses", short, short, 2, None) == 1
     assert SequenceParallelAttention(backend="ulysses", kv_pieces=1)._kv_pieces("ulysses", q, q, 2, None) == 1
 
