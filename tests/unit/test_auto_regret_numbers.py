@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks/results/2026-11-24_cpu-amd-epyc-2c_auto-regret-merged.json"
+RESULTS = ROOT / "benchmarks/results/2026-11-24_cpu-amd-epyc-2c_auto-regret-groups.json"
 
 
 def _quoted_rows(text: str, after: str) -> list[list[str]]:
