@@ -224,15 +224,16 @@ class SequenceParallelAttention(nn.Module):
             blocks: the peak memory per rank falls with ``P`` (Note [K/V in pieces] in
             ``ops/ring_attention.py``). Same bytes as the ring. Pieces are never shorter than
             ``MIN_PIECE_TOKENS`` (256) tokens, so short blocks use fewer; ``1``: the neighbour ring
-            with whole blocks double-buffered (more memory, fewer kernel calls). ``ulysses`` and
-            ``usp``: the all-to-alls and the attention run on up to this many groups of heads (the
-            largest divisor of the K/V heads per rank that fits; Note [Heads in groups] in
-            ``ops/backends.py``), so the backward holds one group's temporaries at a time. ``"auto"``
+            with whole blocks double-buffered (more memory, fewer kernel calls). ``ulysses``: the
+            attention runs on up to this many groups of heads, gathered whole, each group in memory
+            of its own; ``usp``: its all-to-alls and ring per group (the largest divisor of the K/V
+            heads per rank that fits; Note [Heads in groups] in ``ops/backends.py``), so the backward
+            holds one group's temporaries at a time. ``"auto"``
             (default): whole blocks unless ``memory_budget`` (or the context's, or on CUDA a share of the
             free memory) binds, then the fewest pieces that fit (Note [kv_pieces from a memory budget]);
-            ``ulysses`` where memory does not bind: 2 head groups when the cost model prices them at
-            <= 1.01x whole heads on shards of >= 2048 tokens, else whole heads (Note [Ulysses' head
-            groups by default] in ``choices.py``).
+            ``ulysses`` where memory does not bind: 2 head groups when the kernel reads head-major
+            gathers (CPU) and the cost model prices them at <= 1.01x whole heads on shards of >= 2048
+            tokens, else whole heads (Note [Ulysses' head groups by default] in ``choices.py``).
         memory_budget: bytes one attention fwd+bwd may peak at per rank (its inputs included), for
             ``kv_pieces="auto"``; ``None``: the context's ``memory_budget``.
     """
