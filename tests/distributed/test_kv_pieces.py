@@ -29,6 +29,7 @@ CASES = {  # world -> [(backend, causal, (H, H_kv), docs, kv_pieces)]
         ("ulysses", True, (8, 4), True, 2),  # 2 head groups (Note [Heads in groups])
         ("ulysses", False, (8, 8), False, 4),  # 4 head groups
         ("ulysses", True, (4, 4), True, "auto"),  # the default without a budget: 2 head groups
+        ("ulysses/torch", True, (8, 4), True, 2),  # seq-major gathers (kernel="torch"): each group copied apart
     ],
     4: [
         ("ring", False, (4, 2), True, 4),
@@ -43,7 +44,7 @@ CASES = {  # world -> [(backend, causal, (H, H_kv), docs, kv_pieces)]
 }
 HEAD_GROUPS = {(2, "ulysses", 4, 2): 2, (2, "ulysses", 8, 4): 4, (4, "usp", 2, 3): 1, (4, "usp", 4, 4): 2,
                (4, "ulysses", 8, 3): 2, (4, "ulysses", 2, 8): 1, (4, "auto->ulysses", 8, 2): 2,
-               (2, "ulysses", 4, "auto"): 2, (4, "auto->ulysses", 8, "auto"): 2}
+               (2, "ulysses", 4, "auto"): 2, (4, "auto->ulysses", 8, "auto"): 2, (2, "ulysses/torch", 4, 2): 2}
 """(world, backend, H_kv, kv_pieces) -> head groups (``ulysses``: kernel calls per pass; ``usp``: rounds of all-to-alls)."""
 
 
@@ -53,7 +54,10 @@ def _tensors(seed, h, h_kv):
 
 
 def _attention(backend, causal, group, pieces):
-    """The module for a case; ``"auto->ulysses"``: ``backend="auto"`` (zigzag layout) made to choose Ulysses."""
+    """The module for a case; ``"auto->ulysses"``: ``backend="auto"`` (zigzag layout) made to choose Ulysses;
+    ``"ulysses/torch"``: Ulysses with ``kernel="torch"``, which takes seq-major gathers."""
+    if backend == "ulysses/torch":
+        return SequenceParallelAttention(causal=causal, backend="ulysses", kernel="torch", group=group, kv_pieces=pieces)
     if backend != "auto->ulysses":
         return SequenceParallelAttention(causal=causal, backend=backend, group=group, kv_pieces=pieces)
     attn = SequenceParallelAttention(causal=causal, backend="auto", group=group, kv_pieces=pieces)
@@ -68,8 +72,16 @@ def _rows_adjacent(x) -> bool:
 
 def _record_kernel_layouts(seen: list, storages: list) -> None:
     """Make the CPU SDPA kernel append, per call, whether its q, k, v came head-major (``_rows_adjacent``) to
-    ``seen``, and, per forward call, where q's memory is to ``storages``."""
-    from lightning_sp.ops.kernels import SDPAKernel
+    ``seen``, and, per forward call of it or of the ``torch`` kernel, where q's memory is to ``storages``."""
+    from lightning_sp.ops.kernels import SDPAKernel, TorchBlockwiseKernel
+
+    torch_forward = TorchBlockwiseKernel.forward
+
+    def blockwise_forward(self, q, k, v, **kw):
+        storages.append(q.untyped_storage().data_ptr())
+        return torch_forward(self, q, k, v, **kw)
+
+    TorchBlockwiseKernel.forward = blockwise_forward
 
     fwd, bwd = SDPAKernel._cpu_forward, SDPAKernel._cpu_backward
 
@@ -158,7 +170,7 @@ def test_pieces_send_the_same_kv_bytes_and_fewer_gradient_bytes(results):
     for rank_result in per_rank:
         for key, (_, _, sent, ring_world, *_) in rank_result.items():
             pieces, whole = sent[key[-1]], sent[1]
-            if key[0] in ("allgather_kv", "ulysses", "auto->ulysses"):  # no ring: the same bytes either way
+            if key[0] in ("allgather_kv", "ulysses", "auto->ulysses", "ulysses/torch"):  # no ring: the same bytes
                 assert pieces == whole, (world, key)
                 continue
             assert pieces["ring_send"] == whole["ring_send"] > 0, (world, key)
@@ -173,7 +185,7 @@ def test_ulysses_and_usp_run_in_head_groups(results):
     world, per_rank = results
     for key, (*_, forward_all_to_alls, group_memory, _, _) in per_rank[0].items():
         backend, h_kv, pieces = key[0], key[2], key[-1]
-        if backend in ("ulysses", "auto->ulysses"):
+        if backend in ("ulysses", "auto->ulysses", "ulysses/torch"):
             groups = HEAD_GROUPS[(world, backend, h_kv, pieces)]
             assert forward_all_to_alls == 4, (world, key, forward_all_to_alls)
             assert len(set(group_memory)) == groups, (world, key, group_memory)  # a call per group and document
