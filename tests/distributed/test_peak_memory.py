@@ -7,7 +7,7 @@ Measured as ``scripts/bench_attention.py --sections memtrace`` does, but small a
 peak of PyTorch allocator bytes during the call (``experiments.peak_memory.AllocatorPeak``) plus the
 rank's inputs ``q, k, v, dout``, against the same for ``backend="local"`` on the whole sequence. The
 backward is seeded without holding the output (``grad_seed``), as in a model. Shards of 1024 tokens
-in the default 8 pieces (``MIN_PIECE_TOKENS = 128``), Ulysses in 2 head groups, USP in 4. Negative control: whole blocks (``kv_pieces=1``) exceed
+in the default 8 pieces (``MIN_PIECE_TOKENS = 128``), Ulysses in 4 head groups (its 4 heads per rank), USP in 4. Negative control: whole blocks (``kv_pieces=1``) exceed
 the bound for the ring and Ulysses. With the default ``kv_pieces="auto"`` and ``memory_budget`` = 0.35 of one
 process's footprint, the ring backends choose pieces (Note [kv_pieces from a memory budget]) and stay under it
 (Ulysses' head groups barely lower its peak in the model's calibration, so its budget case is not claimed).
