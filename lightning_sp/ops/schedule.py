@@ -234,8 +234,8 @@ def _ulysses(layout, n, p, h, hkv, d, causal, kv_pieces) -> RankSchedule:
     whole = runs_for_ranks(SequenceLayout("contiguous"), 1, n, (0,))
     # q, k, v gathered whole, then one kernel call per head group (Note [Heads in groups])
     f_attn, b_attn = _single_or_merged(whole, whole, n, n, causal, h // groups // p, hkv_r // groups // p, d)
-    if len(runs) > 1:  # _attend_gathered reorders q, k, v and back (and the same in backward)
-        reorder = n * (h + 2 * hkv_r) // p * d + n * h // p * d
+    if len(runs) > 1:  # the gathers reorder q, k, v and back (and the same in backward): each group its share
+        reorder = (n * (h + 2 * hkv_r) // p * d + n * h // p * d) // groups
         f_attn.copies += reorder
         b_attn.copies += reorder
     fwd = _all_to_alls(c, (h, hkv_r, hkv_r), d, p) + [f_attn] * groups + _all_to_alls(c, (h,), d, p)
