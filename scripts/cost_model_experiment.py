@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import add_output_arguments, output_dir, run_metadata, write_results  # noqa: E402
+from experiments.common import add_output_arguments, keep_freed_memory, output_dir, run_metadata, write_results  # noqa: E402
 from experiments.cost_model import calibrate, measure, papers  # noqa: E402
 from lightning_sp.cost_model import AttentionShape, HardwareProfile, predict_attention  # noqa: E402
 
@@ -220,6 +220,7 @@ def write_predictions(argv, out) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    keep_freed_memory()  # primitives and measured layers on warm memory, whatever ran before (Note [Fresh pages])
     t0 = time.perf_counter()
     parts = PARTS if args.part == "all" else (args.part,)
     for part in parts:

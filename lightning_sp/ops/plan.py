@@ -32,6 +32,14 @@ Note [One causal call for a rank's own block]
     that is the same on both sides, increasing, starting at local row 0 and inside one document
     qualifies (the contiguous layout's single run trivially).
 
+    The keys may hold more than the rank's own block: ``allgather_kv`` attends to every rank's
+    block at once, gathered in rank order, so its own block sits at rows ``[r n, (r + 1) n)`` of
+    the keys. The rule is the same there: the key runs that repeat the query runs, consecutive and
+    shifted by one local offset, are one CAUSAL call; the other key runs are planned as usual (and
+    their FULL calls coalesced). At P = 2 the zigzag forward of ``allgather_kv`` went from four
+    calls, a zero-filled ``out`` and four merges to two calls and one merge over half the rows
+    (the first call covers every query: Note [First write assigns] in ``ops/ring_attention.py``).
+
 Plans are cached: the same (runs, bounds, causal) recur at every layer and step, so ``plan_blocks``
 computes a plan once (keyed on the runs and bounds as tuples; lists are accepted) and afterwards only
 copies the cached list. ``plan_cache_info()`` reports hits and misses.
@@ -121,31 +129,48 @@ def plan_cache_info():
     return _plan_blocks_cached.cache_info()
 
 
-def _is_causal_self_block(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], doc_bounds) -> bool:
-    """Queries attend causally to the very same tokens, stored in increasing global order from local
-    row 0 and inside one document: the visibility is then exactly ``local key <= local query``, one
-    CAUSAL call however many runs there are (Note [One causal call for a rank's own block])."""
-    if q_runs != k_runs or not q_runs:
-        return False
+def _own_block_in_keys(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], doc_bounds) -> tuple[int, int] | None:
+    """Where the queries' own tokens sit among the keys, when one CAUSAL call can attend to them all
+    (Note [One causal call for a rank's own block]): ``(i, offset)`` with ``k_runs[i : i + len(q_runs)]``
+    the query runs in the same order, their local rows shifted by ``offset``; ``None`` otherwise. The
+    queries must be stored in increasing global order from local row 0 and lie inside one document:
+    the visibility is then exactly ``local key row - offset <= local query row``."""
+    m = len(q_runs)
+    if not q_runs or len(k_runs) < m:
+        return None
     local = 0
-    for i, r in enumerate(q_runs):
-        if r.local_start != local or (i and r.global_start < q_runs[i - 1].global_end):
-            return False
+    for j, r in enumerate(q_runs):
+        if r.local_start != local or (j and r.global_start < q_runs[j - 1].global_end):
+            return None
         local += r.length
     if doc_bounds is not None:  # one document: the first token's document ends after the last token
-        j = bisect.bisect_right(doc_bounds, q_runs[0].global_start)
-        if j < len(doc_bounds) and doc_bounds[j] < q_runs[-1].global_end:
-            return False
-    return True
+        d = bisect.bisect_right(doc_bounds, q_runs[0].global_start)
+        if d < len(doc_bounds) and doc_bounds[d] < q_runs[-1].global_end:
+            return None
+    for i in range(len(k_runs) - m + 1):
+        offset = k_runs[i].local_start
+        if all((k.global_start, k.length, k.local_start) == (q.global_start, q.length, q.local_start + offset)
+               for q, k in zip(q_runs, k_runs[i:i + m])):
+            return i, offset
+    return None
 
 
 @lru_cache(maxsize=4096)
 def _plan_blocks_cached(
     q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], causal: bool, doc_bounds: tuple[int, ...] | None
 ) -> tuple[BlockCall, ...]:
-    if causal and _is_causal_self_block(q_runs, k_runs, doc_bounds):
-        n, g0 = sum(r.length for r in q_runs), q_runs[0].global_start
-        return (BlockCall(0, n, 0, n, MaskKind.CAUSAL, g0, g0),)
+    own = _own_block_in_keys(q_runs, k_runs, doc_bounds) if causal else None
+    if own is None:
+        return tuple(_coalesce(_plan_runs(q_runs, k_runs, causal, doc_bounds)))
+    i, offset = own  # one CAUSAL call for the queries' own tokens; the other keys planned as usual
+    n, g0 = sum(r.length for r in q_runs), q_runs[0].global_start
+    others = k_runs[:i] + k_runs[i + len(q_runs):]
+    return (BlockCall(0, n, offset, n, MaskKind.CAUSAL, g0, g0), *_coalesce(_plan_runs(q_runs, others, causal, doc_bounds)))
+
+
+def _plan_runs(q_runs, k_runs, causal: bool, doc_bounds) -> list[BlockCall]:
+    """A call per visible (query run, key run) pair, split at documents; under a causal mask a key run
+    inside the queries' range is a CAUSAL square and the FULL rectangle below it."""
     calls: list[BlockCall] = []
     for q_run in q_runs:
         for q in _split_at_docs(q_run, doc_bounds):  # each piece lies inside one document
@@ -180,7 +205,7 @@ def _plan_blocks_cached(
                             kind=kind, q_global=qq.global_start, k_global=k0,
                         )
                     )
-    return tuple(_coalesce(calls))
+    return calls
 
 
 def _coalesce(calls: list[BlockCall]) -> list[BlockCall]:

@@ -177,6 +177,54 @@ def test_causal_self_block_needs_same_increasing_runs_in_one_document():
     assert len(plan_blocks(inc, inc, causal=True, doc_bounds=[0, 64, 80])) == 1
 
 
+def test_own_block_among_gathered_keys_is_one_causal_call_and_exact():
+    """``allgather_kv``'s forward: the keys are every rank's zigzag block in rank order, so this rank's own
+    block sits at rows ``[r n, (r + 1) n)``; it is one CAUSAL call there, the rest FULL calls, and exact."""
+    from lightning_sp.layout import Run
+    from lightning_sp.ops.plan import MaskKind, _coalesce, _plan_runs
+
+    n = 64
+    for world in (2, 4):
+        blocks = [runs_of(token_indices("zigzag", world, n, r)) for r in range(world)]
+        k_runs = [Run(r * (n // world) + run.local_start, run.global_start, run.length)
+                  for r in range(world) for run in blocks[r]]
+        kpos = _positions(k_runs)
+        for rank in range(world):
+            q_runs = blocks[rank]
+            calls = plan_blocks(q_runs, k_runs, causal=True)
+            causal = [c for c in calls if c.kind is MaskKind.CAUSAL]
+            assert [(c.q_start, c.q_len, c.k_start, c.k_len) for c in causal] == [(0, n // world, rank * n // world, n // world)]
+            assert calls[0] is causal[0] and all(c.kind is MaskKind.FULL for c in calls[1:])
+            # the general plan: each chunk's diagonal and the earlier chunk below the later, two calls more (one
+            # run, where the two chunks meet in the middle, was one CAUSAL square already)
+            general = _coalesce(_plan_runs(q_runs, k_runs, True, None))
+            assert len(calls) == len(general) - (2 if len(q_runs) == 2 else 0) and len(calls) <= world, (calls, general)
+            g = torch.Generator().manual_seed(world * 10 + rank)
+            q, dout = (torch.randn(1, n // world, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+            k, v = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+            want = _masked_reference(qr, kr, vr, _positions(q_runs), kpos)[0]
+            want.backward(dout)
+            got = _run_block(_spec(q_runs, k_runs), q, k, v, dout)
+            for a, b in zip(got, (want.detach(), qr.grad, kr.grad, vr.grad)):
+                assert torch.allclose(a, b, atol=1e-12, rtol=0)
+            # control: the causal square placed at the wrong rank's rows is a different answer
+            wrong = (rank + 1) % world
+            moved = torch.cat([k[:, wrong * n // world:(wrong + 1) * n // world], k[:, rank * n // world:(rank + 1) * n // world]], 1)
+            swapped = k.clone()
+            swapped[:, rank * n // world:(rank + 1) * n // world], swapped[:, wrong * n // world:(wrong + 1) * n // world] = moved.chunk(2, 1)
+            assert (_masked_reference(q, swapped, v, _positions(q_runs), kpos)[0] - want).abs().max() > 1e-3
+    # the query runs among the keys, but not consecutive or not in the same order: the general plan, still exact
+    inc = [Run(0, 0, 8), Run(8, 40, 8)]
+    for k_runs in ([Run(0, 0, 8), Run(8, 20, 8), Run(16, 40, 8)], [Run(0, 40, 8), Run(8, 0, 8)]):
+        assert not any(c.kind is MaskKind.CAUSAL and c.q_len == 16 for c in plan_blocks(inc, k_runs, causal=True))
+        g = torch.Generator().manual_seed(5)
+        q, dout = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(1, sum(r.length for r in k_runs), 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        want = _masked_reference(q, k, v, _positions(inc), _positions(k_runs))[0]
+        assert torch.allclose(_run_block(_spec(inc, k_runs), q, k, v, dout)[0], want, atol=1e-12, rtol=0)
+
+
 def test_first_write_assigns_and_mixed_first_writes_stay_exact():
     """Two calls that both cover every query (keys before the queries, then their diagonal): the first
     result becomes ``out`` and ``dq``; neither covers every key, so dK/dV start from zeros."""
