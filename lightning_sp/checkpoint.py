@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import TensorProperties, TensorWriteData, WriteItem, WriteItemType
 
+from lightning_sp.comm.release import collective
 from lightning_sp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_range
 
 
@@ -304,7 +305,7 @@ def _gather_ints(value: int, process_group) -> list[int]:
     if not _is_distributed(process_group):
         return [value]
     out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(out, torch.tensor([value], dtype=torch.int64), group=process_group)
+    collective(dist.all_gather, out, torch.tensor([value], dtype=torch.int64), group=process_group)
     return [int(v) for v in out]
 
 
@@ -329,7 +330,8 @@ def _broadcast_from_first(value: int, process_group) -> int:
     if not _is_distributed(process_group):
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.broadcast(t, src=dist.get_global_rank(process_group, 0) if process_group is not None else 0, group=process_group)
+    collective(dist.broadcast, t, src=dist.get_global_rank(process_group, 0) if process_group is not None else 0,
+               group=process_group)
     return int(t)
 
 

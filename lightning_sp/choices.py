@@ -67,6 +67,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lightning_sp.comm.release import collective
+
 log = logging.getLogger(__name__)
 
 ROUNDS = 3
@@ -190,7 +192,7 @@ def fewest_pieces_that_fit(peak_for: Callable[[int], int], budget: int | None) -
 def agreed_min(value: int, group, device: torch.device) -> int:
     """The minimum of ``value`` over the ranks of ``group`` (every rank must call)."""
     t = torch.tensor([value], dtype=torch.int64, device=_collective_device(group, device))
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    collective(dist.all_reduce, t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
 
 
@@ -260,7 +262,7 @@ def cached_label(key: str, labels: Sequence[str], group, device: torch.device) -
     label = _read_cache(auto_cache_path()).get(key)
     index = labels.index(label) if label in labels else -1
     t = torch.tensor([index, -index], dtype=torch.int64, device=_collective_device(group, device))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    collective(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=group)
     hi, lo = int(t[0]), -int(t[1])
     return labels[hi] if hi == lo and hi >= 0 else None
 
@@ -292,7 +294,7 @@ def measure_candidates(run: Callable[[str], None], labels: Sequence[str], group,
     def agreed_medians() -> dict[str, float]:
         medians = torch.tensor([statistics.median(times[label]) for label in labels], dtype=torch.float64,
                                device=_collective_device(group, device))
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+        collective(dist.all_reduce, medians, op=dist.ReduceOp.MAX, group=group)
         return dict(zip(labels, medians.tolist()))
 
     timed_rounds(labels, rounds, warmup=1)

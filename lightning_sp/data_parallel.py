@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_sp.comm.release import collective
 from lightning_sp.mesh import ParallelMesh
 from lightning_sp.topology import MeshAxis
 
@@ -94,4 +95,4 @@ def broadcast_replicas(module: nn.Module, mesh: ParallelMesh) -> None:
         for t in [*module.parameters(), *module.buffers()]:
             if isinstance(t, DTensor):
                 continue  # sharded by FSDP: consistent by construction
-            dist.broadcast(t.data, src=src, group=group)
+            collective(dist.broadcast, t.data, src=src, group=group)

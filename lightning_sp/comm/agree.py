@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_sp.comm.release import collective
+
 
 def stable_hash(*parts) -> int:
     """A 48-bit hash of ``repr(parts)``, identical on every rank and process (exact in float64)."""
@@ -44,7 +46,7 @@ def gather_rows(row: Sequence[int | float], group, *, device: torch.device | Non
         on_gpu = device is not None and device.type == "cuda"
         values = values.to(device if on_gpu else torch.device("cuda", torch.cuda.current_device()))
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]  # P x [F]
-    dist.all_gather(gathered, values, group=group)
+    collective(dist.all_gather, gathered, values, group=group)
     return [[int(x) if float(x).is_integer() else float(x) for x in g.tolist()] for g in gathered]
 
 

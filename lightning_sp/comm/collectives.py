@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from lightning_sp.comm.release import collective
 from lightning_sp.comm.stats import CommStats
 
 # torch >= 2.10 renamed the tensor variants; keep working on older releases.
@@ -39,7 +40,9 @@ def _release_now(temp: torch.Tensor, *keep: torch.Tensor) -> None:
     some time after ``wait()`` has returned, so a buffer the caller no longer holds used to stay allocated for a
     timing-dependent while: one extra ``[B, S/P, H, D]`` shard at Ulysses' backward peak in some calls and not
     in others (benchmarks/README.md, section 8, "Ulysses memory"). Resizing the storage to 0 frees it at once;
-    the late reference then holds an empty storage. CPU only: on CUDA the caching allocator orders reuse
+    the late reference then holds an empty storage. (Since ``collective`` waits for gloo to let go, Note [gloo
+    drops a collective's tensors on its worker thread], no late reference is left; this still frees the buffer
+    before the caller's own reference goes.) CPU only: on CUDA the caching allocator orders reuse
     after the collective's stream, and ProcessGroupNCCL manages its buffers' lifetimes itself."""
     if temp.device.type != "cpu":
         return
@@ -110,7 +113,7 @@ def seq_to_head_groups_all_to_all(x: torch.Tensor, group, stats: CommStats | Non
     send = x.reshape(b, s_local, world, h_local, d).permute(2, 1, 0, 3, 4).contiguous()
     recv = torch.empty_like(send)  # [P(source rank), S/P, B, H/P, D]
     _count(stats, "all_to_all", _nbytes(send))
-    dist.all_to_all_single(recv, send, group=group)
+    collective(dist.all_to_all_single, recv, send, group=group)
     _release_now(send, x)
     hg = h_local // groups
     outs = []
@@ -164,7 +167,7 @@ def head_groups_to_seq_all_to_all(parts: list[torch.Tensor], group, stats: CommS
                 dst.copy_(x.reshape(b, world, s_local, hg, d).permute(1, 2, 0, 3, 4))
     recv = torch.empty_like(send)  # [P(source rank = head group), S/P, B, H/P, D]
     _count(stats, "all_to_all", _nbytes(send))
-    dist.all_to_all_single(recv, send, group=group)
+    collective(dist.all_to_all_single, recv, send, group=group)
     _release_now(send, *parts)
     # [P, S/P, B, H/P, D] -> [B, S/P, P, H/P, D] -> [B, S/P, H, D]
     out = recv.permute(2, 1, 0, 3, 4).reshape(b, s_local, world * h_local, d)
@@ -249,7 +252,7 @@ def all_gather_raw(x: torch.Tensor, group, dim: int, stats: CommStats | None = N
     x = x.movedim(dim, 0).contiguous()  # [S_local, ...]
     out = torch.empty((world * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
     _count(stats, "all_gather", (world - 1) * _nbytes(x))
-    _all_gather_single(out, x, group=group)
+    collective(_all_gather_single, out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -259,7 +262,7 @@ def reduce_scatter_raw(x: torch.Tensor, group, dim: int, stats: CommStats | None
     x = x.movedim(dim, 0).contiguous()  # [S, ...]
     out = torch.empty((x.size(0) // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _count(stats, "reduce_scatter", (world - 1) * _nbytes(out))
-    _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group)
+    collective(_reduce_scatter_single, out, x, op=dist.ReduceOp.SUM, group=group)
     return out.movedim(0, dim)
 
 
@@ -284,13 +287,13 @@ class _AllReduceSum(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        collective(dist.all_reduce, x, op=dist.ReduceOp.SUM, group=group)
         return x
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        collective(dist.all_reduce, grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad, None
 
 

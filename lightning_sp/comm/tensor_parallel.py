@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_sp.comm.collectives import all_gather_raw, reduce_scatter_raw
+from lightning_sp.comm.release import collective
 from lightning_sp.comm.stats import CommStats
 
 
@@ -56,7 +57,7 @@ def all_reduce_raw(x: torch.Tensor, group, stats: CommStats | None = None, op_na
     x = x.contiguous().clone()
     if stats is not None:
         stats.add(op_name, 2 * (world - 1) * x.numel() * x.element_size() // world)
-    dist.all_reduce(x, op=reduce_op, group=group)
+    collective(dist.all_reduce, x, op=reduce_op, group=group)
     return x
 
 

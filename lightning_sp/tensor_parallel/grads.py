@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_sp.comm.release import collective
 from lightning_sp.comm.stats import CommStats
 
 
@@ -33,7 +34,7 @@ def reduce_replicated_gradients(module: nn.Module, sharded: Iterable[str], group
             g = _local(p.grad)
             if stats is not None:
                 stats.add("grad_all_reduce", 2 * (world - 1) * g.numel() * g.element_size() // world)
-            dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
+            collective(dist.all_reduce, g, op=dist.ReduceOp.SUM, group=group)
 
 
 def clip_grad_norm_(module: nn.Module, parameters: Iterable[nn.Parameter], max_norm: float, *,
@@ -50,9 +51,9 @@ def clip_grad_norm_(module: nn.Module, parameters: Iterable[nn.Parameter], max_n
     for split, g in grads:
         sq[0 if split else 1] += g.double().pow(2).sum()
     if shard_group is not None:
-        dist.all_reduce(sq, group=shard_group)
+        collective(dist.all_reduce, sq, group=shard_group)
     split_sq = sq[0:1].clone()
-    dist.all_reduce(split_sq, group=tp_group)
+    collective(dist.all_reduce, split_sq, group=tp_group)
     total = (split_sq[0] + sq[1]).sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
     for _, g in grads:

@@ -73,13 +73,15 @@ def _late_references(group) -> dict:
     """The all-to-all buffers as a holder of late references sees them after the call (as gloo's ``Work`` holds
     them, dropped from its worker thread some time after ``wait()``): ``(send freed, recv freed, input intact)``
     for a copied send (B = 2) and a send that is the input itself (B = 1, ``head_to_seq``), with
-    ``_release_now`` and without it (the control)."""
+    ``_release_now`` and without it (the control). The holder here never lets go, so the calls run without
+    ``collective``'s wait for the backend to let go (Note [gloo drops a collective's tensors on its worker thread]),
+    which would wait for it."""
     import torch.distributed as dist
 
     from lightning_sp.comm import collectives
 
     result = {}
-    held, all_to_all, release = [], dist.all_to_all_single, collectives._release_now
+    held, all_to_all, release, collective = [], dist.all_to_all_single, collectives._release_now, collectives.collective
 
     def holding(recv, send, *args, **kwargs):
         held.append((recv, send))
@@ -94,6 +96,7 @@ def _late_references(group) -> dict:
 
     world = dist.get_world_size(group)
     dist.all_to_all_single = holding
+    collectives.collective = lambda fn, *args, **kwargs: fn(*args, **kwargs)  # no wait for the holder
     try:
         for label, no_release in (("released", False), ("control", True)):
             if no_release:
@@ -105,7 +108,7 @@ def _late_references(group) -> dict:
                 "head_to_seq B=1": seen(collectives.head_to_seq_all_to_all, torch.randn(1, 8 * world, 2, 4)),
             }
     finally:
-        dist.all_to_all_single, collectives._release_now = all_to_all, release
+        dist.all_to_all_single, collectives._release_now, collectives.collective = all_to_all, release, collective
         held.clear()
     return result
 
