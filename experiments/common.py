@@ -162,7 +162,7 @@ def keep_freed_memory() -> bool:
     Why (Note [Fresh pages] in ``experiments/cost_model/README.md``): by default glibc moves its mmap and trim
     thresholds with the history of frees, so whether a buffer of a few MiB lands on pages already touched or
     on fresh ones (a page fault per 4 KiB, ~2 us each on this VM) depends on what ran before. ``colossal``'s
-    O(N^2/P) scores made the same call 60-120 ms from one process state to another; the cost model prices
+    O(N^2/P) scores made the same call 60-123 ms from one process state to another; the cost model prices
     compute, not the allocator's history. With freed memory kept, a call's buffers are warm from its second
     run on, in the primitives and the measured layers alike; buffers over 32 MiB are still mapped fresh on
     every call, in both."""
@@ -174,6 +174,7 @@ def keep_freed_memory() -> bool:
     os.environ.update(MALLOC_KEEP_FREED)
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    # mallopt takes a C int: 1 GiB here stands for the environment's 1 TiB (both: never trim in practice)
     return bool(libc.mallopt(m_trim_threshold, 1 << 30) and libc.mallopt(m_mmap_threshold, 32 << 20))
 
 
