@@ -51,28 +51,30 @@ _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # strong ref
 
 
 class _Lent:
-    """Aliases lent to a collective; ``wait`` returns once the backend has released all of them."""
+    """Aliases lent to a collective; ``wait`` returns once the backend has released all of them. Built from the
+    call's arguments before any alias exists, so the storages' reference counts are as the caller left them."""
 
-    def __init__(self) -> None:
+    def __init__(self, *objs: Any) -> None:
         self._lock = threading.Lock()
         self._alive = 0
         self._all_gone = threading.Event()
         self._refs: list[weakref.ref] = []  # to the aliases: a callback as each one's Python object dies
         self._storages: dict[int, Any] = {}  # the lent tensors' storages, by address: held until wait() returns
-        self._before: dict[int, int] = {}  # their reference counts before any alias existed
+        for obj in objs:
+            self._note(obj)
+        self._before = {c: _storage_use_count(c) for c in self._storages}  # their reference counts now
 
-    def note(self, obj: Any) -> None:
-        """Record the storage of ``obj`` (a tensor, or a list of them) as it is before the call."""
+    def _note(self, obj: Any) -> None:
+        """Record the storage of ``obj`` (a tensor, or a list of them)."""
         if isinstance(obj, (list, tuple)):
             for t in obj:
-                self.note(t)
+                self._note(t)
         elif _lendable(obj) and obj.layout == torch.strided and _storage_use_count is not None:
             storage = obj.untyped_storage()
             self._storages.setdefault(storage._cdata, storage)
 
     def lend(self, obj: Any) -> Any:
-        if not self._before:
-            self._before = {c: _storage_use_count(c) for c in self._storages}
+        """``obj`` with every CPU tensor in it replaced by an alias of the same memory (``detach()``)."""
         if _lendable(obj):
             alias = obj.detach()
             with self._lock:
@@ -125,9 +127,7 @@ def collective(fn: Callable, *args, **kwargs):
         raise ValueError("collective() runs blocking collectives only")
     if sys.is_finalizing() or not _is_gloo(kwargs.get("group")):  # finalizing: gloo's threads cannot take the GIL
         return fn(*args, **kwargs)
-    lent = _Lent()
-    for a in (*args, *kwargs.values()):
-        lent.note(a)
+    lent = _Lent(*args, *kwargs.values())
     args = tuple(lent.lend(a) for a in args)
     kwargs = {k: lent.lend(v) for k, v in kwargs.items()}
     if not lent.any:
