@@ -125,3 +125,28 @@ def test_real_gloo_holds_nothing_after_return():
     the fix this saw 14 to 31 late references in 150 calls of each kind."""
     for rank, lingering in enumerate(run_on_ranks(_real_gloo, 2, args=(150,), timeout_s=120)):
         assert not any(lingering.values()), f"rank {rank}: {lingering}"
+
+
+def test_a_holder_that_never_lets_go_warns_and_returns_after_the_bound(monkeypatch):
+    """The wait is bounded (``_RELEASE_TIMEOUT_S``, 60 s; here 0.3 s): a backend that keeps an alias forever gets a
+    RuntimeWarning that names the collective's tensors, not a hang. Control: released at once, no warning."""
+    import warnings
+
+    from lightning_sp.comm import release
+
+    monkeypatch.setattr(release, "_RELEASE_TIMEOUT_S", 0.3)
+    x = torch.zeros(4)
+    lent = release._Lent(x)
+    kept = lent.lend(x)  # the "backend" never drops it
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="still holds tensors"):
+        lent.wait()
+    assert 0.25 < time.monotonic() - t0 < 5.0
+    del kept
+
+    lent = release._Lent(x)
+    alias = lent.lend(x)
+    del alias
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lent.wait()
