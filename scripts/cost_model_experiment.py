@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -80,16 +81,27 @@ def grid2_cases(world: int) -> list[tuple]:
             for b, u in bs]
 
 
+GRID_REPS = {"grid1": 15, "grid2": 5}
+"""Timed repetitions per validation case (rotated rounds, median). Grid 1's rows are single 35-600 ms calls, and a
+median of 5 moved by up to 25% between runs of the same code (zigzag_ring, P = 2, N = 1024: 44.6 vs 35.4 ms on
+2026-11-24), more than the model's target error; grid 2's are 0.3-2.6 s calls, steadier at 5. Each row also
+reports the spread of its reps (``measured_iqr_pct``)."""
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny run of every part (smoke test)")
     p.add_argument("--part", choices=PARTS + ("all",), default="all", help="which part (default: all, in order)")
     add_output_arguments(p, "cost_model")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per case (median)")
+    p.add_argument("--reps", type=int, default=None,
+                   help=f"timed repetitions per case (median); default per grid: {GRID_REPS}, 2 with --quick")
     args = p.parse_args(argv)
     args.out = output_dir(args, "cost_model")
-    args.reps = args.reps or (2 if args.quick else 5)
     return args
+
+
+def grid_reps(args, grid: str) -> int:
+    return args.reps or (2 if args.quick else GRID_REPS[grid])
 
 
 def run_calibration(args, argv) -> dict:
@@ -135,7 +147,9 @@ def predict_rows(hw: HardwareProfile, barriers: dict[int, float], grid: str, mea
     rows = []
     for world, (cases, got) in measured.items():
         barrier = barriers.get(world) or barriers[min(barriers, key=lambda w: abs(w - world))]
-        for (b, u, n, h, hkv, d, causal, pieces), m in zip(cases, got):
+        for (b, u, n, h, hkv, d, causal, pieces), reps in zip(cases, got):
+            m = statistics.median(reps)
+            q1, _, q3 = statistics.quantiles(reps, n=4) if len(reps) > 1 else (m, m, m)
             shape = AttentionShape(seq_len=n, num_heads=h, num_kv_heads=hkv, head_dim=d, dtype_bytes=4, causal=causal)
             pred = predict_attention(b, shape, world, hw, ulysses_degree=u, kv_pieces=pieces)
             total = pred.total_s + 2 * barrier
@@ -143,6 +157,7 @@ def predict_rows(hw: HardwareProfile, barriers: dict[int, float], grid: str, mea
                 "grid": grid, "P": world, "N": n, "backend": pred.label, "heads": h, "kv_heads": hkv, "head_dim": d,
                 "causal": causal, "kv_pieces": pieces,
                 "measured_ms": round(m * 1e3, 3),
+                "measured_iqr_pct": round(100 * (q3 - q1) / m, 1),
                 "model_predicted_ms": round(total * 1e3, 3),
                 "model_compute_ms": round(pred.compute_s * 1e3, 3),
                 "model_exposed_comm_ms": round(pred.exposed_comm_s * 1e3, 3),
@@ -173,14 +188,15 @@ def run_grid(args, argv, grid: str) -> list[dict]:
         if not cases:
             continue
         t1 = time.perf_counter()
-        measured[world] = (cases, measure.measure_world(world, cases, args.reps))
+        measured[world] = (cases, measure.measure_world(world, cases, grid_reps(args, grid)))
         print(f"{grid} P={world}: {len(cases)} cases measured in {time.perf_counter() - t1:.0f} s", flush=True)
     rows = predict_rows(hw, barriers, grid, measured)
     meta = run_metadata(
         __file__, argv, kind="measured", calibration_profile=hw.to_dict(), seconds=round(time.perf_counter() - t0, 1),
         columns={"measured_ms": "measured here (median fwd+bwd between barriers, slowest rank)",
+                 "measured_iqr_pct": "measured here: interquartile range of the reps, % of their median",
                  "model_*": "cost-model output from the calibrated profile (not measured)"},
-        **_summary(rows), sharing_now=sharing,
+        **_summary(rows), sharing_now=sharing, reps_per_case=grid_reps(args, grid),
         note="CPU gloo, shared cores: timings depend on what else runs (load in the README)",
     )
     write_results(f"cost_model_validation_{grid}", meta, rows, args.out)

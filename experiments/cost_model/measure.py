@@ -4,8 +4,6 @@ before and after (the slowest rank's time). Calibration (primitives only) is ``c
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.distributed as dist
 
@@ -19,8 +17,8 @@ def _inputs(seed, n, h, h_kv, d, dtype):
 
 
 def time_backends_worker(rank, world, cases, reps):
-    """``cases``: ``(backend, ulysses_degree, N, H, H_kv, D, causal, kv_pieces)``; returns the median
-    fwd+bwd seconds between barriers for each (rank 0). Every case is warmed up once, then timed in
+    """``cases``: ``(backend, ulysses_degree, N, H, H_kv, D, causal, kv_pieces)``; returns every timed fwd+bwd
+    (seconds between barriers, ``reps`` of them) for each case (rank 0). Every case is warmed up once, then timed in
     ``reps`` rounds over all cases, the order rotated by one case per round, so a slow spell of the
     machine spreads over the cases instead of landing on the ones timed during it."""
     from lightning_sp import SequenceParallelAttention, shard_sequence
@@ -47,12 +45,11 @@ def time_backends_worker(rank, world, cases, reps):
         order = order[r % len(order):] + order[:r % len(order)]
         for i in order:
             times[i].append(median_seconds(steps[i], 1, warmup=0))
-    out = [statistics.median(t) for t in times]
-    return out if rank == 0 else None
+    return times if rank == 0 else None
 
 
-def measure_world(world: int, cases, reps: int) -> list[float]:
-    """Median fwd+bwd seconds per case, measured on ``world`` gloo ranks (one spawn)."""
+def measure_world(world: int, cases, reps: int) -> list[list[float]]:
+    """Every timed fwd+bwd (seconds, ``reps`` per case) per case, measured on ``world`` gloo ranks (one spawn)."""
     from experiments.common import run_on_ranks
 
     return run_on_ranks(time_backends_worker, world, (list(cases), reps), timeout_s=1800, pg_timeout_s=300)[0]

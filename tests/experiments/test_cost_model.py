@@ -29,9 +29,12 @@ def test_cost_model_quick(tmp_path):
     assert {r["backend"] for r in rows} == {"ulysses", "zigzag_ring", "allgather_kv"}
     for r in rows:
         assert r["P"] == 2 and r["measured_ms"] > 0 and r["model_predicted_ms"] > 0
+        assert r["measured_iqr_pct"] >= 0  # the spread of its reps (2 with --quick), beside the median
         assert r["model_error_pct"] == pytest.approx(100 * (r["model_predicted_ms"] - r["measured_ms"]) / r["measured_ms"], abs=0.2)
         assert not any(k.startswith("paper") for k in r)  # no paper numbers among measurements
     assert {r["grid"] for r in rows} == {"grid1", "grid2"}
+    for grid in ("grid1", "grid2"):  # how many reps each median is of, recorded
+        assert json.loads((tmp_path / f"cost_model_validation_{grid}.json").read_text())["reps_per_case"] == 2
     profile = val["calibration_profile"]
     assert profile["intra_bandwidth"] > 0 and profile["intra_latency"] >= 0 and len(profile["attention_curve"]) == 2
     assert profile["kernel_table"] and profile["message_s"] and profile["compute_sharing"]  # the calibrated terms
