@@ -113,20 +113,54 @@ def _fwd_bwd(fn, q, k, v, dout, seq_len):
     return out
 
 
-def ratio_spread(ours_s: list[float], peer_s: list[float]) -> dict[str, float]:
+CI_LEVEL = 0.95
+CI_RESAMPLES = 4000
+CI_MIN_REPS = 5
+"""Fewer reps than this get no verdict (``"few reps"``): resampling 1-4 reps says nothing about the noise."""
+
+
+def ratio_ci(ours_s: list[float], peer_s: list[float], *, level: float = CI_LEVEL, resamples: int = CI_RESAMPLES,
+             seed: int = 0) -> tuple[float, float]:
+    """Bootstrap confidence interval of the time ratio ``median(ours) / median(peer)``: the reps are resampled
+    with replacement in pairs (rep ``i`` of both sides ran back to back, so a slow spell of the machine stays on
+    both sides of the ratio), percentiles of the ``resamples`` ratios. Seeded: the same reps give the same
+    interval."""
+    import random
+    import statistics
+
+    rng = random.Random(seed)
+    n = len(ours_s)
+    got = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        got.append(statistics.median(ours_s[i] for i in idx) / statistics.median(peer_s[i] for i in idx))
+    got.sort()
+    tail = (1.0 - level) / 2
+    return got[int(tail * resamples)], got[min(resamples - 1, int((1.0 - tail) * resamples))]
+
+
+def time_verdict(ci: tuple[float, float]) -> str:
+    """``"ahead"`` where the whole interval is below 1.0, ``"behind"`` where it is above, else ``"parity"``."""
+    return "ahead" if ci[1] < 1.0 else "behind" if ci[0] > 1.0 else "parity"
+
+
+def ratio_spread(ours_s: list[float], peer_s: list[float]) -> dict:
     """Per-rep time ratios ``ours[i] / peer[i]`` (the two sides of rep ``i`` ran back to back) summarised:
     their median, quartiles (``statistics.quantiles``, inclusive method), min, max, and the share of reps at
-    or below 1.0."""
+    or below 1.0; and the ratio of medians' bootstrap interval (``ratio_ci``) with its verdict
+    (``time_verdict``; ``"few reps"`` below ``CI_MIN_REPS``)."""
     import statistics
 
     if len(ours_s) != len(peer_s) or not ours_s:
         raise ValueError(f"need as many ours as peer reps (>= 1), got {len(ours_s)} and {len(peer_s)}")
     ratios = [a / b for a, b in zip(ours_s, peer_s)]
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios[0],) * 3
+    ci = ratio_ci(ours_s, peer_s)
     return {
         "time_ratio_rep_median": statistics.median(ratios), "time_ratio_q1": q1, "time_ratio_q3": q3,
         "time_ratio_min": min(ratios), "time_ratio_max": max(ratios),
         "time_ratio_share_le_1": sum(r <= 1.0 for r in ratios) / len(ratios), "time_ratios": ratios,
+        "time_ratio_ci95": list(ci), "time_verdict": time_verdict(ci) if len(ratios) >= CI_MIN_REPS else "few reps",
     }
 
 
@@ -218,19 +252,22 @@ def _worker(rank, world, cfg):
 
 
 def _table(rows) -> str:
-    lines = ["pair          peer                                P      N  time ratio  (best)  per-rep: median"
-             " [IQR]          min-max        <=1  mem ratio  ours s  peer s  ours MiB  peer MiB  max|diff|"]
+    lines = ["pair          peer                                P      N  time ratio  (best)  95% CI         verdict  "
+             "per-rep: median [IQR]          min-max        <=1  mem ratio  ours s  peer s  ours MiB  peer MiB  max|diff|"]
     for r in rows:
         lines.append(
             f"{r['pair']:<13} {_short(r['peer']):<35} {r['world']:>2} {r['seq_len']:>6} {r['time_ratio']:>10.3f} "
-            f"({r['time_ratio_best']:.3f}) {r['time_ratio_rep_median']:>15.3f} [{r['time_ratio_q1']:.3f}-"
+            f"({r['time_ratio_best']:.3f}) [{r['time_ratio_ci95'][0]:.3f}-{r['time_ratio_ci95'][1]:.3f}] "
+            f"{r['time_verdict']:<8} {r['time_ratio_rep_median']:>14.3f} [{r['time_ratio_q1']:.3f}-"
             f"{r['time_ratio_q3']:.3f}] {r['time_ratio_min']:.3f}-{r['time_ratio_max']:.3f} "
             f"{r['time_ratio_share_le_1']:>4.0%} {r['memory_ratio']:>9.3f} {r['ours_median_s']:>7.3f} {r['peer_median_s']:>7.3f} "
             f"{r['ours_peak_bytes'] / 2**20:>9.1f} {r['peer_peak_bytes'] / 2**20:>9.1f} {r['max_abs_diff_out_and_grads']:>10.1e}"
         )
     reps = rows[0]["reps"] if rows else 0
-    lines.append(f"ratios = ours / peer; time: median fwd+bwd over {reps} reps (rounds x reps per round) and the per-rep "
-                 "ratios (median, interquartile range, min-max, share <= 1.0), goal <= 1.0; mem: allocator peak added "
+    lines.append(f"ratios = ours / peer; time: median fwd+bwd over {reps} reps (rounds x reps per round), its 95% "
+                 "bootstrap interval (reps resampled in pairs; verdict: ahead / behind where the interval excludes 1.0, "
+                 "else parity) and the per-rep ratios (median, interquartile range, min-max, share <= 1.0), goal <= 1.0; "
+                 "mem: allocator peak added "
                  "per rank, max over ranks, goal < 1.0; ours with default settings")
     return "\n".join(lines)
 

@@ -82,6 +82,8 @@ def _check_row(r):
     assert r["ours_peak_bytes"] > 0 and r["peer_peak_bytes"] > 0, r
     assert len(r["peaks_by_rank"]) == 2
     assert r["ours_settings"].startswith("defaults")
+    lo, hi = r["time_ratio_ci95"]  # the ratio's interval is recorded; one rep (--quick) earns no verdict
+    assert lo <= r["time_ratio"] <= hi and r["time_verdict"] == "few reps", r
 
 
 def test_bench_peers_quick_torch_ring(peers_quick):

@@ -55,6 +55,11 @@ def test_quoted_ratios_are_the_committed_results():
         time = [f"{rows[(pair, n)]['time_ratio']:.3f}" for n in (4096, 8192)]
         assert re.search(rf"{pair} \**{mem[0]} / {mem[1]}", row), (pair, mem)
         assert re.search(rf"{pair} {time[0]} / {time[1]}", row), (pair, time)
+    # the verdicts the row quotes are the bootstrap intervals of the file's own reps (recomputed here)
+    bp = _bench_peers()
+    verdicts = {key: bp.time_verdict(bp.ratio_ci(r["ours_all_s"], r["peer_all_s"])) for key, r in rows.items()}
+    for pair in ("zigzag_ring", "ring", "allgather_kv", "ulysses"):
+        assert re.search(rf"{pair} {verdicts[(pair, 4096)]} / {verdicts[(pair, 8192)]}", row), (pair, verdicts)
     table = (ROOT / "benchmarks" / "README.md").read_text()
     for (pair, n), r in rows.items():
         cells = rf"\| {pair} \| [^|]+ \| {n} \| {r['time_ratio']:.3f} \| {r['time_ratio_best']:.3f} \| \**{r['memory_ratio']:.3f}\**"
@@ -72,3 +77,30 @@ def test_ratio_spread_pairs_reps_and_rejects_unpaired():
     assert spread([3.0, 1.0], [1.0, 3.0])["time_ratios"] == [3.0, 1 / 3]  # paired by rep, not by rank of time
     with pytest.raises(ValueError, match="as many ours as peer reps"):
         spread([1.0, 2.0], [1.0])
+
+
+def test_ratio_ci_brackets_the_ratio_and_gives_a_verdict_only_beyond_the_noise():
+    """A side 10% faster in every rep is ahead; the same times are at parity; 10% slower is behind. Noise of +-20%
+    around a 1% lead is parity (the interval spans 1.0), and the interval holds the ratio of medians."""
+    import random
+    import statistics
+
+    bp = _bench_peers()
+    rng = random.Random(1)
+    peer = [1.0 + 0.01 * rng.random() for _ in range(20)]
+    assert bp.time_verdict(bp.ratio_ci([0.9 * t for t in peer], peer)) == "ahead"
+    assert bp.time_verdict(bp.ratio_ci(list(peer), peer)) == "parity"
+    assert bp.time_verdict(bp.ratio_ci([1.1 * t for t in peer], peer)) == "behind"
+    spread = [1 + 0.2 * (2 * i / 19 - 1) for i in range(20)]  # -20% .. +20%, evenly, in a shuffled order
+    rng.shuffle(spread)
+    noisy = [0.99 * t * f for t, f in zip(peer, spread)]
+    lo, hi = bp.ratio_ci(noisy, peer)
+    assert lo < statistics.median(noisy) / statistics.median(peer) < hi and lo < 1.0 < hi
+    assert bp.ratio_ci(noisy, peer) == (lo, hi)  # seeded: the same reps give the same interval
+    # paired: a slow spell on both sides of one rep does not widen the interval as unpaired times would
+    spell = [3.0 if i % 5 == 0 else 1.0 for i in range(20)]
+    paired = bp.ratio_ci([0.95 * t for t in spell], spell)
+    assert paired[1] < 1.0 and bp.time_verdict(paired) == "ahead"
+    # too few reps for a verdict, however clear the one rep looks (the --quick smoke run)
+    assert bp.ratio_spread([0.5], [1.0])["time_verdict"] == "few reps"
+    assert bp.ratio_spread([0.9 * t for t in peer], peer)["time_verdict"] == "ahead"
