@@ -97,10 +97,14 @@ def test_ratio_ci_brackets_the_ratio_and_gives_a_verdict_only_beyond_the_noise()
     lo, hi = bp.ratio_ci(noisy, peer)
     assert lo < statistics.median(noisy) / statistics.median(peer) < hi and lo < 1.0 < hi
     assert bp.ratio_ci(noisy, peer) == (lo, hi)  # seeded: the same reps give the same interval
-    # paired: a slow spell on both sides of one rep does not widen the interval as unpaired times would
-    spell = [3.0 if i % 5 == 0 else 1.0 for i in range(20)]
-    paired = bp.ratio_ci([0.95 * t for t in spell], spell)
-    assert paired[1] < 1.0 and bp.time_verdict(paired) == "ahead"
+    # paired: slow spells that hit both sides of half the reps stay out of the ratio. Control: the same times
+    # resampled unpaired (each side on its own indices) give an interval across 1.0
+    spell = [3.0 if i % 2 else 1.0 for i in range(20)]
+    ours = [0.95 * t for t in spell]
+    assert bp.time_verdict(bp.ratio_ci(ours, spell)) == "ahead"
+    unpaired = sorted(statistics.median(rng.choices(ours, k=20)) / statistics.median(rng.choices(spell, k=20))
+                      for _ in range(2000))
+    assert unpaired[50] < 1.0 < unpaired[1949]
     # too few reps for a verdict, however clear the one rep looks (the --quick smoke run)
     assert bp.ratio_spread([0.5], [1.0])["time_verdict"] == "few reps"
     assert bp.ratio_spread([0.9 * t for t in peer], peer)["time_verdict"] == "ahead"
