@@ -272,6 +272,12 @@ def _table(rows) -> str:
     return "\n".join(lines)
 
 
+def rank_timeout(rounds: int) -> float:
+    """Default seconds for the rank processes: a round of the default grid took ~130 s on the 2-core CPU
+    (2026-11-24: 5 rounds in 672 s, 8 in 992 s), and ``--rounds 8`` ran past the fixed 900 s of before."""
+    return 300.0 + 200.0 * rounds
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="N=256, no warm-up, 1 rep: a smoke run")
@@ -290,7 +296,8 @@ def parse_args(argv=None):
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory for the JSON/CSV results")
     p.add_argument("--name", default=None, help="file stem (default <date>_<host kind>_peers[-quick])")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the rank processes")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds for the rank processes (default: 300 + 200 per round; a round takes ~130 s here)")
     args = p.parse_args(argv)
     unknown = set(args.pairs.split(",")) - set(PAIRS)
     if unknown:
@@ -322,7 +329,8 @@ def main(argv=None) -> int:
                         memory_method="PyTorch allocator peak of one fwd+bwd over what existed before "
                                       "(experiments.peak_memory.attention_peak_bytes), max over ranks")
     print(f"device: {meta['hardware']['device']}, torch {torch.__version__}; command: {meta['command']}", flush=True)
-    rows = run_on_ranks(_worker, args.world, (cfg,), timeout_s=args.timeout, pg_timeout_s=args.timeout)[0]
+    timeout = args.timeout or rank_timeout(cfg["rounds"])
+    rows = run_on_ranks(_worker, args.world, (cfg,), timeout_s=timeout, pg_timeout_s=timeout)[0]
     meta["runtime_s"] = time.perf_counter() - t_start
     meta["load_average_1m_end"] = os.getloadavg()[0]
     print(_table(rows))

@@ -108,3 +108,10 @@ def test_ratio_ci_brackets_the_ratio_and_gives_a_verdict_only_beyond_the_noise()
     # too few reps for a verdict, however clear the one rep looks (the --quick smoke run)
     assert bp.ratio_spread([0.5], [1.0])["time_verdict"] == "few reps"
     assert bp.ratio_spread([0.9 * t for t in peer], peer)["time_verdict"] == "ahead"
+
+
+def test_rank_timeout_covers_the_measured_runs():
+    """The default timeout grows with the rounds: the measured runs (5 rounds in 672 s, 8 in 992 s on the 2-core
+    CPU, 2026-11-24) fit with room to spare, which a fixed 900 s did not for 8 rounds."""
+    bp = _bench_peers()
+    assert bp.rank_timeout(5) > 1.5 * 672 and bp.rank_timeout(8) > 1.5 * 992 > 900
