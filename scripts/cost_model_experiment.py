@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:
 
 from experiments.common import add_output_arguments, keep_freed_memory, output_dir, run_metadata, write_results  # noqa: E402
 from experiments.cost_model import calibrate, measure, papers  # noqa: E402
+from experiments.cost_model.calibrate import load_profile  # noqa: E402
 from lightning_sp.cost_model import AttentionShape, HardwareProfile, predict_attention  # noqa: E402
 
 PARTS = ("calibrate", "grid1", "grid2", "papers")
@@ -130,15 +131,6 @@ def run_calibration(args, argv) -> dict:
           f"{hw.kernel_call_s[1] * 1e6:.0f} us, merge {hw.merge_s[0] * 1e6:.0f} us + {hw.merge_s[1] * 1e9:.2f} ns/elem, "
           f"messages {[(w, round(t * 1e6)) for w, t in hw.message_s]} us, p2p {hw.intra_bandwidth / 1e9:.2f} GB/s", flush=True)
     return meta
-
-
-def load_profile(out: Path) -> tuple[HardwareProfile, dict[int, float]]:
-    """The calibrated profile and the measured barrier time per world size."""
-    path = Path(out) / "cost_model_calibration.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run --part calibrate with the same --out first")
-    data = json.loads(path.read_text())
-    return HardwareProfile.from_dict(data["profile"]), {int(w): v["barrier_s"] for w, v in data["links"].items()}
 
 
 def predict_rows(hw: HardwareProfile, barriers: dict[int, float], grid: str, measured: dict) -> list[dict]:

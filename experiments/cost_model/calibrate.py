@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import json
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -437,3 +439,14 @@ def measure_busy(worlds, iters: int = BUSY_ITERS, reps: int = BUSY_REPS) -> dict
     from experiments.common import run_on_ranks
 
     return {int(w): run_on_ranks(busy_worker, w, (iters, reps), timeout_s=600, pg_timeout_s=300)[0] for w in worlds}
+
+
+def load_profile(out) -> tuple[HardwareProfile, dict[int, float]]:
+    """The calibrated profile in ``out/cost_model_calibration.json`` and the measured barrier time per world size."""
+    from lightning_sp.cost_model import HardwareProfile  # noqa: F811  (at run time; above only for the types)
+
+    path = Path(out) / "cost_model_calibration.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run --part calibrate with the same --out first")
+    data = json.loads(path.read_text())
+    return HardwareProfile.from_dict(data["profile"]), {int(w): v["barrier_s"] for w, v in data["links"].items()}

@@ -100,3 +100,48 @@ def test_keep_freed_memory_keeps_pages_warm_here_and_in_processes_started_after(
     child, here = faults(_KEEP_THEN_TOUCH)
     (default,) = faults(_TOUCH_TWICE)
     assert child < 64 and here < 64 and default > 2048, (child, here, default)
+
+
+def test_split_puts_the_kernel_apart_from_the_rest_measured_and_modelled(tmp_path):
+    """``experiments.cost_model.split``: the time inside the kernel calls and the rest of the step, per backend,
+    beside the model's split. With ``--stub-kernel`` the kernel calls return zeros (the control: their time must
+    collapse while the rest remains); the model's columns add up to its total and are the same in both runs."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    runs = {}
+    for stub in (False, True):
+        out = tmp_path / f"split_{stub}.json"
+        cmd = [sys.executable, "-m", "experiments.cost_model.split", "--world", "2", "--seq", "512", "--heads", "4",
+               "--kv-heads", "2", "--head-dim", "32", "--kv-pieces", "2", "--backends", "ulysses", "zigzag_ring",
+               "--reps", "3", "--out", str(out)] + (["--stub-kernel"] if stub else [])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        runs[stub] = {r["backend"]: r for r in json.loads(out.read_text())["results"]}
+    for backend in ("ulysses", "zigzag_ring"):
+        real, stub = runs[False][backend], runs[True][backend]
+        for r in (real, stub):
+            assert 0 < r["measured_kernel_ms"] < r["measured_step_ms"] and 0 < r["measured_rest_ms"] <= r["measured_step_ms"]
+            assert r["model_kernel_ms"] + r["model_rest_ms"] == pytest.approx(r["model_total_ms"])
+        assert stub["measured_kernel_ms"] < 0.5 * real["measured_kernel_ms"], (backend, stub, real)
+        assert stub["model_total_ms"] == pytest.approx(real["model_total_ms"])  # the model does not see the stub
+
+
+def test_split_kernel_stub_returns_zeros_shaped_as_the_real_call():
+    """The stub's results have the real call's shapes, strides and dtypes (a mismatch would break the backend's
+    merges, not time them), are zeros, and its first call per signature runs the real kernel outside the timed sum."""
+    import torch
+
+    from experiments.cost_model.split import SplitKernel
+    from lightning_sp.ops.kernels import MaskKind, make_kernel
+
+    inner = make_kernel("sdpa")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 16, generator=g) for _ in range(3))
+    real = inner.forward(q, k, v, scale=0.25, kind=MaskKind.CAUSAL, mask=None)
+    stub = SplitKernel(inner, stub=True)
+    for _ in range(2):
+        got = stub.forward(q, k, v, scale=0.25, kind=MaskKind.CAUSAL, mask=None)
+        assert [(t.shape, t.stride(), t.dtype) for t in got] == [(t.shape, t.stride(), t.dtype) for t in real]
+        assert all(not t.any() for t in got)
+    timed = SplitKernel(inner, stub=False)
+    out, lse = timed.forward(q, k, v, scale=0.25, kind=MaskKind.CAUSAL, mask=None)
+    assert torch.equal(out, real[0]) and timed.seconds > 0
