@@ -42,7 +42,8 @@ Note [Cost model of one attention layer]
 
 Note [Per-call terms]
     What a calibrated profile (``experiments/cost_model/calibrate.py``) adds to FLOPs / rate; every
-    term is a microbenchmark of a primitive, never a fit to a backend's time:
+    term is a microbenchmark of a primitive or of a backend with its compute stubbed out, never a fit to
+    a validation row:
 
         kernel_table    one kernel call per head vs (q_len, k_len) for FULL rectangles and CAUSAL
                         squares at several D (log-linear in between, time per element constant
@@ -60,6 +61,14 @@ Note [Per-call terms]
                         on one rank, the ring's messages stubbed out) per score element, at several
                         sizes of the rank's ``[H, S/P, N]`` scores and D (``colossal_s``: one line
                         ``a + E (b + c D)``, used when no table is given)
+        layer_latency_s what one layer call (fwd+bwd) costs beyond all of the above, per backend and world:
+                        the backend run with its kernel stubbed out (zeros of the real calls' shapes) at a tiny
+                        shape on idle ranks, less what the other terms price there (``calibrate.layer_latency``).
+                        Python, autograd and plan bookkeeping, hand-overs between threads: latency on each
+                        rank's own path, so it is spread over the layer's steps as a fixed time on every rank
+                        (``t_r``), not as work in the cores' shared term. Where ranks share cores, another
+                        rank's compute fills that time (grid 1 with the term as work added everywhere: mean
+                        |error| 11.4%, max 42%; as latency on the path: 9.6%, 28.6%; offline, 2026-11-24)
 
     ``fwd+bwd`` FLOPs for the GPU presets: backward = 2.5x forward (flash-style recompute), so
     ``3.5 x`` the forward's ``4 N^2 H D`` (halved for a causal square); ``megatron_sp`` keeps its
@@ -149,6 +158,9 @@ class HardwareProfile:
     """``(op, group size, seconds)``: the fixed cost of one tiny ``"all_to_all"`` / ``"all_gather"`` with
     every rank computing between collectives (measured: ``calibrate.busy_worker``); replaces the
     ``collective_fits`` latency (measured on idle ranks) when given."""
+    layer_latency_s: tuple[tuple[str, int, float], ...] = ()
+    """``(backend, world, seconds)``: one layer call's fwd+bwd time beyond the other terms, measured with the
+    kernel stubbed out at a tiny shape (Note [Per-call terms]); spread over the layer's steps on each rank's path."""
 
     def __post_init__(self) -> None:
         if not self.attention_curve:
@@ -209,6 +221,7 @@ class HardwareProfile:
         d["compute_sharing"] = tuple((int(w), float(x)) for w, x in d.get("compute_sharing", ()))
         d["collective_fits"] = tuple((str(o), int(g), float(la), float(bw)) for o, g, la, bw in d.get("collective_fits", ()))
         d["collective_busy_s"] = tuple((str(o), int(g), float(t)) for o, g, t in d.get("collective_busy_s", ()))
+        d["layer_latency_s"] = tuple((str(b), int(w), float(t)) for b, w, t in d.get("layer_latency_s", ()))
         return cls(**d)
 
     def kernel_time(self, call, head_dim: int) -> float:
@@ -237,6 +250,13 @@ class HardwareProfile:
         if not self.message_s:
             return self.link(world)[1]
         return min(self.message_s, key=lambda wt: (abs(math.log(wt[0] / world)), wt[0]))[1]
+
+    def layer_latency(self, backend: str, world: int) -> float:
+        """``layer_latency_s`` of ``backend`` at the nearest calibrated world (0 where it was not measured)."""
+        rows = [(w, t) for b, w, t in self.layer_latency_s if b == backend]
+        if not rows or world <= 1:
+            return 0.0
+        return min(rows, key=lambda wt: (abs(math.log(wt[0] / world)), wt[0]))[1]
 
     def collective_time(self, op: str, nbytes: float, group: int) -> float:
         """One ``all_to_all`` (``nbytes``: this rank's send buffer) or ``all_gather`` (``nbytes``: this
@@ -554,6 +574,8 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
         return t
 
     total = compute = busy = 0.0
+    # the layer call's own latency (Note [Per-call terms]), a share on each rank's path at every step
+    latency = hw.layer_latency(backend, world) / max(1, len(scheds[0].forward) + len(scheds[0].backward))
     for phase in ("forward", "backward"):
         for steps in zip(*(getattr(s, phase) for s in scheds)):
             work = [cpu(st) for st in steps]
@@ -566,7 +588,7 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
                 op, elems, group = steps[0].collective
                 stretch = max(1.0, world / slots) / max(1.0, group / slots) if slots and group < world else 1.0
                 link = hw.collective_time(op, elems * eb, group) * stretch
-                total += step_compute + link
+                total += max(max(work) + latency, shared) + link
                 compute += step_compute
                 busy += link
                 continue
@@ -576,7 +598,7 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
                 over = (st.messages - exposed_msgs) * overlapped_lat + st.overlapped_send * eb / bw
                 exposed = exposed_msgs * lat * (overlapped_lat > 0) + st.exposed_send_acc * acc_b / bw
                 fixed = st.messages * msg
-                ranks_t.append(max(w, over) + fixed + exposed)
+                ranks_t.append(max(w, over) + fixed + exposed + latency)
                 comm_t.append(fixed + exposed)
                 busy_r = max(busy_r, over + fixed + exposed)
             step_t = max(max(ranks_t), shared + max(comm_t))

@@ -113,23 +113,29 @@ def run_calibration(args, argv) -> dict:
         links = calibrate.calibrate_links((2,), reps=2, sizes=(1 << 12, 1 << 18))
         busy = calibrate.measure_busy((2,), iters=10, reps=1)
         sharing = calibrate.measure_sharing((2,))
+        stubbed = calibrate.measure_stubbed_layers((2,), reps=2)
     else:
         local = calibrate.calibrate_local()
         local["colossal"] = calibrate.calibrate_colossal()
         links = calibrate.calibrate_links(WORLDS)
         busy = calibrate.measure_busy(WORLDS)
         sharing = calibrate.measure_sharing(WORLDS)
+        stubbed = calibrate.measure_stubbed_layers(WORLDS)
     cores = len(os.sched_getaffinity(0))
     hw = calibrate.calibrated_profile(local, links, cores, sharing, busy)
+    hw = calibrate.with_layer_latency(hw, stubbed, {int(w): v["barrier_s"] for w, v in links.items()})
     meta = run_metadata(__file__, argv, kind="measured", cores=cores, seconds=round(time.perf_counter() - t0, 1),
-                        profile=hw.to_dict(), note="microbenchmarks of primitives only; no backend was timed")
-    write_results("cost_model_calibration", {**meta, "local": local, "links": links, "busy": busy, "sharing": sharing},
+                        profile=hw.to_dict(), note="microbenchmarks of primitives, and each backend with its kernel stubbed "
+                        "at a tiny shape (layer latency); no validation row was timed")
+    write_results("cost_model_calibration", {**meta, "local": local, "links": links, "busy": busy, "sharing": sharing,
+                                             "stubbed_layers": stubbed},
                   [], args.out)
     write_results("cost_model_cpu_profile", {**meta}, [{"block_tokens": b, "attention_fwd_bwd_flops": r}
                                                       for b, r in hw.attention_curve], args.out)
     print(f"calibrated in {time.perf_counter() - t0:.0f} s: kernel call {hw.kernel_call_s[0] * 1e6:.0f}/"
           f"{hw.kernel_call_s[1] * 1e6:.0f} us, merge {hw.merge_s[0] * 1e6:.0f} us + {hw.merge_s[1] * 1e9:.2f} ns/elem, "
-          f"messages {[(w, round(t * 1e6)) for w, t in hw.message_s]} us, p2p {hw.intra_bandwidth / 1e9:.2f} GB/s", flush=True)
+          f"messages {[(w, round(t * 1e6)) for w, t in hw.message_s]} us, p2p {hw.intra_bandwidth / 1e9:.2f} GB/s, "
+          f"layer latency {[(b, w, round(t * 1e3, 2)) for b, w, t in hw.layer_latency_s]} ms", flush=True)
     return meta
 
 

@@ -1,5 +1,6 @@
 """Microbenchmarks of the primitives the cost model counts (Note [Per-call terms] in
-``lightning_sp/cost_model.py``), never of a backend: the validation rows are not used here.
+``lightning_sp/cost_model.py``): the validation rows are not used here, and a backend runs only with its
+compute stubbed out (``colossal``'s messages, every backend's kernel at a tiny shape).
 
 - ``kernel_table``: one ``LocalKernel`` (``make_kernel("auto")``: SDPA's CPU flash op) forward and
   backward call, per head, at ``q_len x k_len`` in ``KERNEL_SIDES`` (FULL) and CAUSAL squares (also at
@@ -14,7 +15,10 @@
   a tiny all-gather and a tiny all-to-all on top of a small kernel call (what the model uses);
 - per world size, idle ranks: ``message_s`` (a ``RingComm`` exchange of one float, Python and wait included),
   ``all_to_all`` and ``all_gather`` latency + bandwidth (least squares over message sizes) on gloo,
-  and the point-to-point bandwidth (ping-pong, ranks 0 and 1, at the smallest world).
+  and the point-to-point bandwidth (ping-pong, ranks 0 and 1, at the smallest world);
+- ``layer_latency_s``: per world size, each backend's fwd+bwd at ``LATENCY_SHAPE`` with its kernel stubbed
+  (``split.SplitKernel``: zeros of the real calls' shapes) on idle ranks, less what the profile's other
+  terms predict there.
 
 One thread per process, as the backends run in the validation.
 """
@@ -450,3 +454,62 @@ def load_profile(out) -> tuple[HardwareProfile, dict[int, float]]:
         raise FileNotFoundError(f"{path} is missing: run --part calibrate with the same --out first")
     data = json.loads(path.read_text())
     return HardwareProfile.from_dict(data["profile"]), {int(w): v["barrier_s"] for w, v in data["links"].items()}
+
+
+LATENCY_SHAPE = (256, 8, 8, 8, 8)
+"""``(N, H, H_kv, D, kv_pieces)`` of the layer whose kernel is stubbed for ``layer_latency_s``: tiny, so what is
+left is the layer's fixed cost (Python, autograd, plans, hand-overs, the collectives' and messages' latency)."""
+LATENCY_REPS = 15
+
+
+def latency_cases(world: int) -> list[tuple]:
+    """``split._worker``'s cases at ``LATENCY_SHAPE``: every backend the model times by its schedule (``usp`` from
+    4 ranks, with 2 Ulysses ranks); not ``colossal``, whose primitive is its own."""
+    n, h, h_kv, d, pieces = LATENCY_SHAPE
+    backends = [("ulysses", None), ("ring", None), ("zigzag_ring", None), ("allgather_kv", None)]
+    return [(b, u, n, h, h_kv, d, pieces) for b, u in backends + ([("usp", 2)] if world >= 4 else [])]
+
+
+def measure_stubbed_layers(worlds, reps: int = LATENCY_REPS) -> dict:
+    """``{world: {backend: seconds}}``: fwd+bwd of each of ``latency_cases(world)`` with the kernel stubbed, the
+    slowest rank's median over ``reps`` rounds (the order rotated per round), idle ranks."""
+    from experiments.common import run_on_ranks
+    from experiments.cost_model.split import split_steps_worker
+
+    out = {}
+    for world in worlds:
+        cases = latency_cases(world)
+        per_rank = run_on_ranks(split_steps_worker, world, (cases, reps, True), timeout_s=600, pg_timeout_s=300)
+        out[int(world)] = {case[0]: max(statistics.median(step for step, _ in rank[i]) for rank in per_rank)
+                           for i, case in enumerate(cases)}
+    return out
+
+
+def with_layer_latency(hw: HardwareProfile, stubbed: dict, barriers: dict) -> HardwareProfile:
+    """``hw`` with ``layer_latency_s``: for each measured ``(world, backend)``, the latency at which the model's
+    prediction of the stubbed layer (the schedule's calls at ``LATENCY_SHAPE``, priced by ``hw``; plus the two
+    barriers of the measured interval) equals the measurement (bisection: the prediction grows with it); 0 where
+    the other terms already predict as much."""
+    from dataclasses import replace
+
+    from lightning_sp.cost_model import AttentionShape, predict_attention
+
+    n, h, h_kv, d, pieces = LATENCY_SHAPE
+    shape = AttentionShape(seq_len=n, num_heads=h, num_kv_heads=h_kv, head_dim=d, causal=True, batch=1, dtype_bytes=4)
+    rows = []
+    for world, measured in sorted((int(w), m) for w, m in stubbed.items()):
+        for backend, seconds in sorted(measured.items()):
+            u = 2 if backend == "usp" else None
+
+            def predicted(latency, backend=backend, world=world, u=u):
+                probe = replace(hw, layer_latency_s=((backend, world, latency),))
+                return predict_attention(backend, shape, world, probe, ulysses_degree=u, kv_pieces=pieces).total_s \
+                    + 2 * barriers[world]
+
+            lo, hi = 0.0, seconds
+            if predicted(lo) < seconds:
+                for _ in range(40):
+                    mid = (lo + hi) / 2
+                    lo, hi = (mid, hi) if predicted(mid) < seconds else (lo, mid)
+            rows.append((backend, world, lo))
+    return replace(hw, layer_latency_s=tuple(rows))

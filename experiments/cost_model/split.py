@@ -59,8 +59,9 @@ class SplitKernel:
         return self._run(self.inner.backward, (dout, q, k, v, out, lse), kwargs)
 
 
-def _worker(rank, world, cases, reps, stub):
-    """Per case ``(backend, ulysses_degree, N, H, H_kv, D, kv_pieces)``: ``(step seconds, kernel seconds)`` per rep."""
+def split_steps_worker(rank, world, cases, reps, stub):
+    """Per case ``(backend, ulysses_degree, N, H, H_kv, D, kv_pieces)``: ``(step seconds, kernel seconds)`` per rep,
+    the kernel wrapped (``stub``: stubbed), every case warmed up once then timed in rotated rounds."""
     import torch.distributed as dist
 
     from experiments.cost_model.measure import _inputs
@@ -112,7 +113,7 @@ def run(args) -> dict:
     keep_freed_memory()
     cases = [(b, args.ulysses_degree if b == "usp" else None, args.seq, args.heads, args.kv_heads, args.head_dim,
               args.kv_pieces) for b in args.backends]
-    per_rank = run_on_ranks(_worker, args.world, (cases, args.reps, args.stub_kernel), timeout_s=1800, pg_timeout_s=300)
+    per_rank = run_on_ranks(split_steps_worker, args.world, (cases, args.reps, args.stub_kernel), timeout_s=1800, pg_timeout_s=300)
     hw, barriers = load_profile(args.profile)
     rows = []
     for i, case in enumerate(cases):

@@ -38,6 +38,9 @@ def test_cost_model_quick(tmp_path):
     profile = val["calibration_profile"]
     assert profile["intra_bandwidth"] > 0 and profile["intra_latency"] >= 0 and len(profile["attention_curve"]) == 2
     assert profile["kernel_table"] and profile["message_s"] and profile["compute_sharing"]  # the calibrated terms
+    assert {b for b, w, _ in profile["layer_latency_s"]} == {"ulysses", "ring", "zigzag_ring", "allgather_kv"}
+    calibration = json.loads((tmp_path / "cost_model_calibration.json").read_text())
+    assert set(calibration["stubbed_layers"]["2"]) == {"ulysses", "ring", "zigzag_ring", "allgather_kv"}
     cal = json.loads((tmp_path / "cost_model_calibration.json").read_text())
     assert cal["kind"] == "measured" and cal["hardware"]["device"] and cal["date"]  # machine and date recorded
 

@@ -230,3 +230,54 @@ def test_colossal_table_per_score_element_at_the_ranks_size():
         expected = rank_scores * free.colossal_seconds_per_score(rank_scores, 32)
         assert cm.predict_attention("colossal", shape, p, free).compute_s == pytest.approx(expected, rel=1e-6)
     assert cm.HardwareProfile.from_dict(hw.to_dict()) == hw
+
+
+def test_layer_latency_lies_on_each_ranks_path_and_is_hidden_where_ranks_share_cores():
+    """``layer_latency_s`` (Note [Per-call terms]): a backend's own latency at the nearest calibrated world, spread
+    over its steps on every rank's path. With a core per rank it adds in full; where ranks share cores and the
+    shared compute is the longer term, another rank's compute fills it (less than the latency is added); it never
+    reaches another backend or a single rank."""
+    shape = cm.AttentionShape(seq_len=4096, num_heads=8, num_kv_heads=8, head_dim=64, dtype_bytes=4)
+    hw = replace(A100, compute_slots=None)  # a device per rank: no shared term
+    lat = replace(hw, layer_latency_s=(("zigzag_ring", 2, 5e-3), ("zigzag_ring", 8, 9e-3), ("ulysses", 2, 1e-3)))
+    assert lat.layer_latency("zigzag_ring", 4) == 5e-3  # nearest world in log, the smaller on a tie
+    assert lat.layer_latency("zigzag_ring", 16) == 9e-3 and lat.layer_latency("ring", 2) == 0.0
+    assert lat.layer_latency("zigzag_ring", 1) == 0.0
+    for backend, world, added in (("zigzag_ring", 2, 5e-3), ("zigzag_ring", 8, 9e-3), ("ulysses", 2, 1e-3),
+                                  ("allgather_kv", 2, 0.0)):
+        gap = (cm.predict_attention(backend, shape, world, lat).total_s
+               - cm.predict_attention(backend, shape, world, hw).total_s)
+        assert gap == pytest.approx(added, rel=1e-6, abs=1e-12), (backend, world)
+    # 8 ranks on 2 slots: each step lasts as long as the cores take for all ranks' work, which hides the latency
+    shared, long = replace(A100, compute_slots=2), replace(shape, seq_len=65536)  # steps of ~1 ms compute per rank
+    gap = (cm.predict_attention("zigzag_ring", long, 8, replace(shared, layer_latency_s=lat.layer_latency_s)).total_s
+           - cm.predict_attention("zigzag_ring", long, 8, shared).total_s)
+    assert 0.0 <= gap < 0.5 * 9e-3
+    alone = (cm.predict_attention("zigzag_ring", long, 8, replace(hw, layer_latency_s=lat.layer_latency_s)).total_s
+             - cm.predict_attention("zigzag_ring", long, 8, hw).total_s)
+    assert alone == pytest.approx(9e-3, rel=1e-6)  # control: the same shape with a device per rank pays it all
+    assert cm.HardwareProfile.from_dict(lat.to_dict()) == lat
+
+
+def test_calibrated_layer_latency_reproduces_the_stubbed_measurement():
+    """``calibrate.with_layer_latency``: the latency found for each (world, backend) makes the model predict the
+    stubbed layer's measured time at ``LATENCY_SHAPE`` (plus the two barriers); 0 where the other terms already
+    predict more than was measured."""
+    from experiments.cost_model.calibrate import LATENCY_SHAPE, with_layer_latency
+
+    hw = replace(A100, compute_slots=2, kernel_call_s=(2e-5, 6e-5))
+    n, h, h_kv, d, pieces = LATENCY_SHAPE
+    shape = cm.AttentionShape(seq_len=n, num_heads=h, num_kv_heads=h_kv, head_dim=d, causal=True, batch=1, dtype_bytes=4)
+    base = {w: {b: cm.predict_attention(b, shape, w, hw, ulysses_degree=2 if b == "usp" else None,
+                                        kv_pieces=pieces).total_s for b in ("ulysses", "zigzag_ring", "usp")}
+            for w in (2, 4)}
+    barriers = {2: 1e-4, 4: 3e-4}
+    measured = {2: {"ulysses": base[2]["ulysses"] + 2e-4 + 4e-3, "zigzag_ring": base[2]["zigzag_ring"] * 0.5},
+                4: {"usp": base[4]["usp"] + 6e-4 + 7e-3}}
+    got = with_layer_latency(hw, measured, barriers)
+    assert got.layer_latency("zigzag_ring", 2) == 0.0  # predicted more than measured already
+    for world, backend in ((2, "ulysses"), (4, "usp")):
+        again = cm.predict_attention(backend, shape, world, got, ulysses_degree=2 if backend == "usp" else None,
+                                     kv_pieces=pieces).total_s + 2 * barriers[world]
+        assert again == pytest.approx(measured[world][backend], rel=1e-6)
+        assert got.layer_latency(backend, world) > 0
