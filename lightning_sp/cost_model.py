@@ -63,7 +63,8 @@ Note [Per-call terms]
                         ``a + E (b + c D)``, used when no table is given)
         layer_latency_s what one layer call (fwd+bwd) costs beyond all of the above, per backend and world:
                         the backend run with its kernel stubbed out (zeros of the real calls' shapes) at a tiny
-                        shape on idle ranks, less what the other terms price there (``calibrate.layer_latency``).
+                        shape on idle ranks, less what the other terms price there
+                        (``calibrate.with_layer_latency``).
                         Python, autograd and plan bookkeeping, hand-overs between threads: latency on each
                         rank's own path, so it is spread over the layer's steps as a fixed time on every rank
                         (``t_r``), not as work in the cores' shared term. Where ranks share cores, another

@@ -463,8 +463,8 @@ LATENCY_REPS = 15
 
 
 def latency_cases(world: int) -> list[tuple]:
-    """``split._worker``'s cases at ``LATENCY_SHAPE``: every backend the model times by its schedule (``usp`` from
-    4 ranks, with 2 Ulysses ranks); not ``colossal``, whose primitive is its own."""
+    """``split.split_steps_worker``'s cases at ``LATENCY_SHAPE``: every backend the model times by its schedule
+    (``usp`` from 4 ranks, with 2 Ulysses ranks); not ``colossal``, whose primitive is its own."""
     n, h, h_kv, d, pieces = LATENCY_SHAPE
     backends = [("ulysses", None), ("ring", None), ("zigzag_ring", None), ("allgather_kv", None)]
     return [(b, u, n, h, h_kv, d, pieces) for b, u in backends + ([("usp", 2)] if world >= 4 else [])]

@@ -11,7 +11,8 @@ kernel wrapped: the wall time spent inside the kernel's calls is recorded per ra
 signature runs the real kernel, untimed): what the layer costs beyond its kernel, on idle ranks. The model's
 side is the same split of ``predict_attention`` on the committed calibration (``results/``): the schedule's
 kernel calls priced by the kernel table, and the rest of its total (including the two barriers the measured
-interval holds). Measured and model columns stay apart; nothing here feeds the model."""
+interval holds). Measured and model columns stay apart; the split itself feeds nothing, while its stubbed runner
+(``split_steps_worker``) is also the layer-latency primitive (``calibrate.measure_stubbed_layers``)."""
 
 from __future__ import annotations
 
