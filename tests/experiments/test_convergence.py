@@ -5,23 +5,15 @@ the result file, and the figure script draws from that file."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.script_import import load_script
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"scripts.{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # the spawned ranks unpickle the worker function by this module name
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name, register=True)  # the spawned ranks unpickle the worker function by its module name
 
 
 def test_bad_arguments_say_what_to_change(tmp_path):

@@ -3,7 +3,6 @@ pieces it is built from: alternation order, the exported ``measure_step``, the s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -12,15 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.script_import import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "throughput_experiment.py"
 
 
 def _script_module():
-    spec = importlib.util.spec_from_file_location("throughput_experiment", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("throughput_experiment")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ committed results file's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -12,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.script_import import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench_peers():
-    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "scripts" / "bench_peers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_peers")
 
 
 def _grads(seed: int) -> list[torch.Tensor]:

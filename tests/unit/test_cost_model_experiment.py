@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from tests.script_import import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _experiment():
-    spec = importlib.util.spec_from_file_location("cost_model_experiment", ROOT / "scripts" / "cost_model_experiment.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("cost_model_experiment")
 
 
 def test_grid_reps_default_per_grid_and_yield_to_the_flags(tmp_path):
