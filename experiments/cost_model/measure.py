@@ -1,6 +1,7 @@
 """What the cost model is validated against, measured on this machine (CPU, gloo): one attention layer
 fwd+bwd per backend on ``P`` gloo ranks, the median over repetitions of the time between a barrier
-before and after (the slowest rank's time). Calibration (primitives, and backends with their compute stubbed) is ``calibrate.py``."""
+before and after (the slowest rank's time). Calibration (primitives, and backends with their compute stubbed) is
+``calibrate.py``."""
 
 from __future__ import annotations
 
