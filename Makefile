@@ -1,5 +1,6 @@
 # `make demo` and `make test` each build what they need into .venv on a fresh machine.
 # torch: a CPU build (torch==2.13.0) unless a GPU is present; override with TORCH_SPEC=...
+# Every other package at the version in constraints.txt (the environment the suite was green in).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,10 +10,10 @@ DEMO_ARGS ?=
 
 .PHONY: demo test test-gpu bench figures clean install
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,data]"
+	$(PY) -m pip install -q -c constraints.txt "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,data]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,7 +29,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -ra -m gpu tests/gpu
 
 bench: $(STAMP)
-	$(PY) -m pip install -q -e ".[bench]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e ".[bench]"
 	$(PY) scripts/bench_attention.py
 
 clean:

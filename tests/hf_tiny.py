@@ -7,6 +7,7 @@ The reference loss is HF's definition computed in float64: HF's loss functions u
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 import torch.nn.functional as F
@@ -307,9 +308,18 @@ def refusal_reason(message: str) -> str:
     return message[:cut].replace("|", "/").strip()
 
 
+TABLE_VERSION = re.compile(r"^Swept with transformers (\S+)\.$", re.M)
+"""The table's first line: which transformers it was swept with (what constraints.txt pins)."""
+
+
 def support_table(results: dict) -> str:
-    """Markdown table of the sweep (``{case_id: sweep_case(...)}`` of one rank), one row per case."""
-    lines = ["| model_type | class | " + " | ".join(SWEEP_BACKENDS) + " | refused because |",
+    """Markdown table of the sweep (``{case_id: sweep_case(...)}`` of one rank), one row per case, after a line
+    naming the installed transformers version (the outcome of a case can change with it: 5.24 moved GPT-J and
+    CodeGen onto ``AttentionInterface``)."""
+    import transformers
+
+    lines = [f"Swept with transformers {transformers.__version__}.", "",
+             "| model_type | class | " + " | ".join(SWEEP_BACKENDS) + " | refused because |",
              "|---|---|" + "---|" * len(SWEEP_BACKENDS) + "---|"]
     for case_id, res in results.items():
         cells, reasons = [], []

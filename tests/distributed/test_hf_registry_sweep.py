@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from tests.distributed.harness import run_on_ranks  # noqa: E402
 from tests.hf_tiny import (  # noqa: E402
@@ -30,6 +30,7 @@ from tests.hf_tiny import (  # noqa: E402
     SWEEP_N,
     TABLE_BEGIN,
     TABLE_END,
+    TABLE_VERSION,
     support_table,
     sweep_case_id,
 )
@@ -145,6 +146,12 @@ def test_readme_table_matches_the_sweep(results):
     text = README.read_text()
     match = re.search(re.escape(TABLE_BEGIN) + r"\n(.*?)\n" + re.escape(TABLE_END), text, re.S)
     assert match, f"README.md has no block between {TABLE_BEGIN!r} and {TABLE_END!r}"
+    swept = TABLE_VERSION.search(match.group(1))
+    assert swept, "README's HF support table does not name the transformers it was swept with"
+    assert swept.group(1) == transformers.__version__, (
+        f"README's HF support table was swept with transformers {swept.group(1)}, this environment has "
+        f"{transformers.__version__}: `make install` installs the version constraints.txt pins; after upgrading on "
+        "purpose, update constraints.txt and run `python scripts/hf_support_table.py --write`")
     assert match.group(1) == support_table(results[0]["sweep"]), (
         "README's HF support table is stale: run `python scripts/hf_support_table.py --write`")
 
