@@ -177,7 +177,8 @@ def run_grid(args, argv, grid: str) -> list[dict]:
     sharing = calibrate.measure_sharing((2,) if args.quick else WORLDS)
     hw = replace(hw, compute_sharing=tuple((w, x) for w, x in sharing.items() if isinstance(w, int)))
     print(f"{grid}: sharing stretch now {sharing}", flush=True)
-    measured = {}
+    measured, probes = {}, {}
+    probe_at_calibration = calibrate.calibration_shared_seconds(args.out)
     for world in ((2,) if args.quick else WORLDS):
         if args.quick:
             cases = grid1_cases(world, (512,), quick=True) if grid == "grid1" else [("zigzag_ring", None, 768, 6, 2, 48, False, 1)]
@@ -186,8 +187,11 @@ def run_grid(args, argv, grid: str) -> list[dict]:
         if not cases:
             continue
         t1 = time.perf_counter()
-        measured[world] = (cases, measure.measure_world(world, cases, grid_reps(args, grid)))
-        print(f"{grid} P={world}: {len(cases)} cases measured in {time.perf_counter() - t1:.0f} s", flush=True)
+        times, probes[world] = measure.measure_world(world, cases, grid_reps(args, grid))
+        measured[world] = (cases, times)
+        print(f"{grid} P={world}: {len(cases)} cases measured in {time.perf_counter() - t1:.0f} s; probe "
+              f"{statistics.median(probes[world]) * 1e3:.1f} ms per call (median of the rounds; "
+              f"{probe_at_calibration[world] * 1e3:.1f} ms at calibration)", flush=True)
     rows = predict_rows(hw, barriers, grid, measured)
     meta = run_metadata(
         __file__, argv, kind="measured", calibration_profile=hw.to_dict(), seconds=round(time.perf_counter() - t0, 1),
@@ -195,6 +199,9 @@ def run_grid(args, argv, grid: str) -> list[dict]:
                  "measured_iqr_pct": "measured here: interquartile range of the reps, % of their median",
                  "model_*": "cost-model output from the calibrated profile (not measured)"},
         **_summary(rows), sharing_now=sharing, reps_per_case=grid_reps(args, grid),
+        # measured, for reading a run (not used by the model): the machine's speed while each world's rows ran
+        probe_s={str(w): {"rounds": p, "at_calibration": probe_at_calibration[w],
+                          "slowdown": statistics.median(p) / probe_at_calibration[w]} for w, p in probes.items()},
         note="CPU gloo, shared cores: timings depend on what else runs (load in the README)",
     )
     write_results(f"cost_model_validation_{grid}", meta, rows, args.out)

@@ -298,19 +298,22 @@ def _kernel_seconds_per_call(window_s: float = SHARING_WINDOW_S) -> float:
 SHARING_WINDOWS = 3
 
 
+def shared_window(world: int, window_s: float) -> tuple[float, float]:
+    """Every rank of the default group calls the kernel for the same window at once: ``(mean, slowest)`` seconds
+    per call, the mean in throughput terms (``world`` over the sum of the ranks' calls per second: the cores'
+    share each rank gets on average). Also the validation's in-round probe of the machine's speed
+    (``measure.time_backends_worker``)."""
+    dist.barrier()
+    t = _kernel_seconds_per_call(window_s)
+    times = [None] * world
+    dist.all_gather_object(times, t)
+    return world / sum(1.0 / x for x in times), max(times)
+
+
 def sharing_worker(rank, world):
-    """Every rank calls the kernel for the same window at once; per window, the ranks' mean seconds per
-    call in throughput terms (``world`` over the sum of the ranks' calls per second: the cores' share
-    each rank gets on average) and the slowest rank's; medians over ``SHARING_WINDOWS`` windows."""
-    mean, slowest = [], []
-    for _ in range(SHARING_WINDOWS):
-        dist.barrier()
-        t = _kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
-        times = [None] * world
-        dist.all_gather_object(times, t)
-        mean.append(world / sum(1.0 / x for x in times))
-        slowest.append(max(times))
-    return (statistics.median(mean), statistics.median(slowest)) if rank == 0 else None
+    """``shared_window`` over ``SHARING_WINDOWS`` windows: medians of the mean and of the slowest rank."""
+    windows = [shared_window(world, SHARING_WINDOW_S / SHARING_WINDOWS * 2) for _ in range(SHARING_WINDOWS)]
+    return (statistics.median(m for m, _ in windows), statistics.median(s for _, s in windows)) if rank == 0 else None
 
 
 def measure_sharing(worlds, reps: int = 1) -> dict:
@@ -454,6 +457,17 @@ def load_profile(out) -> tuple[HardwareProfile, dict[int, float]]:
         raise FileNotFoundError(f"{path} is missing: run --part calibrate with the same --out first")
     data = json.loads(path.read_text())
     return HardwareProfile.from_dict(data["profile"]), {int(w): v["barrier_s"] for w, v in data["links"].items()}
+
+
+def calibration_shared_seconds(out) -> dict[int, float]:
+    """``{world: seconds}`` per ``SHARING_CALL`` with ``world`` ranks calling it at once, as the calibration in ``out``
+    measured it (``measure_sharing``: its time alone times the stretch): what the validation's in-round probe is
+    compared with."""
+    path = Path(out) / "cost_model_calibration.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run --part calibrate with the same --out first")
+    sharing = json.loads(path.read_text())["sharing"]
+    return {int(w): float(x) * float(sharing["alone_s"]) for w, x in sharing.items() if str(w).isdigit()}
 
 
 LATENCY_SHAPE = (256, 8, 8, 8, 8)

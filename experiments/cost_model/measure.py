@@ -17,11 +17,17 @@ def _inputs(seed, n, h, h_kv, d, dtype):
             torch.randn(1, n, h_kv, d, generator=g, dtype=dtype), torch.randn(1, n, h, d, generator=g, dtype=dtype))
 
 
+PROBE_WINDOW_S = 0.2
+"""Each round's probe of the machine's speed: every rank calls ``calibrate.SHARING_CALL`` for this long at once."""
+
+
 def time_backends_worker(rank, world, cases, reps):
-    """``cases``: ``(backend, ulysses_degree, N, H, H_kv, D, causal, kv_pieces)``; returns every timed fwd+bwd
-    (seconds between barriers, ``reps`` of them) for each case (rank 0). Every case is warmed up once, then timed in
-    ``reps`` rounds over all cases, the order rotated by one case per round, so a slow spell of the
-    machine spreads over the cases instead of landing on the ones timed during it."""
+    """``cases``: ``(backend, ulysses_degree, N, H, H_kv, D, causal, kv_pieces)``; returns (rank 0) every timed fwd+bwd
+    (seconds between barriers, ``reps`` of them) for each case, and each round's probe (``calibrate.shared_window``:
+    mean seconds per ``SHARING_CALL`` with every rank calling it, the machine's speed while that round ran). Every
+    case is warmed up once, then timed in ``reps`` rounds over all cases, the order rotated by one case per round,
+    so a slow spell of the machine spreads over the cases instead of landing on the ones timed during it."""
+    from experiments.cost_model.calibrate import shared_window
     from lightning_sp import SequenceParallelAttention, shard_sequence
 
     torch.set_num_threads(1)
@@ -40,17 +46,19 @@ def time_backends_worker(rank, world, cases, reps):
 
         step()  # warm-up
         steps.append(step)
-    times = [[] for _ in cases]
+    times, probes = [[] for _ in cases], []
     for r in range(reps):
         order = list(range(len(cases)))
         order = order[r % len(order):] + order[:r % len(order)]
+        probes.append(shared_window(world, PROBE_WINDOW_S)[0])
         for i in order:
             times[i].append(median_seconds(steps[i], 1, warmup=0))
-    return times if rank == 0 else None
+    return (times, probes) if rank == 0 else None
 
 
-def measure_world(world: int, cases, reps: int) -> list[list[float]]:
-    """Every timed fwd+bwd (seconds, ``reps`` per case) per case, measured on ``world`` gloo ranks (one spawn)."""
+def measure_world(world: int, cases, reps: int) -> tuple[list[list[float]], list[float]]:
+    """Every timed fwd+bwd (seconds, ``reps`` per case) per case, and each round's probe (seconds per call),
+    measured on ``world`` gloo ranks (one spawn)."""
     from experiments.common import run_on_ranks
 
     return run_on_ranks(time_backends_worker, world, (list(cases), reps), timeout_s=1800, pg_timeout_s=300)[0]

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,12 @@ def test_cost_model_quick(tmp_path):
         assert not any(k.startswith("paper") for k in r)  # no paper numbers among measurements
     assert {r["grid"] for r in rows} == {"grid1", "grid2"}
     for grid in ("grid1", "grid2"):  # how many reps each median is of, recorded
-        assert json.loads((tmp_path / f"cost_model_validation_{grid}.json").read_text())["reps_per_case"] == 2
+        data = json.loads((tmp_path / f"cost_model_validation_{grid}.json").read_text())
+        assert data["reps_per_case"] == 2
+        # the machine's speed while the rows ran (for reading a run): one probe per round, beside the calibration's
+        probe = data["probe_s"]["2"]
+        assert len(probe["rounds"]) == 2 and all(x > 0 for x in probe["rounds"]) and probe["at_calibration"] > 0
+        assert probe["slowdown"] == pytest.approx(sum(probe["rounds"]) / 2 / probe["at_calibration"])
     profile = val["calibration_profile"]
     assert profile["intra_bandwidth"] > 0 and profile["intra_latency"] >= 0 and len(profile["attention_curve"]) == 2
     assert profile["kernel_table"] and profile["message_s"] and profile["compute_sharing"]  # the calibrated terms
@@ -62,6 +68,36 @@ def test_cost_model_quick(tmp_path):
     assert list((tmp_path / "runs" / "figures").iterdir())  # the figure is in TensorBoard too
 
 
+
+
+_HOG = "import time\nwhile True: pass\n"
+
+
+def test_probe_sees_a_competing_job():
+    """The validation's probe of the machine's speed (``calibrate._kernel_seconds_per_call``, what
+    ``shared_window`` runs on each rank every round) reads slower when another job takes half of its core: the
+    probe pinned to one core, alone and then with a busy loop pinned to the same core. Control: alone twice
+    reads the same speed within 50%."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs os.sched_setaffinity (Linux)")
+    from experiments.cost_model.calibrate import _kernel_seconds_per_call
+
+    core = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        alone = [_kernel_seconds_per_call(0.3) for _ in range(2)]
+        hog = subprocess.Popen([sys.executable, "-c", _HOG], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+        try:
+            time.sleep(0.2)
+            shared = _kernel_seconds_per_call(0.3)
+        finally:
+            hog.kill()
+            hog.wait()
+    finally:
+        os.sched_setaffinity(0, before)
+    assert max(alone) / min(alone) < 1.5, alone
+    assert shared / max(alone) > 1.4, (alone, shared)
 
 
 _TOUCH_TWICE = """
