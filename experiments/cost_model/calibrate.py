@@ -448,14 +448,19 @@ def measure_busy(worlds, iters: int = BUSY_ITERS, reps: int = BUSY_REPS) -> dict
     return {int(w): run_on_ranks(busy_worker, w, (iters, reps), timeout_s=600, pg_timeout_s=300)[0] for w in worlds}
 
 
+def _read_calibration(out) -> dict:
+    """``out/cost_model_calibration.json``, or an error that says what to run."""
+    path = Path(out) / "cost_model_calibration.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run --part calibrate with the same --out first")
+    return json.loads(path.read_text())
+
+
 def load_profile(out) -> tuple[HardwareProfile, dict[int, float]]:
     """The calibrated profile in ``out/cost_model_calibration.json`` and the measured barrier time per world size."""
     from lightning_sp.cost_model import HardwareProfile  # noqa: F811  (at run time; above only for the types)
 
-    path = Path(out) / "cost_model_calibration.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run --part calibrate with the same --out first")
-    data = json.loads(path.read_text())
+    data = _read_calibration(out)
     return HardwareProfile.from_dict(data["profile"]), {int(w): v["barrier_s"] for w, v in data["links"].items()}
 
 
@@ -463,10 +468,7 @@ def calibration_shared_seconds(out) -> dict[int, float]:
     """``{world: seconds}`` per ``SHARING_CALL`` with ``world`` ranks calling it at once, as the calibration in ``out``
     measured it (``measure_sharing``: its time alone times the stretch): what the validation's in-round probe is
     compared with."""
-    path = Path(out) / "cost_model_calibration.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run --part calibrate with the same --out first")
-    sharing = json.loads(path.read_text())["sharing"]
+    sharing = _read_calibration(out)["sharing"]
     return {int(w): float(x) * float(sharing["alone_s"]) for w, x in sharing.items() if str(w).isdigit()}
 
 
