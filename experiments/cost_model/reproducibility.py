@@ -7,8 +7,8 @@
 **Replay error**: one run's measured rows taken as the prediction of another run's rows, |a / b - 1| per row, mean
 and max over the rows, as the model's error is computed (``b`` is the run judged). The same backends' code, the same
 shapes, the same timing: a model calibrated at one time and judged at another cannot be expected to come closer to
-a run than the machine's own earlier measurement of those rows does. Measured numbers only; the model's errors, as
-each run recorded them (its code, its calibration), stay in their own ``model_*`` fields.
+a run than the machine's own earlier measurement of those rows does. Measured numbers only; the model's rows (each
+run's code on its own calibration; a ``note`` says where they were re-predicted) stay in their own ``model_*`` fields.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def summarise(runs: list[dict], near_minutes: float = NEAR_MINUTES) -> dict:
                         "replay_near": [{k: p[k] for k in ("predictor", "minutes_apart", "mean_abs_pct", "max_abs_pct",
                                                            "mean_signed_pct", "level_removed_mean_abs_pct")}
                                         for p in judged_near]})
-    return {"kind": "measured (replay: one run's measured rows against another's); model_* as each run recorded it",
+    return {"kind": "measured (replay: one run's measured rows against another's); model_*: model output",
             "target_mean_max_pct": list(TARGET), "near_minutes": near_minutes,
             "runs": [{k: r[k] for k in ("label", "date", "git_commit", "reps_per_case")} for r in runs],
             "all_pairs": _meeting(pairs), "near_pairs": _meeting(near), "per_run": per_run, "pairs": pairs}
@@ -145,8 +145,8 @@ def main(argv=None) -> None:
     if args.add:
         grid = json.loads((args.add / "cost_model_validation_grid1.json").read_text())
         runs.append(run_from_grid(grid, args.label or grid["date"]))
-        args.runs.write_text(json.dumps({"kind": "measured grid-1 rows of every run kept (model_* as each run "
-                                                 "recorded it)", "runs": runs}, indent=1) + "\n")
+        args.runs.write_text(json.dumps({"kind": "measured grid-1 rows of every run kept (model_*: model output, each "
+                                                 "run's code on its calibration)", "runs": runs}, indent=1) + "\n")
     summary = summarise(runs)
     print(table(summary))
     for name in ("all_pairs", "near_pairs"):
