@@ -5,7 +5,8 @@ compute stubbed out (``colossal``'s messages, every backend's kernel at a tiny s
 - ``kernel_table``: one ``LocalKernel`` (``make_kernel("auto")``: SDPA's CPU flash op) forward and
   backward call, per head, at ``q_len x k_len`` in ``KERNEL_SIDES`` (FULL) and CAUSAL squares (also at
   ``CAUSAL_EXTRA_SIDES``), for
-  ``head_dim`` in ``KERNEL_DIMS``, ``KERNEL_HEADS`` heads; the tiny-call time removed;
+  ``head_dim`` in ``KERNEL_DIMS``, ``KERNEL_HEADS`` heads; the tiny-call time removed; each point the median over
+  ``KERNEL_ROUNDS`` rounds over the whole table;
 - ``kernel_call_s``: a tiny call (8 x 8 tokens, one head, D = 8), forward and backward;
 - ``merge_s``: ``ops.merge.merge_into`` vs elements; ``elementwise_s``: an in-place ``add_`` vs elements
   (both least squares in relative error, as the collectives: the 4 K-element call sets the per-call time);
@@ -89,29 +90,43 @@ def _kernel_pair(kernel, kind, q_len, k_len, heads, d, reps):
     return t_f, t_b
 
 
-def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_extra=CAUSAL_EXTRA_SIDES) -> dict:
-    """Everything one process measures (kernel table, per-call terms, matmul rate)."""
+KERNEL_ROUNDS = 3
+"""Rounds over the whole kernel table (each point once per round, the order rotated): a slow minute of the machine
+lands on one round of every point instead of on every round of some points (Note [Kernel table in rounds])."""
+
+
+def kernel_table_points(sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_extra=CAUSAL_EXTRA_SIDES) -> list[tuple]:
+    """``(kind, D, q_len, k_len)`` of every kernel-table point: FULL rectangles and CAUSAL squares over ``sides``,
+    and CAUSAL squares at ``causal_extra``, for each D."""
+    points = []
+    for d in dims:
+        for q_len in sides:
+            points += [("full", d, q_len, k_len) for k_len in sides] + [("causal", d, q_len, q_len)]
+        points += [("causal", d, side, side) for side in causal_extra]
+    return points
+
+
+def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_extra=CAUSAL_EXTRA_SIDES,
+                    rounds: int = KERNEL_ROUNDS) -> dict:
+    """Everything one process measures (kernel table, per-call terms, matmul rate). Each table point is the median
+    over ``rounds`` rounds of the median of ``reps`` calls (fewer for the large ones, one for ``causal_extra``)."""
     from lightning_sp.ops.kernels import make_kernel
     from lightning_sp.ops.merge import merge_into
 
     torch.set_num_threads(1)
     kernel = make_kernel("auto")
     tiny = _kernel_pair(kernel, "full", 8, 8, 1, 8, reps * 20)
+    points = kernel_table_points(sides, dims, causal_extra)
+    per_round = {p: [] for p in points}
+    for r in range(rounds):
+        for kind, d, q_len, k_len in points[r * len(points) // rounds:] + points[:r * len(points) // rounds]:
+            n = 1 if q_len in causal_extra else (reps if q_len * k_len < 1 << 20 else max(2, reps - 1))
+            per_round[(kind, d, q_len, k_len)].append(_kernel_pair(kernel, kind, q_len, k_len, KERNEL_HEADS, d, n))
     table = []
-    for d in dims:
-        for q_len in sides:
-            for k_len in sides:
-                r = reps if q_len * k_len < 1 << 20 else max(2, reps - 1)
-                t_f, t_b = _kernel_pair(kernel, "full", q_len, k_len, KERNEL_HEADS, d, r)
-                table.append(("full", d, q_len, k_len, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
-                              max(t_b - tiny[1], 1e-9) / KERNEL_HEADS))
-            t_f, t_b = _kernel_pair(kernel, "causal", q_len, q_len, KERNEL_HEADS, d, reps)
-            table.append(("causal", d, q_len, q_len, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
-                          max(t_b - tiny[1], 1e-9) / KERNEL_HEADS))
-        for side in causal_extra:  # one timed call each (seconds long): warm-up + 1
-            t_f, t_b = _kernel_pair(kernel, "causal", side, side, KERNEL_HEADS, d, 1)
-            table.append(("causal", d, side, side, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
-                          max(t_b - tiny[1], 1e-9) / KERNEL_HEADS))
+    for (kind, d, q_len, k_len), times in per_round.items():
+        t_f, t_b = (statistics.median(t[i] for t in times) for i in (0, 1))
+        table.append((kind, d, q_len, k_len, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
+                      max(t_b - tiny[1], 1e-9) / KERNEL_HEADS))
     sizes = (4096, 1 << 18, 1 << 22, 1 << 24)  # 16 KiB .. 64 MiB of fp32: cache-resident to memory-bound
     merge_t, add_t = [], []
     for e in sizes:
@@ -125,6 +140,7 @@ def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_
     t_mm = median_seconds(lambda: a @ b, reps * 10)
     return {
         "kernel_heads": KERNEL_HEADS, "kernel_table": table, "kernel_call_s": list(tiny),
+        "kernel_table_rounds": [[*p, [list(t) for t in per_round[p]]] for p in points],
         "merge_s": list(fit_line(sizes, merge_t, relative=True)), "merge_points": list(zip(sizes, merge_t)),
         "elementwise_s": list(fit_line(sizes, add_t, relative=True)), "elementwise_points": list(zip(sizes, add_t)),
         "matmul_flops": 2.0 * h * c * c * d / t_mm,

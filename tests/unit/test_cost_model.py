@@ -281,3 +281,37 @@ def test_calibrated_layer_latency_reproduces_the_stubbed_measurement():
                                      kv_pieces=pieces).total_s + 2 * barriers[world]
         assert again == pytest.approx(measured[world][backend], rel=1e-6)
         assert got.layer_latency(backend, world) > 0
+
+
+def test_kernel_table_is_the_median_over_rounds_so_a_slow_spell_misses_it(monkeypatch):
+    """``calibrate_local`` times the kernel table in rounds over all points (the order rotated) and keeps each point's
+    median: a slow spell of the machine covering half of one round does not reach the table. Control: in one round,
+    the same spell lands on the points it covers (session 23 saw whole D blocks of the table 30-60% slow in two
+    calibrations out of five)."""
+    from experiments.cost_model import calibrate
+
+    tiny, fast, slow_factor = (1e-5, 2e-5), (1e-3, 2e-3), 10.0
+    shape = dict(sides=(32, 128), dims=(32,), causal_extra=(256,))
+    n_points = len(calibrate.kernel_table_points(**shape))
+
+    def table_with_a_spell(rounds, spell):
+        calls = []
+
+        def fake_pair(kernel, kind, q_len, k_len, heads, d, reps):
+            if (q_len, k_len, heads) == (8, 8, 1):
+                return tiny
+            calls.append((kind, d, q_len, k_len))
+            factor = slow_factor if len(calls) - 1 in spell else 1.0
+            return fast[0] * factor, fast[1] * factor
+
+        monkeypatch.setattr(calibrate, "_kernel_pair", fake_pair)
+        local = calibrate.calibrate_local(reps=1, rounds=rounds, **shape)
+        assert len(calls) == rounds * n_points and len(set(calls)) == n_points  # every point once per round
+        return local
+
+    expected = ((fast[0] - tiny[0]) / calibrate.KERNEL_HEADS, (fast[1] - tiny[1]) / calibrate.KERNEL_HEADS)
+    local = table_with_a_spell(3, spell=range(n_points, n_points + n_points // 2))  # half of round 2
+    assert all(row[4:] == pytest.approx(expected) for row in local["kernel_table"])
+    assert all(len(row[4]) == 3 for row in local["kernel_table_rounds"])
+    slow = table_with_a_spell(1, spell=range(n_points // 2))
+    assert sum(row[4] > 5 * expected[0] for row in slow["kernel_table"]) == n_points // 2
