@@ -193,3 +193,26 @@ def test_replay_error_is_scored_as_the_model_is():
         errors_pct({k: v for k, v in rows.items() if k != key}, rows)
     per_run = summarise([run("a", rows), run("later", scaled)])["per_run"]
     assert per_run[0]["model_mean_abs_pct"] == summarise([base])["per_run"][0]["model_mean_abs_pct"]
+
+
+def test_reproducibility_add_keeps_a_new_run_beside_the_old_ones(tmp_path, capsys):
+    """``--add DIR --label L`` appends DIR's grid-1 run to the runs file and prints the table with it: the way the next
+    run joins the floor. A directory without a grid-1 file is refused by the missing file's name."""
+    import json
+    import shutil
+
+    import pytest
+
+    from experiments.cost_model.reproducibility import RUNS_FILE, main
+
+    runs = tmp_path / "runs.json"
+    shutil.copy(RUNS_FILE, runs)
+    before = len(json.loads(runs.read_text())["runs"])
+    (tmp_path / "new").mkdir()
+    shutil.copy(RESULTS / "cost_model_validation_grid1.json", tmp_path / "new")
+    main(["--runs", str(runs), "--add", str(tmp_path / "new"), "--label", "again"])
+    kept = json.loads(runs.read_text())["runs"]
+    assert len(kept) == before + 1 and kept[-1]["label"] == "again"
+    assert "| again | 12.2 / 25.9 |" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="cost_model_validation_grid1.json"):
+        main(["--runs", str(runs), "--add", str(tmp_path)])
