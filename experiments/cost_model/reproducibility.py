@@ -97,19 +97,20 @@ def _meeting(pairs: list[dict]) -> dict:
 
 def summarise(runs: list[dict], near_minutes: float = NEAR_MINUTES) -> dict:
     """The replay floor over all pairs and over the pairs at most ``near_minutes`` apart, and per run judged: the
-    model's error as that run recorded it beside the replay error of the runs near it (measured vs measured)."""
+    model's error (its rows in the runs file) beside the replay error of the runs near it (measured vs measured)."""
     pairs = replay_pairs(runs)
     near = [p for p in pairs if p["minutes_apart"] <= near_minutes]
     per_run = []
     for run in runs:
         judged_near = [p for p in near if p["judged"] == run["label"]]
-        model = _stats(errors_pct(run["model_predicted_ms"], run["measured_ms"]))
+        model_errors = errors_pct(run["model_predicted_ms"], run["measured_ms"])
+        model = _stats(model_errors)
         per_run.append({"judged": run["label"], "date": run["date"], "rows": len(run["measured_ms"]),
                         "model_mean_abs_pct": model["mean_abs_pct"], "model_max_abs_pct": model["max_abs_pct"],
                         "model_mean_signed_pct": model["mean_signed_pct"],
                         "model_level_removed_mean_abs_pct": model["level_removed_mean_abs_pct"],
                         "model_level_removed_max_abs_pct": model["level_removed_max_abs_pct"],
-                        "model_rows_under": sum(e < 0 for e in errors_pct(run["model_predicted_ms"], run["measured_ms"])),
+                        "model_rows_under": sum(e < 0 for e in model_errors),
                         "replay_near": [{k: p[k] for k in ("predictor", "minutes_apart", "mean_abs_pct", "max_abs_pct",
                                                            "mean_signed_pct", "level_removed_mean_abs_pct")}
                                         for p in judged_near]})
