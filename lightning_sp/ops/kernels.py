@@ -95,6 +95,16 @@ FLASH_ATTN_VERSIONS = ("2.6", "2.7", "2.8")
 """flash-attn minor versions whose private ``_flash_attn_forward/_backward`` signatures we call."""
 
 
+def check_heads(q: torch.Tensor, k: torch.Tensor) -> None:
+    """Every kernel's first check: ``q``'s heads a positive multiple of ``k``'s (GQA groups). Without it, fewer
+    query heads than K/V heads kill the process inside PyTorch's CPU flash op (SIGFPE, torch 2.13), and a
+    non-multiple pairs the wrong heads."""
+    h, h_kv = q.size(2), k.size(2)
+    if h_kv < 1 or h % h_kv:
+        raise ValueError(f"q has {h} heads and k/v have {h_kv}: the query heads must be a positive multiple of the "
+                         f"K/V heads (each K/V head serves H / H_kv query heads); pass [B, S, H, D] tensors")
+
+
 def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """``[B, S, H_kv, D] -> [B, S, H, D]``: each KV head serves ``H / H_kv`` query heads."""
     groups = num_heads // x.size(2)
@@ -353,6 +363,7 @@ class TorchBlockwiseKernel:
         return mask[q0:q1, k0:k1]
 
     def forward(self, q, k, v, *, scale, kind, mask):
+        check_heads(q, k)
         acc = accumulation_dtype(q.dtype)
         b, sq, h, _ = q.shape
         qh = q.transpose(1, 2).to(acc)  # [B, H, Sq, D]
@@ -372,6 +383,7 @@ class TorchBlockwiseKernel:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
+        check_heads(q, k)
         acc = accumulation_dtype(q.dtype)
         h, h_kv = q.size(2), k.size(2)
         qh = q.transpose(1, 2).to(acc)  # [B, H, Sq, D]
@@ -453,6 +465,7 @@ class _CudaChainKernel:
         return _CUDA_BACKWARD[op](dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
 
     def forward(self, q, k, v, *, scale, kind, mask):
+        check_heads(q, k)
         if self._device_type(q) != "cuda":
             return self._cpu_forward(q, k, v, scale=scale, kind=kind, mask=mask)
         op = self.choose(q, k, kind)
@@ -462,6 +475,7 @@ class _CudaChainKernel:
         return _empty_rows_to_convention(out, lse, kind, mask)
 
     def backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
+        check_heads(q, k)
         if self._device_type(q) != "cuda":
             return self._cpu_backward(dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
         op = self.choose(q, k, kind)

@@ -690,3 +690,22 @@ def test_cpu_sdpa_gqa_native_and_fallback(monkeypatch, kind, native):
     k_wrong = k.roll(1, dims=2)
     out_wrong, _ = kernel.forward(q, k_wrong, v, scale=0.3, kind=kind, mask=mask)
     assert (out_wrong - ref).abs().max() > 1e-3
+
+
+def test_every_kernel_refuses_heads_that_do_not_group():
+    """``check_heads``: fewer query heads than K/V heads (which kills the process inside torch 2.13's CPU flash op
+    with SIGFPE) or a non-multiple gets a ValueError that says what to change, from every kernel's forward and
+    backward, on CPU and on the CUDA path (checked before any op is chosen). Control: H = 6, H_kv = 2 runs."""
+    q2, q6, kv4, kv2 = (torch.randn(1, 8, h, 8) for h in (2, 6, 4, 2))
+    kernels = [K.make_kernel("auto"), K.make_kernel("torch"), _cuda(K.SDPAKernel), _cuda(K.CudnnKernel)]
+    for kernel in kernels:
+        for q, kv in ((q2, kv4), (q6, kv4)):
+            with pytest.raises(ValueError, match=f"q has {q.size(2)} heads and k/v have 4.*positive multiple"):
+                kernel.forward(q, kv, kv, scale=0.3, kind=MaskKind.FULL, mask=None)
+            with pytest.raises(ValueError, match="positive multiple"):
+                kernel.backward(q, q, kv, kv, q, torch.zeros(1, q.size(2), 8), scale=0.3, kind=MaskKind.FULL,
+                                mask=None)
+    for kernel in kernels[:2]:  # the CPU ones run the control
+        out, lse = kernel.forward(q6, kv2, kv2, scale=0.3, kind=MaskKind.FULL, mask=None)
+        assert out.shape == q6.shape and kernel.backward(q6, q6, kv2, kv2, out, lse, scale=0.3, kind=MaskKind.FULL,
+                                                         mask=None)[1].shape == kv2.shape
