@@ -70,6 +70,16 @@ Note [Per-call terms]
                         (``t_r``), not as work in the cores' shared term. Where ranks share cores, another
                         rank's compute fills that time (grid 1 with the term as work added everywhere: mean
                         |error| 11.4%, max 42%; as latency on the path: 9.6%, 28.6%; offline, 2026-11-24)
+        sync_delay_s    the delay a synchronisation meets after a stretch of compute, per world: synthetic
+                        steps of kernel calls each ended by a ring exchange or a tiny all-to-all, timed in
+                        rotated rounds as the validation rows are, (median round - fastest round) per
+                        synchronisation (``calibrate.measure_sync_delay``). The other terms price a step's
+                        fastest round (no rank late); a row is its rounds' median, and this VM's ranks reach a
+                        synchronisation at different times from one round to the next. Added once at every
+                        collective or ring wait that follows kernel (or ``colossal`` score) compute, and at the
+                        layer's end; a collective right after another collective meets none (Ulysses' three
+                        all-to-alls after one call count once). Added after the layer latency is fitted: the
+                        stubbed layers compute nothing
 
     ``fwd+bwd`` FLOPs for the GPU presets: backward = 2.5x forward (flash-style recompute), so
     ``3.5 x`` the forward's ``4 N^2 H D`` (halved for a causal square); ``megatron_sp`` keeps its
@@ -162,6 +172,10 @@ class HardwareProfile:
     layer_latency_s: tuple[tuple[str, int, float], ...] = ()
     """``(backend, world, seconds)``: one layer call's fwd+bwd time beyond the other terms, measured with the
     kernel stubbed out at a tiny shape (Note [Per-call terms]); spread over the layer's steps on each rank's path."""
+    sync_delay_s: tuple[tuple[int, float], ...] = ()
+    """``(world, seconds)``: how far a step timed in rounds sits, at its median round, above its fastest, per
+    synchronisation that ends a stretch of compute (measured: ``calibrate.measure_sync_delay``; Note [Per-call
+    terms]); added once per such synchronisation on the layer's path. Empty: none."""
 
     def __post_init__(self) -> None:
         if not self.attention_curve:
@@ -223,6 +237,7 @@ class HardwareProfile:
         d["collective_fits"] = tuple((str(o), int(g), float(la), float(bw)) for o, g, la, bw in d.get("collective_fits", ()))
         d["collective_busy_s"] = tuple((str(o), int(g), float(t)) for o, g, t in d.get("collective_busy_s", ()))
         d["layer_latency_s"] = tuple((str(b), int(w), float(t)) for b, w, t in d.get("layer_latency_s", ()))
+        d["sync_delay_s"] = tuple((int(w), float(t)) for w, t in d.get("sync_delay_s", ()))
         return cls(**d)
 
     def kernel_time(self, call, head_dim: int) -> float:
@@ -251,6 +266,12 @@ class HardwareProfile:
         if not self.message_s:
             return self.link(world)[1]
         return min(self.message_s, key=lambda wt: (abs(math.log(wt[0] / world)), wt[0]))[1]
+
+    def sync_delay(self, world: int) -> float:
+        """``sync_delay_s`` at the nearest calibrated world (0 where it was not measured, and on one rank)."""
+        if not self.sync_delay_s or world <= 1:
+            return 0.0
+        return min(self.sync_delay_s, key=lambda wt: (abs(math.log(wt[0] / world)), wt[0]))[1]
 
     def layer_latency(self, backend: str, world: int) -> float:
         """``layer_latency_s`` of ``backend`` at the nearest calibrated world (0 where it was not measured)."""
@@ -577,9 +598,15 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
     total = compute = busy = 0.0
     # the layer call's own latency (Note [Per-call terms]), a share on each rank's path at every step
     latency = hw.layer_latency(backend, world) / max(1, len(scheds[0].forward) + len(scheds[0].backward))
+    # the delay a synchronisation meets after a stretch of compute, once per such synchronisation (Note [Per-call terms])
+    delay, computed = hw.sync_delay(world), False
     for phase in ("forward", "backward"):
         for steps in zip(*(getattr(s, phase) for s in scheds)):
             work = [cpu(st) for st in steps]
+            computed = computed or any(st.calls or st.scores for st in steps)
+            if computed and (steps[0].collective is not None or any(st.messages for st in steps)):
+                total += delay  # this step ends in a wait for other ranks, after compute
+                computed = False
             if sharing:  # measured: the mean rank's work, stretched as P ranks running at once are
                 shared = sum(work) / len(steps) * sharing
             else:
@@ -606,6 +633,8 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
             total += step_t
             compute += step_compute
             busy += busy_r
+    if computed:
+        total += delay  # the layer's end: the caller's next synchronisation waits for the slowest rank's compute
     return total, min(compute, total), busy
 
 

@@ -114,6 +114,7 @@ def run_calibration(args, argv) -> dict:
         busy = calibrate.measure_busy((2,), iters=10, reps=1)
         sharing = calibrate.measure_sharing((2,))
         stubbed = calibrate.measure_stubbed_layers((2,), reps=2)
+        sync = calibrate.measure_sync_delay((2,), rounds=3, blocks=1)
     else:
         local = calibrate.calibrate_local()
         local["colossal"] = calibrate.calibrate_colossal()
@@ -121,21 +122,24 @@ def run_calibration(args, argv) -> dict:
         busy = calibrate.measure_busy(WORLDS)
         sharing = calibrate.measure_sharing(WORLDS)
         stubbed = calibrate.measure_stubbed_layers(WORLDS)
+        sync = calibrate.measure_sync_delay(WORLDS)
     cores = len(os.sched_getaffinity(0))
     hw = calibrate.calibrated_profile(local, links, cores, sharing, busy)
     hw = calibrate.with_layer_latency(hw, stubbed, {int(w): v["barrier_s"] for w, v in links.items()})
+    hw = calibrate.with_sync_delay(hw, sync)  # after the latency's fit: the stubbed layers compute nothing
     meta = run_metadata(__file__, argv, kind="measured", cores=cores, seconds=round(time.perf_counter() - t0, 1),
                         profile=hw.to_dict(), note="microbenchmarks of primitives, and each backend with its kernel stubbed "
                         "at a tiny shape (layer latency); no validation row was timed")
     write_results("cost_model_calibration", {**meta, "local": local, "links": links, "busy": busy, "sharing": sharing,
-                                             "stubbed_layers": stubbed},
+                                             "stubbed_layers": stubbed, "sync_delay": sync},
                   [], args.out)
     write_results("cost_model_cpu_profile", {**meta}, [{"block_tokens": b, "attention_fwd_bwd_flops": r}
                                                       for b, r in hw.attention_curve], args.out)
     print(f"calibrated in {time.perf_counter() - t0:.0f} s: kernel call {hw.kernel_call_s[0] * 1e6:.0f}/"
           f"{hw.kernel_call_s[1] * 1e6:.0f} us, merge {hw.merge_s[0] * 1e6:.0f} us + {hw.merge_s[1] * 1e9:.2f} ns/elem, "
           f"messages {[(w, round(t * 1e6)) for w, t in hw.message_s]} us, p2p {hw.intra_bandwidth / 1e9:.2f} GB/s, "
-          f"layer latency {[(b, w, round(t * 1e3, 2)) for b, w, t in hw.layer_latency_s]} ms", flush=True)
+          f"layer latency {[(b, w, round(t * 1e3, 2)) for b, w, t in hw.layer_latency_s]} ms, "
+          f"delay per synchronisation {[(w, round(t * 1e3, 2)) for w, t in hw.sync_delay_s]} ms", flush=True)
     return meta
 
 
@@ -176,7 +180,11 @@ def run_grid(args, argv, grid: str) -> list[dict]:
     # the machine's sharing now (a primitive kernel loop on P ranks at once), for the grid's timings
     sharing = calibrate.measure_sharing((2,) if args.quick else WORLDS)
     hw = replace(hw, compute_sharing=tuple((w, x) for w, x in sharing.items() if isinstance(w, int)))
-    print(f"{grid}: sharing stretch now {sharing}", flush=True)
+    # and the delay a synchronisation meets now (as the sharing, the machine's state more than its hardware)
+    sync = calibrate.measure_sync_delay((2,), rounds=3, blocks=1) if args.quick else calibrate.measure_sync_delay(WORLDS)
+    hw = calibrate.with_sync_delay(hw, sync)
+    print(f"{grid}: sharing stretch now {sharing}; delay per synchronisation now "
+          f"{[(w, round(t * 1e3, 2)) for w, t in hw.sync_delay_s]} ms", flush=True)
     measured, probes = {}, {}
     probe_at_calibration = calibrate.calibration_shared_seconds(args.out)
     for world in ((2,) if args.quick else WORLDS):
@@ -198,7 +206,7 @@ def run_grid(args, argv, grid: str) -> list[dict]:
         columns={"measured_ms": "measured here (median fwd+bwd between barriers, slowest rank)",
                  "measured_iqr_pct": "measured here: interquartile range of the reps, % of their median",
                  "model_*": "cost-model output from the calibrated profile (not measured)"},
-        **_summary(rows), sharing_now=sharing, reps_per_case=grid_reps(args, grid),
+        **_summary(rows), sharing_now=sharing, sync_delay_now=sync, reps_per_case=grid_reps(args, grid),
         # measured, for reading a run (not used by the model): the machine's speed while each world's rows ran
         probe_s={str(w): {"rounds": p, "at_calibration": probe_at_calibration[w],
                           "slowdown": statistics.median(p) / probe_at_calibration[w]} for w, p in probes.items()},

@@ -17,6 +17,9 @@ compute stubbed out (``colossal``'s messages, every backend's kernel at a tiny s
 - per world size, idle ranks: ``message_s`` (a ``RingComm`` exchange of one float, Python and wait included),
   ``all_to_all`` and ``all_gather`` latency + bandwidth (least squares over message sizes) on gloo,
   and the point-to-point bandwidth (ping-pong, ranks 0 and 1, at the smallest world);
+- ``sync_delay_s``: per world size, synthetic steps of kernel calls each ended by a synchronisation, timed in
+  rotated rounds as the validation rows are: how far the median round sits above the fastest, per
+  synchronisation (``measure_sync_delay``; measured again at each grid's start, as the sharing);
 - ``layer_latency_s``: per world size, each backend's fwd+bwd at ``LATENCY_SHAPE`` with its kernel stubbed
   (``split.SplitKernel``: zeros of the real calls' shapes) on idle ranks, less what the profile's other
   terms predict there.
@@ -463,6 +466,105 @@ def measure_busy(worlds, iters: int = BUSY_ITERS, reps: int = BUSY_REPS) -> dict
     from experiments.common import run_on_ranks
 
     return {int(w): run_on_ranks(busy_worker, w, (iters, reps), timeout_s=600, pg_timeout_s=300)[0] for w in worlds}
+
+
+SYNC_CALLS = 8
+"""Kernel calls per synthetic step of ``sync_delay_worker``, each ended by a synchronisation."""
+SYNC_STEPS = {  # name: (q_len, k_len, mask kind, backward, synchronisation after each call); 4 heads, D = 32
+    "exchange_512_full_fwd": (512, 512, "full", False, "exchange"),
+    "all_to_all_512_causal_fwd": (512, 512, "causal", False, "all_to_all"),
+    "exchange_128x512_full_bwd": (128, 512, "full", True, "exchange"),
+}
+SYNC_ROUNDS = 15  # as grid 1's rows: the delay is how far a median of this many rounds sits above their fastest
+SYNC_BLOCKS = 3
+
+
+def sync_delay_worker(rank, world, rounds, blocks, late_s=0.0):
+    """Synthetic steps timed as the validation rows are (``measure.time_backends_worker``: between barriers, the
+    order rotated by one step per round), each ``SYNC_CALLS`` kernel-table calls with a synchronisation after every
+    call: a ``RingComm`` exchange of one float started before the call and waited after it (the ring backends), or a
+    tiny all-to-all after it (Ulysses, the collectives). Returns (rank 0) ``blocks`` lists of each step's ``rounds``
+    times. ``late_s`` (the test's control): in even rounds the last rank sleeps that long before every
+    synchronisation, a rank reaching it late."""
+    from lightning_sp.comm.ring import RingComm
+    from lightning_sp.ops.kernels import make_kernel
+    from lightning_sp.ops.plan import MaskKind
+
+    torch.set_num_threads(1)
+    comm = RingComm(dist.group.WORLD)
+    kernel = make_kernel("auto")
+    heads, d = 4, 32
+    one, a2a_send, a2a_recv = torch.zeros(1), torch.zeros(64 * world), torch.empty(64 * world)
+    g = torch.Generator().manual_seed(rank)
+    late = [False]
+
+    def make_step(q_len, k_len, kind, backward, sync):
+        q, dout = torch.randn(1, q_len, heads, d, generator=g), torch.randn(1, q_len, heads, d, generator=g)
+        k, v = torch.randn(1, k_len, heads, d, generator=g), torch.randn(1, k_len, heads, d, generator=g)
+        mk, scale = MaskKind(kind), d ** -0.5
+        out, lse = kernel.forward(q, k, v, scale=scale, kind=mk, mask=None)
+
+        def call():
+            if backward:
+                kernel.backward(dout, q, k, v, out, lse, scale=scale, kind=mk, mask=None)
+            else:
+                kernel.forward(q, k, v, scale=scale, kind=mk, mask=None)
+
+        def step():
+            dist.barrier()
+            for _ in range(SYNC_CALLS):
+                pending = comm.start((one,)) if sync == "exchange" else None
+                call()
+                if late[0] and rank == world - 1:
+                    time.sleep(late_s)
+                if pending is not None:
+                    pending.wait()
+                else:
+                    dist.all_to_all_single(a2a_recv, a2a_send)
+            dist.barrier()
+
+        return step
+
+    steps = [make_step(*spec) for spec in SYNC_STEPS.values()]
+    for step in steps:  # warm-up
+        step()
+    out = []
+    for _ in range(blocks):
+        times = [[] for _ in steps]
+        for r in range(rounds):
+            late[0] = late_s > 0 and r % 2 == 0
+            order = list(range(len(steps)))
+            for i in order[r % len(order):] + order[:r % len(order)]:
+                t0 = time.perf_counter()
+                steps[i]()
+                times[i].append(time.perf_counter() - t0)
+        out.append(times)
+    return out if rank == 0 else None
+
+
+def sync_delay_from_rounds(blocks) -> float:
+    """Seconds per synchronisation: per block, the median over the steps of (median round - fastest round) /
+    ``SYNC_CALLS``; the median over blocks."""
+    return statistics.median(
+        statistics.median((statistics.median(ts) - min(ts)) / SYNC_CALLS for ts in block) for block in blocks)
+
+
+def measure_sync_delay(worlds, rounds: int = SYNC_ROUNDS, blocks: int = SYNC_BLOCKS, late_s: float = 0.0) -> dict:
+    """``{world: {"delay_s", "rounds"}}``: ``sync_delay_worker`` on ``world`` ranks (one spawn each)."""
+    from experiments.common import run_on_ranks
+
+    out = {}
+    for world in worlds:
+        got = run_on_ranks(sync_delay_worker, world, (rounds, blocks, late_s), timeout_s=600, pg_timeout_s=300)[0]
+        out[int(world)] = {"delay_s": sync_delay_from_rounds(got), "rounds": got}
+    return out
+
+
+def with_sync_delay(hw: HardwareProfile, measured: dict) -> HardwareProfile:
+    """``hw`` with ``sync_delay_s`` from ``measure_sync_delay`` (JSON keys may be strings)."""
+    from dataclasses import replace
+
+    return replace(hw, sync_delay_s=tuple(sorted((int(w), float(v["delay_s"])) for w, v in measured.items())))
 
 
 def _read_calibration(out) -> dict:

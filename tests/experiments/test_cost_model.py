@@ -45,7 +45,9 @@ def test_cost_model_quick(tmp_path):
     assert profile["intra_bandwidth"] > 0 and profile["intra_latency"] >= 0 and len(profile["attention_curve"]) == 2
     assert profile["kernel_table"] and profile["message_s"] and profile["compute_sharing"]  # the calibrated terms
     assert {b for b, w, _ in profile["layer_latency_s"]} == {"ulysses", "ring", "zigzag_ring", "allgather_kv"}
+    assert [w for w, _ in profile["sync_delay_s"]] == [2]  # measured at the grid's start, recorded in the profile
     calibration = json.loads((tmp_path / "cost_model_calibration.json").read_text())
+    assert calibration["sync_delay"]["2"]["delay_s"] >= 0
     assert set(calibration["stubbed_layers"]["2"]) == {"ulysses", "ring", "zigzag_ring", "allgather_kv"}
     cal = json.loads((tmp_path / "cost_model_calibration.json").read_text())
     assert cal["kind"] == "measured" and cal["hardware"]["device"] and cal["date"]  # machine and date recorded
@@ -68,6 +70,19 @@ def test_cost_model_quick(tmp_path):
     assert list((tmp_path / "runs" / "figures").iterdir())  # the figure is in TensorBoard too
 
 
+
+
+def test_sync_delay_primitive_reads_a_rank_that_reaches_its_synchronisations_late():
+    """``calibrate.measure_sync_delay`` (the delay per synchronisation, Note [Per-call terms]): with the last rank
+    sleeping 30 ms before every synchronisation in even rounds (3 of 5: the median round is a late one), the delay
+    reads about 30 ms; the control, the same primitive without the sleep, reads under 10 ms."""
+    from experiments.cost_model.calibrate import measure_sync_delay
+
+    late = measure_sync_delay((2,), rounds=5, blocks=1, late_s=0.03)[2]
+    calm = measure_sync_delay((2,), rounds=5, blocks=1)[2]
+    assert 0.02 < late["delay_s"] < 0.05, late["delay_s"]
+    assert calm["delay_s"] < 0.01, calm["delay_s"]
+    assert len(calm["rounds"]) == 1 and all(len(step) == 5 for step in calm["rounds"][0])
 
 
 _HOG = "import time\nwhile True: pass\n"

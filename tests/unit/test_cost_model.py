@@ -315,3 +315,44 @@ def test_kernel_table_is_the_median_over_rounds_so_a_slow_spell_misses_it(monkey
     assert all(len(row[4]) == 3 for row in local["kernel_table_rounds"])
     slow = table_with_a_spell(1, spell=range(n_points // 2))
     assert sum(row[4] > 5 * expected[0] for row in slow["kernel_table"]) == n_points // 2
+
+
+def test_sync_delay_is_added_once_per_synchronisation_that_ends_compute():
+    """``sync_delay_s`` (Note [Per-call terms]): the delay is added once at every collective or ring wait that follows
+    kernel compute, and at the layer's end if compute ran since the last one; a collective right after another meets
+    none. Counted by hand from the backends' loops (P = 2, whole blocks, 1 group):
+    - ``ulysses``: the forward call then the output's all-to-all (1); the backward call then dq/dk/dv's (1): 2;
+    - ``zigzag_ring``: forward step 0 computes then waits for the K/V block (1); step 1 computes, no wait; backward
+      step 0 computes then waits for the block and the dK/dV sum (1, the forward's last compute included); step 1
+      computes then waits for the dK/dV sum (1): 3.
+    Nothing at one rank, and nothing without the term."""
+    shape = cm.AttentionShape(seq_len=1024, num_heads=8, num_kv_heads=4, head_dim=32, dtype_bytes=4)
+    hw = replace(A100, compute_slots=None)
+    delayed = replace(hw, sync_delay_s=((2, 1e-3), (8, 3e-3)))
+    assert delayed.sync_delay(2) == 1e-3 and delayed.sync_delay(4) == 1e-3 and delayed.sync_delay(16) == 3e-3
+    assert delayed.sync_delay(1) == 0.0 and hw.sync_delay(2) == 0.0
+    for backend, count in (("ulysses", 2), ("zigzag_ring", 3)):
+        gap = (cm.predict_attention(backend, shape, 2, delayed, kv_pieces=1).total_s
+               - cm.predict_attention(backend, shape, 2, hw, kv_pieces=1).total_s)
+        assert gap == pytest.approx(count * 1e-3, rel=1e-9), backend
+    # control: more ring steps, more waits after compute; Ulysses' count does not grow with P
+    more = (cm.predict_attention("zigzag_ring", shape, 8, delayed, kv_pieces=1).total_s
+            - cm.predict_attention("zigzag_ring", shape, 8, hw, kv_pieces=1).total_s) / 3e-3
+    assert more > 3.5
+    ulysses8 = (cm.predict_attention("ulysses", shape, 8, delayed, kv_pieces=1).total_s
+                - cm.predict_attention("ulysses", shape, 8, hw, kv_pieces=1).total_s)
+    assert ulysses8 == pytest.approx(2 * 3e-3, rel=1e-9)
+    assert cm.predict_attention("ulysses", shape, 1, delayed).total_s == cm.predict_attention("ulysses", shape, 1, hw).total_s
+    assert cm.HardwareProfile.from_dict(delayed.to_dict()) == delayed
+
+
+def test_sync_delay_from_rounds_is_the_median_gap_per_synchronisation():
+    """``calibrate.sync_delay_from_rounds``: per block, the median over the steps of (median round - fastest round) /
+    ``SYNC_CALLS``; the median over blocks, so one block caught by a slow spell does not set it."""
+    from experiments.cost_model.calibrate import SYNC_CALLS, sync_delay_from_rounds
+
+    calm = [[0.10, 0.10 + 8 * SYNC_CALLS * 1e-3, 0.10 + 2 * SYNC_CALLS * 1e-3]] * 3  # median - fastest: 2 ms per sync
+    assert sync_delay_from_rounds([calm]) == pytest.approx(2e-3)
+    spell = [[0.10, 0.5, 0.6]] * 3
+    assert sync_delay_from_rounds([calm, spell, calm]) == pytest.approx(2e-3)
+    assert sync_delay_from_rounds([spell]) > 40e-3  # control: alone, the spell is the reading

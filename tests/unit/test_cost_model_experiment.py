@@ -216,3 +216,49 @@ def test_reproducibility_add_keeps_a_new_run_beside_the_old_ones(tmp_path, capsy
     assert "| again | 12.2 / 25.9 |" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="cost_model_validation_grid1.json"):
         main(["--runs", str(runs), "--add", str(tmp_path)])
+
+
+def test_sync_delay_ablation_is_paired_and_the_rule_is_applied_as_written(tmp_path):
+    """``experiments.cost_model.ablation``: a run's rows predicted from its own grid profile with the delay per
+    synchronisation (checked equal to the file's model column, so it judges what the grid ran) and without it (the
+    same profile, ``sync_delay_s`` empty); the measured column is the same for both. ``judge`` applies ``RULE``."""
+    import json
+    from dataclasses import replace
+
+    import pytest
+
+    from experiments.cost_model import ablation
+    from lightning_sp.cost_model import preset
+
+    hw = replace(preset("a100-80gb"), compute_slots=None, sync_delay_s=((2, 1e-3),))
+    row = {"P": 2, "N": 1024, "backend": "ulysses", "heads": 8, "kv_heads": 4, "head_dim": 32, "causal": True,
+           "kv_pieces": 1}
+    barrier = 1e-4
+    with_ms = ablation.predict_row(row, hw, barrier)
+    grid = {"date": "2026-11-24T22:00:00+00:00", "calibration_profile": hw.to_dict(),
+            "results": [{**row, "measured_ms": with_ms * 1.1, "model_predicted_ms": round(with_ms, 3)}]}
+    (tmp_path / "cost_model_calibration.json").write_text(json.dumps(
+        {"profile": hw.to_dict(), "links": {"2": {"barrier_s": barrier}}}))
+    for g in ablation.GRIDS:
+        (tmp_path / f"cost_model_validation_{g}.json").write_text(json.dumps(grid))
+    run = ablation.ablate_run(tmp_path)
+    got = run["grid1"]
+    assert got["with"]["mean_signed_pct"] == pytest.approx(100 * (1 / 1.1 - 1), abs=0.01)
+    assert got["rows"][0]["with_ms"] - got["rows"][0]["without_ms"] == pytest.approx(2.0, abs=1e-3)  # 2 syncs x 1 ms
+    assert got["sync_delay_ms"] == {"2": 1.0}
+    grid["results"][0]["model_predicted_ms"] += 1.0  # a file this code did not write
+    (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(grid))
+    with pytest.raises(ValueError, match="re-run the grid"):
+        ablation.ablate_run(tmp_path)
+
+    def fake(g1_with, g1_without, g2_with=5.0, g2_without=5.0):
+        entry = lambda mean, signed: {"mean_abs_pct": mean, "max_abs_pct": 2 * mean, "mean_signed_pct": signed}
+        return {"grid1": {"with": entry(g1_with, -g1_with / 2), "without": entry(g1_without, -g1_without)},
+                "grid2": {"with": entry(g2_with, 0.0), "without": entry(g2_without, 0.0)}}
+
+    better = [fake(10, 20)] * ablation.RULE["runs"]
+    assert ablation.judge(better)["keep"]
+    assert not ablation.judge(better[:-1])["keep"]  # fewer runs than the rule asks for
+    assert not ablation.judge([fake(10, 20, g2_with=8.1)] * 5)["keep"]  # grid 2 over 2 points worse
+    assert not ablation.judge([fake(25, 20)] * 5)["keep"]  # grid 1 worse on the mean over runs
+    assert ablation.judge([fake(10, 20)] * 4 + [fake(60, 20)])["checks"][0] is False  # one bad run moves the mean
