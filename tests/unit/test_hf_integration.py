@@ -258,8 +258,16 @@ def test_token_mixers_outside_attention_named():
 @pytest.mark.parametrize("case", ["llama4_text", "llama[dynamic]", "phi3[longrope]", "deepseek_v3", "gpt2"])
 def test_unbound_registry_models_equal_hf_on_packed_rows(case):
     """Without a group: rows of different lengths, packed by shard_inputs, equal HF's padded batch (its
-    sdpa, float64). Llama-4's temperature and chunk boundaries must restart with each packed row; the
-    negative control drops them (Llama-4) or perturbs the weights."""
+    sdpa, float64, HF's own float32 roundings kept in float64: ``KeepFloat64``). Llama-4's temperature and chunk
+    boundaries must restart with each packed row; the negative control drops them (Llama-4) or perturbs the
+    weights."""
+    from tests.hf_tiny import KeepFloat64
+
+    with KeepFloat64():
+        _packed_rows_equal_hf(case)
+
+
+def _packed_rows_equal_hf(case):
     import dataclasses
 
     from tests.hf_tiny import SWEEP, registry_model, sweep_case_id
@@ -281,3 +289,24 @@ def test_unbound_registry_models_equal_hf_on_packed_rows(case):
         for edit in ({"token_index": torch.arange(sum(lengths))[None]}, {"chunk_cu_seqlens": info.cu_seqlens}):
             control = dict(shard, **{SHARD_INFO_KEY: dataclasses.replace(info, **edit)})
             assert (model(**control).logits - ref_real).abs().max() > 1e-6, edit
+
+
+def test_keep_float64_keeps_only_transformers_own_float32_roundings():
+    """``tests.hf_tiny.KeepFloat64``: HF's RMSNorm (``hidden_states.to(torch.float32)``) stays float64 under it, and
+    equals the same norm computed in float64 by hand; outside it the norm rounds through float32 (control). A cast
+    from any other code (this test, standing for ``lightning_sp``) still rounds: the mode cannot hide a float32
+    rounding in the library."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from tests.hf_tiny import KeepFloat64
+
+    norm = LlamaRMSNorm(16).double()
+    x = torch.randn(3, 16, dtype=torch.float64) * (1 + 1e-9 * torch.rand(3, 16, dtype=torch.float64))
+    by_hand = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    with KeepFloat64():
+        kept = norm(x)
+        ours = x.to(torch.float32)
+        ours_float = x.float()
+    assert kept.dtype == torch.float64 and (kept - by_hand).abs().max() < 1e-15
+    assert (norm(x) - by_hand).abs().max() > 1e-9  # control: as HF wrote it, the norm rounds through float32
+    assert ours.dtype == torch.float32 and ours_float.dtype == torch.float32
