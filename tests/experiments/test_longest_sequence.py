@@ -5,6 +5,7 @@ than one process; the figure script draws from the result file."""
 from __future__ import annotations
 
 import importlib
+import statistics
 import sys
 from pathlib import Path
 
@@ -13,9 +14,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # Repeatability of one measurement: the same step re-measured in another process differs by up to
-# ~0.16 MiB (malloc/gloo/page-level noise, measured). Far below one granularity step of --quick
-# (128 tokens per rank, ~0.5 MiB), so a searched boundary that moved by a step would still fail.
+# ~0.16 MiB (malloc/gloo/page-level noise, measured on the first machine); on the AVX-512 machine of
+# 2026-11-24, ring at P = 2, N = 1280 read 2.81-3.03 MiB in five fresh spawns (idle) and 2.72 against the
+# search's 3.07 under CI's load, where one re-measure failed this test. So the test re-measures each point
+# REMEASURES times in fresh ranks and compares the median: a searched boundary that moved by a step
+# (~0.35 MiB) still fails.
 REPEATABILITY_BYTES = int(0.25 * 2**20)
+REMEASURES = 3
 
 
 def _load(name: str):
@@ -42,8 +47,9 @@ def test_quick_search_boundary_is_measured(tmp_path):
         assert n > 0 and n % step == 0 and r["next_N_not_fitting"] == n + step
         # the search's own probes: N measured within the budget, N + step over it
         assert r["peak_at_longest_bytes"] <= budget < r["peak_at_next_bytes"]
-        # re-measured from scratch in fresh ranks
-        at_n, at_next = exp.measure_points(p, [(method, n), (method, n + step)], cfg, timeout_s=240)
+        # re-measured from scratch in fresh ranks, the median of REMEASURES spawns
+        again = [exp.measure_points(p, [(method, n), (method, n + step)], cfg, timeout_s=240) for _ in range(REMEASURES)]
+        at_n, at_next = (statistics.median(point) for point in zip(*again))
         assert at_n <= budget + REPEATABILITY_BYTES, (method, p, n, at_n, budget)
         assert at_next > budget - REPEATABILITY_BYTES, (method, p, n + step, at_next, budget)
         assert at_n < at_next  # negative control: the measurement sees the extra tokens
