@@ -62,37 +62,42 @@ def test_quoted_errors_are_the_committed_results():
 
 def test_committed_model_columns_are_this_codes_predictions():
     """Every committed row's model column is what the model in this tree predicts from the committed calibration
-    (with the stretch measured at its grid's start, and the two barriers): a change to the model or to the
-    calibration without re-running ``scripts/cost_model_validate.sh`` fails here. Control: the same rows without
-    the calibrated layer latency differ, so the check sees the term the results claim to include."""
+    (with the stretch and the delay per synchronisation measured at its grid's start, and the two barriers): a
+    change to the model or to the calibration without re-running ``scripts/cost_model_validate.sh`` fails here.
+    Controls: the same rows without the calibrated layer latency, or without the delay, differ, so the check sees
+    the terms the results claim to include."""
     from dataclasses import replace
 
-    from experiments.cost_model.calibrate import load_profile
+    from experiments.cost_model.calibrate import load_profile, with_sync_delay
     from lightning_sp.cost_model import AttentionShape, predict_attention
 
     hw, _ = load_profile(RESULTS)
-    assert hw.layer_latency_s, "the committed calibration has no layer latency"
-    moved = 0
+    assert hw.layer_latency_s and hw.sync_delay_s, "the committed calibration lacks the layer latency or the delay"
+    moved = moved_delay = 0
     for name in ("grid1", "grid2"):
         grid = _grid(name)
-        now = replace(hw, compute_sharing=tuple(sorted((int(w), float(x)) for w, x in grid["sharing_now"].items()
-                                                       if str(w).isdigit())))
+        now = with_sync_delay(replace(hw, compute_sharing=tuple(sorted(
+            (int(w), float(x)) for w, x in grid["sharing_now"].items() if str(w).isdigit()))), grid["sync_delay_now"])
         for r in grid["results"]:
             backend, u = r["backend"], None
             if backend.startswith("usp"):
                 backend, u = "usp", int(backend.split("=")[1].rstrip(")"))
             shape = AttentionShape(seq_len=r["N"], num_heads=r["heads"], num_kv_heads=r["kv_heads"],
                                    head_dim=r["head_dim"], causal=r["causal"], batch=1, dtype_bytes=4)
-            for profile, same in ((now, True), (replace(now, layer_latency_s=()), False)):
+            for profile, same in ((now, None), (replace(now, layer_latency_s=()), "latency"),
+                                  (replace(now, sync_delay_s=()), "delay")):
                 ms = predict_attention(backend, shape, r["P"], profile, ulysses_degree=u,
                                        kv_pieces=r["kv_pieces"]).total_s * 1e3 + r["model_barriers_ms"]
-                if same:
+                if same is None:
                     assert abs(ms - r["model_predicted_ms"]) < 0.01, (
                         f"{name} {r['backend']} P={r['P']} N={r['N']}: the model now predicts {ms:.3f} ms, the file "
                         f"{r['model_predicted_ms']} ms; re-run scripts/cost_model_validate.sh")
-                else:
+                elif same == "latency":
                     moved += abs(ms - r["model_predicted_ms"]) > 0.01
+                else:
+                    moved_delay += abs(ms - r["model_predicted_ms"]) > 0.01
     assert moved >= 10  # the control: the layer latency is in the committed predictions
+    assert moved_delay == len(_grid("grid1")["results"]) + len(_grid("grid2")["results"])  # and the delay, in every row
 
 
 def test_load_profile_without_a_calibration_says_what_to_run(tmp_path):
@@ -213,7 +218,8 @@ def test_reproducibility_add_keeps_a_new_run_beside_the_old_ones(tmp_path, capsy
     main(["--runs", str(runs), "--add", str(tmp_path / "new"), "--label", "again"])
     kept = json.loads(runs.read_text())["runs"]
     assert len(kept) == before + 1 and kept[-1]["label"] == "again"
-    assert "| again | 12.2 / 25.9 |" in capsys.readouterr().out
+    committed = _grid("grid1")
+    assert f"| again | {committed['mean_abs_error_pct']:.1f} / {committed['max_abs_error_pct']:.1f} |" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="cost_model_validation_grid1.json"):
         main(["--runs", str(runs), "--add", str(tmp_path)])
 
