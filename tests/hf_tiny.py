@@ -190,6 +190,7 @@ def _called_from_transformers() -> bool:
         frame = frame.f_back
     return frame is not None and frame.f_code.co_filename.startswith(package)
 
+
 _TINY = dict(
     vocab_size=SWEEP_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=8, max_position_embeddings=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,

@@ -4,8 +4,8 @@ One 2-rank spawn sweeps ``tests.hf_tiny.SWEEP`` (tiny ``from_config`` float64 mo
 types, the class ``AutoModelForCausalLM`` / ``AutoModelForMaskedLM`` maps each to) on two backends:
 every case must be exact (logits, loss and every parameter gradient within 1e-9 of the unsharded HF
 model on the full sequence, HF's own float32 roundings kept in float64: ``tests.hf_tiny.KeepFloat64``) or refused
-with ``NotImplementedError`` on every rank with the same message. Each exact case carries a negative control (the reference with its first token changed must
-miss by far more), and each trap of issue 16 is reproduced with its fix switched off (it must miss).
+with ``NotImplementedError`` on every rank with the same message. Each exact case carries a negative control (the
+reference with its first token changed must miss by far more), and each trap of issue 16 is reproduced with its fix switched off (it must miss).
 The README's support table must equal the one this sweep renders (``scripts/hf_support_table.py``).
 """
 

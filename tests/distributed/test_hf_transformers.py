@@ -4,10 +4,11 @@ One spawn per world size (2 and 4) runs the grid: Llama (GQA 4/2), Qwen2 (MQA, q
 (rotary, token dropout on, bidirectional) x every backend x with/without a right-padding mask, at a
 global length (13) no degree divides; and B = 2 rows of different lengths (packed by shard_inputs
 into 23 tokens) on two backends. Logits (real positions), loss and every parameter gradient
-must equal the reference to 1e-9 (HF's own float32 roundings kept in float64: ``tests.hf_tiny.KeepFloat64``). Negative controls reproduce each trap the integration fixes (label
-shift inside the shard, local positions, attention to padding, ESM token dropout over the shard) and
-must miss by far more. The P = 2 spawn also trains ``HFSequenceParallelModule`` through a real
-``Trainer`` with ``SequenceParallelStrategy`` and compares parameters with a one-process loop.
+must equal the reference to 1e-9 (HF's own float32 roundings kept in float64: ``tests.hf_tiny.KeepFloat64``).
+Negative controls reproduce each trap the integration fixes (label shift inside the shard, local positions,
+attention to padding, ESM token dropout over the shard) and must miss by far more. The P = 2 spawn also trains
+``HFSequenceParallelModule`` through a real ``Trainer`` with ``SequenceParallelStrategy`` and compares parameters
+with a one-process loop.
 """
 
 from __future__ import annotations

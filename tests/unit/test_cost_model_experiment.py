@@ -84,15 +84,15 @@ def test_committed_model_columns_are_this_codes_predictions():
                 backend, u = "usp", int(backend.split("=")[1].rstrip(")"))
             shape = AttentionShape(seq_len=r["N"], num_heads=r["heads"], num_kv_heads=r["kv_heads"],
                                    head_dim=r["head_dim"], causal=r["causal"], batch=1, dtype_bytes=4)
-            for profile, same in ((now, None), (replace(now, layer_latency_s=()), "latency"),
-                                  (replace(now, sync_delay_s=()), "delay")):
+            for profile, left_out in ((now, None), (replace(now, layer_latency_s=()), "latency"),
+                                      (replace(now, sync_delay_s=()), "delay")):
                 ms = predict_attention(backend, shape, r["P"], profile, ulysses_degree=u,
                                        kv_pieces=r["kv_pieces"]).total_s * 1e3 + r["model_barriers_ms"]
-                if same is None:
+                if left_out is None:
                     assert abs(ms - r["model_predicted_ms"]) < 0.01, (
                         f"{name} {r['backend']} P={r['P']} N={r['N']}: the model now predicts {ms:.3f} ms, the file "
                         f"{r['model_predicted_ms']} ms; re-run scripts/cost_model_validate.sh")
-                elif same == "latency":
+                elif left_out == "latency":
                     moved += abs(ms - r["model_predicted_ms"]) > 0.01
                 else:
                     moved_delay += abs(ms - r["model_predicted_ms"]) > 0.01
