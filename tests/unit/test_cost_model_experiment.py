@@ -68,8 +68,8 @@ def test_committed_model_columns_are_this_codes_predictions():
     the terms the results claim to include."""
     from dataclasses import replace
 
+    from experiments.cost_model.ablation import predict_row
     from experiments.cost_model.calibrate import load_profile, with_sync_delay
-    from lightning_sp.cost_model import AttentionShape, predict_attention
 
     hw, _ = load_profile(RESULTS)
     assert hw.layer_latency_s and hw.sync_delay_s, "the committed calibration lacks the layer latency or the delay"
@@ -79,15 +79,9 @@ def test_committed_model_columns_are_this_codes_predictions():
         now = with_sync_delay(replace(hw, compute_sharing=tuple(sorted(
             (int(w), float(x)) for w, x in grid["sharing_now"].items() if str(w).isdigit()))), grid["sync_delay_now"])
         for r in grid["results"]:
-            backend, u = r["backend"], None
-            if backend.startswith("usp"):
-                backend, u = "usp", int(backend.split("=")[1].rstrip(")"))
-            shape = AttentionShape(seq_len=r["N"], num_heads=r["heads"], num_kv_heads=r["kv_heads"],
-                                   head_dim=r["head_dim"], causal=r["causal"], batch=1, dtype_bytes=4)
             for profile, left_out in ((now, None), (replace(now, layer_latency_s=()), "latency"),
                                       (replace(now, sync_delay_s=()), "delay")):
-                ms = predict_attention(backend, shape, r["P"], profile, ulysses_degree=u,
-                                       kv_pieces=r["kv_pieces"]).total_s * 1e3 + r["model_barriers_ms"]
+                ms = predict_row(r, profile, barrier_s=r["model_barriers_ms"] / 2e3)
                 if left_out is None:
                     assert abs(ms - r["model_predicted_ms"]) < 0.01, (
                         f"{name} {r['backend']} P={r['P']} N={r['N']}: the model now predicts {ms:.3f} ms, the file "
