@@ -591,6 +591,18 @@ def calibration_shared_seconds(out) -> dict[int, float]:
     return {int(w): float(x) * float(sharing["alone_s"]) for w, x in sharing.items() if str(w).isdigit()}
 
 
+def stretch_during_rows(probes: dict[int, list[float]], alone_s: float) -> dict[int, float]:
+    """``{world: stretch}`` while the validation's rows ran: the median over rounds of the in-round probe
+    (``measure.time_backends_worker``: ``shared_window`` on every rank at the start of each round, seconds per
+    ``SHARING_CALL``) over the grid's time alone (``measure_sharing``'s ``alone_s`` at the grid's start). The
+    same measure as ``measure_sharing``'s, taken in every round instead of once before the rows: a 1.5 s window
+    caught in a slow spell otherwise prices every row of that world by it (``experiments/cost_model/README.md``,
+    "The stretch during the rows")."""
+    if alone_s <= 0:
+        raise ValueError(f"alone_s must be positive, got {alone_s}")
+    return {int(w): statistics.median(rounds) / alone_s for w, rounds in sorted(probes.items()) if rounds}
+
+
 LATENCY_SHAPE = (256, 8, 8, 8, 8)
 """``(N, H, H_kv, D, kv_pieces)`` of the layer whose kernel is stubbed for ``layer_latency_s``: tiny, so what is
 left is the layer's fixed cost (Python, autograd, plans, hand-overs, the collectives' and messages' latency)."""

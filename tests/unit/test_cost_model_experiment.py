@@ -262,3 +262,63 @@ def test_sync_delay_ablation_is_paired_and_the_rule_is_applied_as_written(tmp_pa
     assert not ablation.judge([fake(10, 20, g2_with=8.1)] * 5)["keep"]  # grid 2 over 2 points worse
     assert not ablation.judge([fake(25, 20)] * 5)["keep"]  # grid 1 worse on the mean over runs
     assert ablation.judge([fake(10, 20)] * 4 + [fake(60, 20)])["checks"][0] is False  # one bad run moves the mean
+
+
+def test_stretch_during_rows_is_the_rounds_median_probe_over_the_time_alone():
+    """``calibrate.stretch_during_rows``: per world, the median of the rounds' probes (a slow round does not move
+    it) over the grid's time alone; a world without rounds is left out; a non-positive time alone is refused."""
+    import pytest
+
+    from experiments.cost_model.calibrate import stretch_during_rows
+
+    got = stretch_during_rows({2: [0.010, 0.011, 0.050], 4: [0.020, 0.021, 0.022, 0.080, 0.019], 8: []}, 0.010)
+    assert got == {2: pytest.approx(1.1), 4: pytest.approx(2.1)}
+    with pytest.raises(ValueError, match="alone_s must be positive"):
+        stretch_during_rows({2: [0.01]}, 0.0)
+
+
+def test_sharing_study_prices_the_same_rows_by_the_stretch_at_the_grids_start(tmp_path):
+    """The ``sharing`` study: "with" is the file's own model column (the stretch during the rows, checked), "without"
+    the same profile with the stretch measured at the grid's start; a grid that predates the stretch during the
+    rows is refused; ``SHARING_RULE`` is applied as written."""
+    import json
+    from dataclasses import replace
+
+    import pytest
+
+    from experiments.cost_model import ablation
+    from lightning_sp.cost_model import preset
+
+    hw = replace(preset("a100-80gb"), compute_slots=None, compute_sharing=((2, 1.0),))
+    row = {"P": 2, "N": 32768, "backend": "zigzag_ring", "heads": 8, "kv_heads": 4, "head_dim": 32, "causal": True,
+           "kv_pieces": 1}  # long enough that the shared compute, not the messages, sets the steps
+    barrier = 1e-4
+    with_ms = ablation.predict_row(row, hw, barrier)
+    grid = {"date": "2026-11-24T23:50:00+00:00", "calibration_profile": hw.to_dict(),
+            "sharing_now": {"alone_s": 0.014, "2": 1.5, "slowest_2": 1.6}, "sharing_during_rows": {"2": 1.0},
+            "results": [{**row, "measured_ms": with_ms, "model_predicted_ms": round(with_ms, 3)}]}
+    (tmp_path / "cost_model_calibration.json").write_text(json.dumps(
+        {"profile": hw.to_dict(), "links": {"2": {"barrier_s": barrier}}}))
+    for g in ablation.GRIDS:
+        (tmp_path / f"cost_model_validation_{g}.json").write_text(json.dumps(grid))
+    got = ablation.ablate_run(tmp_path, "sharing")["grid1"]
+    assert got["with"]["max_abs_pct"] == pytest.approx(0.0, abs=0.01)
+    assert got["rows"][0]["without_ms"] > got["rows"][0]["with_ms"] * 1.2  # priced by the 1.5 stretch instead
+    assert got["stretch_during_rows"] == {"2": 1.0} and got["stretch_at_start"] == {"2": 1.5}
+    del grid["sharing_during_rows"]  # a grid of the code before: its column was priced by the start's stretch
+    (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(grid))
+    with pytest.raises(ValueError, match="needs runs of this code"):
+        ablation.ablate_run(tmp_path, "sharing")
+
+    def fake(g1, g2):  # per grid ((mean, max) with, (mean, max) without), % |error|
+        entry = lambda mean_max: {"mean_abs_pct": mean_max[0], "max_abs_pct": mean_max[1], "mean_signed_pct": 0.0}
+        return {g: {"with": entry(got[0]), "without": entry(got[1])} for g, got in (("grid1", g1), ("grid2", g2))}
+
+    good = fake(((10, 25), (10, 40)), ((8, 20), (8, 30)))
+    assert ablation.judge([good] * 5, "sharing")["keep"]
+    assert not ablation.judge([good] * 4, "sharing")["keep"]  # fewer runs than the rule asks for
+    assert not ablation.judge([fake(((10, 25), (10, 40)), ((8, 31), (8, 30)))] * 5, "sharing")["keep"]  # grid 2 max
+    assert not ablation.judge([fake(((11.1, 25), (10, 40)), ((8, 20), (8, 30)))] * 5, "sharing")["keep"]  # mean +1.1
+    worse_count = fake(((10, 34), (10, 35)), ((16, 20), (14, 30)))  # lower maxes, but grid 2 no longer meets 15%
+    assert ablation.judge([worse_count] * 5, "sharing")["checks"][-1] is False
+    assert ablation.judge([good] * 5, "sync_delay")["study"] == "sync_delay"  # the other rule, by name
