@@ -177,9 +177,9 @@ def _summary(rows) -> dict:
 def run_grid(args, argv, grid: str) -> list[dict]:
     hw, barriers = load_profile(args.out)
     t0 = time.perf_counter()
-    # the machine's sharing now (a primitive kernel loop on P ranks at once): its time alone is what the rounds'
-    # probes are divided by; its stretch is recorded (the paired comparison's "at the grid's start")
+    # the machine's sharing now (a primitive kernel loop on P ranks at once), for the grid's timings
     sharing = calibrate.measure_sharing((2,) if args.quick else WORLDS)
+    hw = replace(hw, compute_sharing=tuple((w, x) for w, x in sharing.items() if isinstance(w, int)))
     # and the delay a synchronisation meets now (as the sharing, the machine's state more than its hardware)
     sync = calibrate.measure_sync_delay((2,), rounds=3, blocks=1) if args.quick else calibrate.measure_sync_delay(WORLDS)
     hw = calibrate.with_sync_delay(hw, sync)
@@ -200,9 +200,9 @@ def run_grid(args, argv, grid: str) -> list[dict]:
         print(f"{grid} P={world}: {len(cases)} cases measured in {time.perf_counter() - t1:.0f} s; probe "
               f"{statistics.median(probes[world]) * 1e3:.1f} ms per call (median of the rounds; "
               f"{probe_at_calibration[world] * 1e3:.1f} ms at calibration)", flush=True)
-    # the stretch the rows ran under: the rounds' probes (the same primitive), not the single window at the start
+    # recorded, not priced by: the stretch during the rows (the rounds' probes), judged paired and not kept
+    # (experiments/cost_model/README.md, "The stretch during the rows"; ablation.py --study sharing)
     during = calibrate.stretch_during_rows(probes, sharing["alone_s"])
-    hw = replace(hw, compute_sharing=tuple(during.items()))
     rows = predict_rows(hw, barriers, grid, measured)
     meta = run_metadata(
         __file__, argv, kind="measured", calibration_profile=hw.to_dict(), seconds=round(time.perf_counter() - t0, 1),

@@ -4,14 +4,14 @@ and without the term, and the rule written down before the runs applied over the
     .venv/bin/python -m experiments.cost_model.ablation [--study sync_delay|sharing] RUN_DIR [RUN_DIR ...] [--write FILE]
 
 A run directory holds a complete ``scripts/cost_model_validate.sh`` run: ``cost_model_calibration.json`` and
-``cost_model_validation_grid{1,2}.json``. "with" is always the grid's own ``model_predicted_ms`` (re-predicted here and
-checked to agree); the measured column never changes. The studies (``STUDIES``):
+``cost_model_validation_grid{1,2}.json``. Both variants are priced from the grid's own profile, which this code must
+first reproduce the file's ``model_predicted_ms`` from; the measured column never changes. The studies (``STUDIES``):
 
-- ``sync_delay`` (session 25, ``RULE``): "without" is the same profile with ``sync_delay_s`` empty (Note [Per-call
-  terms] in ``lightning_sp/cost_model.py``).
-- ``sharing`` (session 26, ``SHARING_RULE``): "with" prices each world's rows by the stretch during its rows (the
-  rounds' probes, ``calibrate.stretch_during_rows``); "without" by the stretch measured once at the grid's start
-  (``sharing_now``), as main did before.
+- ``sync_delay`` (session 25, ``RULE``; kept): "with" is the grid's profile, "without" the same with ``sync_delay_s``
+  empty (Note [Per-call terms] in ``lightning_sp/cost_model.py``).
+- ``sharing`` (session 26, ``SHARING_RULE``; not kept): "with" prices each world's rows by the stretch during its
+  rows (the rounds' probes, ``calibrate.stretch_during_rows``, recorded as ``sharing_during_rows``), "without" by the
+  stretch measured once at the grid's start (``sharing_now``, what main prices by).
 """
 
 from __future__ import annotations
@@ -72,16 +72,17 @@ def stats(predicted: list[float], measured: list[float]) -> dict:
             "max_abs_pct": round(max(abs(e) for e in errs), 2), "mean_signed_pct": round(statistics.mean(errs), 2)}
 
 
-def _without_sync_delay(hw: HardwareProfile, grid: dict) -> HardwareProfile:
-    return replace(hw, sync_delay_s=())
+def _sync_delay_variants(hw: HardwareProfile, grid: dict) -> tuple[HardwareProfile, HardwareProfile]:
+    return hw, replace(hw, sync_delay_s=())
 
 
-def _stretch_at_the_grids_start(hw: HardwareProfile, grid: dict) -> HardwareProfile:
+def _sharing_variants(hw: HardwareProfile, grid: dict) -> tuple[HardwareProfile, HardwareProfile]:
     if "sharing_during_rows" not in grid:
-        raise ValueError(f"the grid of {grid['date']} priced its rows by the stretch at its start (no "
-                         "sharing_during_rows): the sharing study needs runs of this code")
+        raise ValueError(f"the grid of {grid['date']} did not record sharing_during_rows: the sharing study needs "
+                         "runs of scripts/cost_model_experiment.py from session 26 on")
+    during = tuple(sorted((int(w), float(x)) for w, x in grid["sharing_during_rows"].items()))
     start = tuple(sorted((int(w), float(x)) for w, x in grid["sharing_now"].items() if str(w).isdigit()))
-    return replace(hw, compute_sharing=start)
+    return replace(hw, compute_sharing=during), replace(hw, compute_sharing=start)
 
 
 def _sync_delay_record(grid: dict) -> dict:
@@ -109,25 +110,27 @@ def _judge_sharing(means: dict) -> list[bool]:
 
 
 STUDIES = {
-    # name: (its rule, the profile without the term, what each grid records of it, the rule's checks)
-    "sync_delay": (RULE, _without_sync_delay, _sync_delay_record, _judge_sync_delay),
-    "sharing": (SHARING_RULE, _stretch_at_the_grids_start, _sharing_record, _judge_sharing),
+    # name: (its rule, the (with, without) profiles from the grid's own, what each grid records of it, the checks)
+    "sync_delay": (RULE, _sync_delay_variants, _sync_delay_record, _judge_sync_delay),
+    "sharing": (SHARING_RULE, _sharing_variants, _sharing_record, _judge_sharing),
 }
 
 
 def ablate_grid(grid: dict, barriers: dict[int, float], study: str = "sync_delay") -> dict:
-    """One grid file: the rows' errors with the term (checked equal to the file's model column) and without."""
-    _, drop, record, _ = STUDIES[study]
+    """One grid file: the rows' errors with the term and without, both from the grid's own profile, which this code
+    must first reproduce the file's model column from (so it judges what the grid ran)."""
+    _, variants, record, _ = STUDIES[study]
     hw = HardwareProfile.from_dict(grid["calibration_profile"])
-    without = drop(hw, grid)
     rows = grid["results"]
-    measured = [r["measured_ms"] for r in rows]
-    with_ms = [predict_row(r, hw, barriers[r["P"]]) for r in rows]
-    for r, p in zip(rows, with_ms):
+    for r in rows:
+        p = predict_row(r, hw, barriers[r["P"]])
         if abs(p - r["model_predicted_ms"]) > 0.01:
             raise ValueError(f"{r['backend']} P={r['P']} N={r['N']}: this code predicts {p:.3f} ms, the file holds "
                              f"{r['model_predicted_ms']} ms; re-run the grid with this code")
-    without_ms = [predict_row(r, without, barriers[r["P"]]) for r in rows]
+    with_hw, without_hw = variants(hw, grid)
+    measured = [r["measured_ms"] for r in rows]
+    with_ms = [predict_row(r, with_hw, barriers[r["P"]]) for r in rows]
+    without_ms = [predict_row(r, without_hw, barriers[r["P"]]) for r in rows]
     return {"date": grid["date"], **record(grid), "with": stats(with_ms, measured), "without": stats(without_ms, measured),
             "rows": [{"P": r["P"], "N": r["N"], "backend": r["backend"], "measured_ms": m, "with_ms": round(a, 3),
                       "without_ms": round(b, 3)} for r, m, a, b in zip(rows, measured, with_ms, without_ms)]}

@@ -41,10 +41,11 @@ def test_cost_model_quick(tmp_path):
         probe = data["probe_s"]["2"]
         assert len(probe["rounds"]) == 2 and all(x > 0 for x in probe["rounds"]) and probe["at_calibration"] > 0
         assert probe["slowdown"] == pytest.approx(sum(probe["rounds"]) / 2 / probe["at_calibration"])
-        # the rows are priced by the stretch during them: the rounds' median probe over the grid's time alone
+        # recorded: the stretch during the rows (the rounds' median probe over the grid's time alone); priced by:
+        # the stretch at the grid's start
         during = sum(probe["rounds"]) / 2 / data["sharing_now"]["alone_s"]
         assert data["sharing_during_rows"] == {"2": pytest.approx(during)}
-        assert data["calibration_profile"]["compute_sharing"] == [[2, pytest.approx(during)]]
+        assert data["calibration_profile"]["compute_sharing"] == [[2, data["sharing_now"]["2"]]]
     profile = val["calibration_profile"]
     assert profile["intra_bandwidth"] > 0 and profile["intra_latency"] >= 0 and len(profile["attention_curve"]) == 2
     assert profile["kernel_table"] and profile["message_s"] and profile["compute_sharing"]  # the calibrated terms

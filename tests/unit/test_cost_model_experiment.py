@@ -278,9 +278,10 @@ def test_stretch_during_rows_is_the_rounds_median_probe_over_the_time_alone():
 
 
 def test_sharing_study_prices_the_same_rows_by_the_stretch_at_the_grids_start(tmp_path):
-    """The ``sharing`` study: "with" is the file's own model column (the stretch during the rows, checked), "without"
-    the same profile with the stretch measured at the grid's start; a grid that predates the stretch during the
-    rows is refused; ``SHARING_RULE`` is applied as written."""
+    """The ``sharing`` study: "with" prices the rows by the stretch during them, "without" by the stretch measured at
+    the grid's start, both from the grid's own profile (checked to reproduce the file's column), whichever of the two
+    the grid was priced by; a grid that did not record the stretch during its rows is refused; ``SHARING_RULE`` is
+    applied as written."""
     import json
     from dataclasses import replace
 
@@ -305,9 +306,14 @@ def test_sharing_study_prices_the_same_rows_by_the_stretch_at_the_grids_start(tm
     assert got["with"]["max_abs_pct"] == pytest.approx(0.0, abs=0.01)
     assert got["rows"][0]["without_ms"] > got["rows"][0]["with_ms"] * 1.2  # priced by the 1.5 stretch instead
     assert got["stretch_during_rows"] == {"2": 1.0} and got["stretch_at_start"] == {"2": 1.5}
-    del grid["sharing_during_rows"]  # a grid of the code before: its column was priced by the start's stretch
-    (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(grid))
-    with pytest.raises(ValueError, match="needs runs of this code"):
+    at_start = replace(hw, compute_sharing=((2, 1.5),))  # the same rows as main prices them: the same two variants
+    priced = {**grid, "calibration_profile": at_start.to_dict(), "results": [
+        {**row, "measured_ms": with_ms, "model_predicted_ms": round(ablation.predict_row(row, at_start, barrier), 3)}]}
+    (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(priced))
+    assert ablation.ablate_run(tmp_path, "sharing")["grid1"]["rows"] == got["rows"]
+    del priced["sharing_during_rows"]  # a grid of the code before session 26
+    (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(priced))
+    with pytest.raises(ValueError, match="did not record sharing_during_rows"):
         ablation.ablate_run(tmp_path, "sharing")
 
     def fake(g1, g2):  # per grid ((mean, max) with, (mean, max) without), % |error|
