@@ -328,3 +328,10 @@ def test_sharing_study_prices_the_same_rows_by_the_stretch_at_the_grids_start(tm
     worse_count = fake(((10, 34), (10, 35)), ((16, 20), (14, 30)))  # lower maxes, but grid 2 no longer meets 15%
     assert ablation.judge([worse_count] * 5, "sharing")["checks"][-1] is False
     assert ablation.judge([good] * 5, "sync_delay")["study"] == "sync_delay"  # the other rule, by name
+    # SHARING_AGAIN_RULE: no fewer pairs meeting both targets, and no more than a point worse on any grid's mean or max
+    tie = fake(((10.9, 25.9), (10, 25)), ((6.9, 17.9), (6, 17)))
+    assert ablation.judge([tie] * 5, "sharing_again")["keep"]
+    assert not ablation.judge([tie] * 5, "sharing")["keep"]  # the first rule asked for lower maxes
+    assert not ablation.judge([fake(((10, 26.1), (10, 25)), ((6, 17), (6, 17)))] * 5, "sharing_again")["keep"]
+    assert not ablation.judge([fake(((10, 25), (10, 25)), ((6, 36), (6, 30)))] * 5, "sharing_again")["keep"]
+    assert not ablation.judge([tie] * 4, "sharing_again")["keep"]
