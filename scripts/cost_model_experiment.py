@@ -200,8 +200,8 @@ def run_grid(args, argv, grid: str) -> list[dict]:
         print(f"{grid} P={world}: {len(cases)} cases measured in {time.perf_counter() - t1:.0f} s; probe "
               f"{statistics.median(probes[world]) * 1e3:.1f} ms per call (median of the rounds; "
               f"{probe_at_calibration[world] * 1e3:.1f} ms at calibration)", flush=True)
-    # recorded, not priced by: the stretch during the rows (the rounds' probes), judged paired and not kept
-    # (experiments/cost_model/README.md, "The stretch during the rows"; ablation.py --study sharing)
+    # recorded, not priced by: the stretch during the rows (the rounds' probes), judged paired twice and not kept
+    # (experiments/cost_model/README.md, "The stretch during the rows"; ablation.py --study sharing|sharing_again)
     during = calibrate.stretch_during_rows(probes, sharing["alone_s"])
     rows = predict_rows(hw, barriers, grid, measured)
     meta = run_metadata(
@@ -209,7 +209,8 @@ def run_grid(args, argv, grid: str) -> list[dict]:
         columns={"measured_ms": "measured here (median fwd+bwd between barriers, slowest rank)",
                  "measured_iqr_pct": "measured here: interquartile range of the reps, % of their median",
                  "model_*": "cost-model output from the calibrated profile (not measured)"},
-        **_summary(rows), sharing_now=sharing, sharing_during_rows=during, sync_delay_now=sync, reps_per_case=grid_reps(args, grid),
+        **_summary(rows), sharing_now=sharing, sharing_during_rows=during, sync_delay_now=sync,
+        reps_per_case=grid_reps(args, grid),
         # measured, for reading a run (not used by the model): the machine's speed while each world's rows ran
         probe_s={str(w): {"rounds": p, "at_calibration": probe_at_calibration[w],
                           "slowdown": statistics.median(p) / probe_at_calibration[w]} for w, p in probes.items()},

@@ -12,8 +12,8 @@ first reproduce the file's ``model_predicted_ms`` from; the measured column neve
 - ``sharing`` (session 26, ``SHARING_RULE``; not kept): "with" prices each world's rows by the stretch during its
   rows (the rounds' probes, ``calibrate.stretch_during_rows``, recorded as ``sharing_during_rows``), "without" by the
   stretch measured once at the grid's start (``sharing_now``, what main prices by).
-- ``sharing_again`` (session 26, ``SHARING_AGAIN_RULE``): the same two variants on five new runs, judged by issue 17's
-  targets (no fewer (run, grid) pairs meeting both) and no worse than a point on either grid's mean or max.
+- ``sharing_again`` (session 26, ``SHARING_AGAIN_RULE``; not kept): the same two variants on five new runs, judged by
+  issue 17's targets (no fewer (run, grid) pairs meeting both) and no worse than a point on either grid's mean or max.
 """
 
 from __future__ import annotations
@@ -156,7 +156,8 @@ def ablate_grid(grid: dict, barriers: dict[int, float], study: str = "sync_delay
     measured = [r["measured_ms"] for r in rows]
     with_ms = [predict_row(r, with_hw, barriers[r["P"]]) for r in rows]
     without_ms = [predict_row(r, without_hw, barriers[r["P"]]) for r in rows]
-    return {"date": grid["date"], **record(grid), "with": stats(with_ms, measured), "without": stats(without_ms, measured),
+    return {"date": grid["date"], **record(grid),
+            "with": stats(with_ms, measured), "without": stats(without_ms, measured),
             "rows": [{"P": r["P"], "N": r["N"], "backend": r["backend"], "measured_ms": m, "with_ms": round(a, 3),
                       "without_ms": round(b, 3)} for r, m, a, b in zip(rows, measured, with_ms, without_ms)]}
 

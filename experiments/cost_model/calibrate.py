@@ -596,8 +596,8 @@ def stretch_during_rows(probes: dict[int, list[float]], alone_s: float) -> dict[
     (``measure.time_backends_worker``: ``shared_window`` on every rank at the start of each round, seconds per
     ``SHARING_CALL``) over the grid's time alone (``measure_sharing``'s ``alone_s`` at the grid's start). The
     same measure as ``measure_sharing``'s, taken in every round instead of once before the rows. Recorded in each
-    grid file (``sharing_during_rows``) and judged paired against the stretch at the grid's start: not kept
-    (``experiments/cost_model/README.md``, "The stretch during the rows")."""
+    grid file (``sharing_during_rows``) and judged paired against the stretch at the grid's start, twice, by rules
+    written before the runs: not kept (``experiments/cost_model/README.md``, "The stretch during the rows")."""
     if alone_s <= 0:
         raise ValueError(f"alone_s must be positive, got {alone_s}")
     return {int(w): statistics.median(rounds) / alone_s for w, rounds in sorted(probes.items()) if rounds}
