@@ -118,17 +118,21 @@ def _judge_sync_delay(means: dict) -> list[bool]:
             means["grid2"]["with"]["mean_abs_pct"] <= means["grid2"]["without"]["mean_abs_pct"] + GRID2_SLACK_PCT]
 
 
+def _no_fewer_pairs_meeting_both(means: dict) -> bool:
+    """The (run, grid) pairs meeting both targets: at least as many with the variant as without."""
+    return (sum(means[g]["with"]["runs_meeting_15_35"] for g in GRIDS)
+            >= sum(means[g]["without"]["runs_meeting_15_35"] for g in GRIDS))
+
+
 def _judge_sharing(means: dict) -> list[bool]:
     return ([means[g]["with"]["max_abs_pct"] < means[g]["without"]["max_abs_pct"] for g in GRIDS]
             + [means[g]["with"]["mean_abs_pct"] <= means[g]["without"]["mean_abs_pct"] + SHARING_MEAN_SLACK_PCT
                for g in GRIDS]
-            + [sum(means[g]["with"]["runs_meeting_15_35"] for g in GRIDS)
-               >= sum(means[g]["without"]["runs_meeting_15_35"] for g in GRIDS)])
+            + [_no_fewer_pairs_meeting_both(means)])
 
 
 def _judge_sharing_again(means: dict) -> list[bool]:
-    return ([sum(means[g]["with"]["runs_meeting_15_35"] for g in GRIDS)
-             >= sum(means[g]["without"]["runs_meeting_15_35"] for g in GRIDS)]
+    return ([_no_fewer_pairs_meeting_both(means)]
             + [means[g]["with"][key] <= means[g]["without"][key] + SHARING_MEAN_SLACK_PCT
                for key in ("mean_abs_pct", "max_abs_pct") for g in GRIDS])
 
