@@ -93,13 +93,21 @@ def _sync_delay_variants(hw: HardwareProfile, grid: dict) -> tuple[HardwareProfi
     return hw, replace(hw, sync_delay_s=())
 
 
-def _sharing_variants(hw: HardwareProfile, grid: dict) -> tuple[HardwareProfile, HardwareProfile]:
+def stretch_at_start(grid: dict) -> tuple[tuple[int, float], ...]:
+    """The grid file's sharing stretch read at its start (``sharing_now``, whose other keys are ``alone_s`` and
+    ``slowest_<P>``), as ``HardwareProfile.compute_sharing``."""
+    return tuple(sorted((int(w), float(x)) for w, x in grid["sharing_now"].items() if str(w).isdigit()))
+
+
+def _stretch_during_rows(grid: dict) -> tuple[tuple[int, float], ...]:
     if "sharing_during_rows" not in grid:
         raise ValueError(f"the grid of {grid['date']} did not record sharing_during_rows: the sharing study needs "
                          "runs of scripts/cost_model_experiment.py from session 26 on")
-    during = tuple(sorted((int(w), float(x)) for w, x in grid["sharing_during_rows"].items()))
-    start = tuple(sorted((int(w), float(x)) for w, x in grid["sharing_now"].items() if str(w).isdigit()))
-    return replace(hw, compute_sharing=during), replace(hw, compute_sharing=start)
+    return tuple(sorted((int(w), float(x)) for w, x in grid["sharing_during_rows"].items()))
+
+
+def _sharing_variants(hw: HardwareProfile, grid: dict) -> tuple[HardwareProfile, HardwareProfile]:
+    return replace(hw, compute_sharing=_stretch_during_rows(grid)), replace(hw, compute_sharing=stretch_at_start(grid))
 
 
 def _sync_delay_record(grid: dict) -> dict:
@@ -108,8 +116,8 @@ def _sync_delay_record(grid: dict) -> dict:
 
 
 def _sharing_record(grid: dict) -> dict:
-    return {"stretch_during_rows": {str(w): round(x, 3) for w, x in grid["sharing_during_rows"].items()},
-            "stretch_at_start": {str(w): round(x, 3) for w, x in grid["sharing_now"].items() if str(w).isdigit()}}
+    return {"stretch_during_rows": {str(w): round(x, 3) for w, x in _stretch_during_rows(grid)},
+            "stretch_at_start": {str(w): round(x, 3) for w, x in stretch_at_start(grid)}}
 
 
 def _judge_sync_delay(means: dict) -> list[bool]:

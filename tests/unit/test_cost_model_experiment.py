@@ -68,7 +68,7 @@ def test_committed_model_columns_are_this_codes_predictions():
     the terms the results claim to include."""
     from dataclasses import replace
 
-    from experiments.cost_model.ablation import predict_row
+    from experiments.cost_model.ablation import predict_row, stretch_at_start
     from experiments.cost_model.calibrate import load_profile, with_sync_delay
 
     hw, _ = load_profile(RESULTS)
@@ -76,8 +76,7 @@ def test_committed_model_columns_are_this_codes_predictions():
     moved = moved_delay = 0
     for name in ("grid1", "grid2"):
         grid = _grid(name)
-        now = with_sync_delay(replace(hw, compute_sharing=tuple(sorted(
-            (int(w), float(x)) for w, x in grid["sharing_now"].items() if str(w).isdigit()))), grid["sync_delay_now"])
+        now = with_sync_delay(replace(hw, compute_sharing=stretch_at_start(grid)), grid["sync_delay_now"])
         for r in grid["results"]:
             for profile, left_out in ((now, None), (replace(now, layer_latency_s=()), "latency"),
                                       (replace(now, sync_delay_s=()), "delay")):
