@@ -5,7 +5,8 @@ types, the class ``AutoModelForCausalLM`` / ``AutoModelForMaskedLM`` maps each t
 every case must be exact (logits, loss and every parameter gradient within 1e-9 of the unsharded HF
 model on the full sequence, HF's own float32 roundings kept in float64: ``tests.hf_tiny.KeepFloat64``) or refused
 with ``NotImplementedError`` on every rank with the same message. Each exact case carries a negative control (the
-reference with its first token changed must miss by far more), and each trap of issue 16 is reproduced with its fix switched off (it must miss).
+reference with its first token changed must miss by far more), and each trap of issue 16 is reproduced with its fix
+switched off (it must miss).
 The README's support table must equal the one this sweep renders (``scripts/hf_support_table.py``).
 """
 
