@@ -14,6 +14,9 @@ first reproduce the file's ``model_predicted_ms`` from; the measured column neve
   stretch measured once at the grid's start (``sharing_now``, what main prices by).
 - ``sharing_again`` (session 26, ``SHARING_AGAIN_RULE``; not kept): the same two variants on five new runs, judged by
   issue 17's targets (no fewer (run, grid) pairs meeting both) and no worse than a point on either grid's mean or max.
+- ``colossal_rounds`` (session 27, ``COLOSSAL_ROUNDS_RULE``): "with" prices ``colossal``'s rows by its table's median
+  over the calibration's rounds (``calibrate.COLOSSAL_ROUNDS``), "without" by the table of round 0 alone (the one
+  pass timed until then; Note [Colossal table in rounds] in ``README.md``).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
-from experiments.cost_model.calibrate import load_profile
+from experiments.cost_model.calibrate import colossal_table_of_round, load_profile
 from lightning_sp.cost_model import AttentionShape, HardwareProfile, predict_attention
 
 GRIDS = ("grid1", "grid2")
@@ -64,6 +68,23 @@ SHARING_AGAIN_RULE = {
     "committed results": "none this session: if kept, the next session prices by the stretch during the rows, runs "
                          "scripts/cost_model_validate.sh once and commits that run",
 }
+COLOSSAL_ROUNDS_RULE = {
+    "written": "2026-11-25 02:17 UTC (session 27), committed before the five complete runs it judges; those five runs only",
+    "runs": 5,
+    "why": "3 of the 6 max misses of main's model over the fifteen runs of sessions 25-26 came with a colossal table "
+           "point read high in its one pass: T1 grid 1 (colossal P = 2, N = 1024, +37%: 22.5 ns per score element at "
+           "4.2 M elements, D = 32, against 13.3-19.7 in the other 14 calibrations) and R3 grid 2 (P = 4, N = 4096, "
+           "D = 128, +41%: 48.9 ns at 16.8 M against 34.7-47.3); R3's P = 2, N = 2048 (+22%) read 33.7 there. "
+           "Six passes over the points in one process (2026-11-25 02:12 UTC) read 21.4-29.5 ns at 16.8 M, D = 32",
+    "keep if": [
+        "colossal's rows (both grids): the mean over the runs of their mean |error| is lower with the rounds",
+        "the (run, grid) pairs meeting both targets (mean <= 15%, max <= 35%) are at least as many",
+        "each grid: the mean over the runs of mean |error| is at most 1 point above round 0's",
+        "each grid: the mean over the runs of max |error| is at most 1 point above round 0's",
+    ],
+    "committed results": "if kept, the last of the five runs, whatever it scores; if not, calibrate.COLOSSAL_ROUNDS "
+                         "goes back to 1 (the one pass) and session 25's R5 stays",
+}
 
 
 def backend_and_degree(label: str) -> tuple[str, int | None]:
@@ -89,7 +110,7 @@ def stats(predicted: list[float], measured: list[float]) -> dict:
             "max_abs_pct": round(max(abs(e) for e in errs), 2), "mean_signed_pct": round(statistics.mean(errs), 2)}
 
 
-def _sync_delay_variants(hw: HardwareProfile, grid: dict) -> tuple[HardwareProfile, HardwareProfile]:
+def _sync_delay_variants(hw: HardwareProfile, grid: dict, calibration: dict) -> tuple[HardwareProfile, HardwareProfile]:
     return hw, replace(hw, sync_delay_s=())
 
 
@@ -106,21 +127,40 @@ def _stretch_during_rows(grid: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted((int(w), float(x)) for w, x in grid["sharing_during_rows"].items()))
 
 
-def _sharing_variants(hw: HardwareProfile, grid: dict) -> tuple[HardwareProfile, HardwareProfile]:
+def _sharing_variants(hw: HardwareProfile, grid: dict, calibration: dict) -> tuple[HardwareProfile, HardwareProfile]:
     return replace(hw, compute_sharing=_stretch_during_rows(grid)), replace(hw, compute_sharing=stretch_at_start(grid))
 
 
-def _sync_delay_record(grid: dict) -> dict:
+def _colossal_tables(calibration: dict) -> tuple[tuple, tuple]:
+    """(the table over the rounds, round 0's table) of a calibration, as ``HardwareProfile.colossal_table``."""
+    colossal = calibration["local"]["colossal"]
+    return (tuple(tuple(row) for row in colossal["colossal_table"]),
+            tuple(tuple(row) for row in colossal_table_of_round(colossal, 0)))
+
+
+def _colossal_rounds_variants(hw: HardwareProfile, grid: dict,
+                              calibration: dict) -> tuple[HardwareProfile, HardwareProfile]:
+    over_rounds, first = _colossal_tables(calibration)
+    return replace(hw, colossal_table=over_rounds), replace(hw, colossal_table=first)
+
+
+def _sync_delay_record(grid: dict, calibration: dict) -> dict:
     hw = grid["calibration_profile"]
     return {"sync_delay_ms": {str(w): round(t * 1e3, 3) for w, t in hw.get("sync_delay_s", ())}}
 
 
-def _sharing_record(grid: dict) -> dict:
+def _sharing_record(grid: dict, calibration: dict) -> dict:
     return {"stretch_during_rows": {str(w): round(x, 3) for w, x in _stretch_during_rows(grid)},
             "stretch_at_start": {str(w): round(x, 3) for w, x in stretch_at_start(grid)}}
 
 
-def _judge_sync_delay(means: dict) -> list[bool]:
+def _colossal_rounds_record(grid: dict, calibration: dict) -> dict:
+    over_rounds, first = _colossal_tables(calibration)
+    return {"colossal_ns_per_score": {f"{e}/{d}": [round(t * 1e9, 2), round(t0 * 1e9, 2)]
+                                      for (e, d, t), (_, _, t0) in zip(over_rounds, first)}}
+
+
+def _judge_sync_delay(means: dict, runs: list[dict]) -> list[bool]:
     return [means["grid1"]["with"]["mean_abs_pct"] < means["grid1"]["without"]["mean_abs_pct"],
             means["grid1"]["with"]["abs_signed_pct"] <= means["grid1"]["without"]["abs_signed_pct"],
             means["grid2"]["with"]["mean_abs_pct"] <= means["grid2"]["without"]["mean_abs_pct"] + GRID2_SLACK_PCT]
@@ -132,31 +172,74 @@ def _no_fewer_pairs_meeting_both(means: dict) -> bool:
             >= sum(means[g]["without"]["runs_meeting_15_35"] for g in GRIDS))
 
 
-def _judge_sharing(means: dict) -> list[bool]:
+def _judge_sharing(means: dict, runs: list[dict]) -> list[bool]:
     return ([means[g]["with"]["max_abs_pct"] < means[g]["without"]["max_abs_pct"] for g in GRIDS]
             + [means[g]["with"]["mean_abs_pct"] <= means[g]["without"]["mean_abs_pct"] + SHARING_MEAN_SLACK_PCT
                for g in GRIDS]
             + [_no_fewer_pairs_meeting_both(means)])
 
 
-def _judge_sharing_again(means: dict) -> list[bool]:
+def _judge_sharing_again(means: dict, runs: list[dict]) -> list[bool]:
     return ([_no_fewer_pairs_meeting_both(means)]
             + [means[g]["with"][key] <= means[g]["without"][key] + SHARING_MEAN_SLACK_PCT
                for key in ("mean_abs_pct", "max_abs_pct") for g in GRIDS])
 
 
+def colossal_mean_abs_pct(runs: list[dict], variant: str) -> float:
+    """The mean over the runs of the mean |error| of ``colossal``'s rows, both grids' pooled, in ``variant``."""
+    def run_mean(run):
+        rows = [r for g in GRIDS for r in run[g]["rows"] if r["backend"] == "colossal"]
+        return statistics.mean(abs(100.0 * (r[f"{variant}_ms"] / r["measured_ms"] - 1.0)) for r in rows)
+    return round(statistics.mean(run_mean(run) for run in runs), 2)
+
+
+def _judge_colossal_rounds(means: dict, runs: list[dict]) -> list[bool]:
+    return ([colossal_mean_abs_pct(runs, "with") < colossal_mean_abs_pct(runs, "without")]
+            + _judge_sharing_again(means, runs))
+
+
+def _show_delay(got: dict) -> str:
+    return " / ".join(f"{v:.2f}" for v in got["sync_delay_ms"].values())
+
+
+def _show_stretch(got: dict) -> str:
+    return " vs ".join(" / ".join(f"{v:.2f}" for v in got[key].values())
+                       for key in ("stretch_during_rows", "stretch_at_start"))
+
+
+def _show_colossal(got: dict) -> str:
+    return ", ".join(f"{a:.1f} vs {b:.1f}" for key, (a, b) in got["colossal_ns_per_score"].items()
+                     if key.startswith("16777216/"))
+
+
+@dataclass(frozen=True)
+class Study:
+    rule: dict
+    variants: Callable  # (grid's profile, grid file, calibration file) -> (with, without) profiles
+    record: Callable  # (grid file, calibration file) -> what each grid records of the term
+    checks: Callable  # (means over runs, runs) -> the rule's conditions, in its order
+    shown: tuple[str, Callable]  # the table's column for the record: (its header, record -> text)
+
+
 STUDIES = {
-    # name: (its rule, the (with, without) profiles from the grid's own, what each grid records of it, the checks)
-    "sync_delay": (RULE, _sync_delay_variants, _sync_delay_record, _judge_sync_delay),
-    "sharing": (SHARING_RULE, _sharing_variants, _sharing_record, _judge_sharing),
-    "sharing_again": (SHARING_AGAIN_RULE, _sharing_variants, _sharing_record, _judge_sharing_again),
+    "sync_delay": Study(RULE, _sync_delay_variants, _sync_delay_record, _judge_sync_delay,
+                        ("delay ms (P = 2 / 4 / 8)", _show_delay)),
+    "sharing": Study(SHARING_RULE, _sharing_variants, _sharing_record, _judge_sharing,
+                     ("stretch during rows / at start (P = 2 / 4 / 8)", _show_stretch)),
+    "sharing_again": Study(SHARING_AGAIN_RULE, _sharing_variants, _sharing_record, _judge_sharing_again,
+                           ("stretch during rows / at start (P = 2 / 4 / 8)", _show_stretch)),
+    "colossal_rounds": Study(COLOSSAL_ROUNDS_RULE, _colossal_rounds_variants, _colossal_rounds_record,
+                             _judge_colossal_rounds, ("colossal ns per score at 16.8 M, rounds vs round 0 (D = 32, "
+                                                      "128)", _show_colossal)),
 }
 
 
-def ablate_grid(grid: dict, barriers: dict[int, float], study: str = "sync_delay") -> dict:
+def ablate_grid(grid: dict, barriers: dict[int, float], study: str = "sync_delay",
+                calibration: dict | None = None) -> dict:
     """One grid file: the rows' errors with the term and without, both from the grid's own profile, which this code
-    must first reproduce the file's model column from (so it judges what the grid ran)."""
-    _, variants, record, _ = STUDIES[study]
+    must first reproduce the file's model column from (so it judges what the grid ran); ``calibration``: the run's
+    calibration file, for the studies whose variants come from it."""
+    spec = STUDIES[study]
     hw = HardwareProfile.from_dict(grid["calibration_profile"])
     rows = grid["results"]
     for r in rows:
@@ -164,11 +247,11 @@ def ablate_grid(grid: dict, barriers: dict[int, float], study: str = "sync_delay
         if abs(p - r["model_predicted_ms"]) > 0.01:
             raise ValueError(f"{r['backend']} P={r['P']} N={r['N']}: this code predicts {p:.3f} ms, the file holds "
                              f"{r['model_predicted_ms']} ms; re-run the grid with this code")
-    with_hw, without_hw = variants(hw, grid)
+    with_hw, without_hw = spec.variants(hw, grid, calibration)
     measured = [r["measured_ms"] for r in rows]
     with_ms = [predict_row(r, with_hw, barriers[r["P"]]) for r in rows]
     without_ms = [predict_row(r, without_hw, barriers[r["P"]]) for r in rows]
-    return {"date": grid["date"], **record(grid),
+    return {"date": grid["date"], **spec.record(grid, calibration),
             "with": stats(with_ms, measured), "without": stats(without_ms, measured),
             "rows": [{"P": r["P"], "N": r["N"], "backend": r["backend"], "measured_ms": m, "with_ms": round(a, 3),
                       "without_ms": round(b, 3)} for r, m, a, b in zip(rows, measured, with_ms, without_ms)]}
@@ -176,14 +259,15 @@ def ablate_grid(grid: dict, barriers: dict[int, float], study: str = "sync_delay
 
 def ablate_run(run_dir: Path, study: str = "sync_delay") -> dict:
     _, barriers = load_profile(run_dir)
+    calibration = json.loads((Path(run_dir) / "cost_model_calibration.json").read_text())
     return {"run": str(run_dir), **{g: ablate_grid(json.loads((run_dir / f"cost_model_validation_{g}.json").read_text()),
-                                                   barriers, study) for g in GRIDS}}
+                                                   barriers, study, calibration) for g in GRIDS}}
 
 
 def judge(runs: list[dict], study: str = "sync_delay") -> dict:
     """The study's rule over the runs: the means over runs of each variant's figures, and whether each condition
     holds."""
-    rule, _, _, checks_of = STUDIES[study]
+    rule, checks_of = STUDIES[study].rule, STUDIES[study].checks
     def mean_over(grid, variant, key, absolute=False):
         vals = [r[grid][variant][key] for r in runs]
         return round(statistics.mean(abs(v) for v in vals) if absolute else statistics.mean(vals), 2)
@@ -193,7 +277,7 @@ def judge(runs: list[dict], study: str = "sync_delay") -> dict:
                      "runs_meeting_15_35": sum(r[g][v]["mean_abs_pct"] <= 15 and r[g][v]["max_abs_pct"] <= 35
                                                for r in runs)}
                  for v in ("with", "without")} for g in GRIDS}
-    checks = checks_of(means)
+    checks = checks_of(means, runs)
     return {"study": study, "rule": rule, "runs_judged": len(runs), "means_over_runs": means, "checks": checks,
             "keep": len(runs) >= rule["runs"] and all(checks)}
 
@@ -205,21 +289,19 @@ def main(argv=None) -> None:
     ap.add_argument("--write", type=Path)
     args = ap.parse_args(argv)
     runs = [ablate_run(d, args.study) for d in args.runs]
-    recorded = (("delay ms", "sync_delay_ms") if args.study == "sync_delay"
-                else ("stretch during rows / at start", "stretch_during_rows"))
-    print(f"| run | grid | {recorded[0]} (P = 2 / 4 / 8) | with: mean / max (signed), % | "
-          "without: mean / max (signed), % |")
+    header, show = STUDIES[args.study].shown
+    print(f"| run | grid | {header} | with: mean / max (signed), % | without: mean / max (signed), % |")
     print("|---|---|---|---|---|")
     for r in runs:
         for g in GRIDS:
-            a, b, got = r[g]["with"], r[g]["without"], r[g][recorded[1]]
-            shown = " / ".join(f"{v:.2f}" for v in got.values())
-            if args.study != "sync_delay":
-                shown += " vs " + " / ".join(f"{v:.2f}" for v in r[g]["stretch_at_start"].values())
-            print(f"| {r[g]['date']} | {g[-1]} | {shown} | "
+            a, b = r[g]["with"], r[g]["without"]
+            print(f"| {r[g]['date']} | {g[-1]} | {show(r[g])} | "
                   f"{a['mean_abs_pct']:.1f} / {a['max_abs_pct']:.1f} ({a['mean_signed_pct']:+.1f}) | "
                   f"{b['mean_abs_pct']:.1f} / {b['max_abs_pct']:.1f} ({b['mean_signed_pct']:+.1f}) |")
     verdict = judge(runs, args.study)
+    if args.study == "colossal_rounds":
+        print(f"colossal's rows, mean over runs of mean |error|: {colossal_mean_abs_pct(runs, 'with')}% with the "
+              f"rounds, {colossal_mean_abs_pct(runs, 'without')}% with round 0")
     print(json.dumps({k: verdict[k] for k in ("means_over_runs", "checks", "keep")}, indent=1))
     if args.write:
         args.write.write_text(json.dumps({"kind": "measured rows; with_ms / without_ms: model output", **verdict,

@@ -11,7 +11,8 @@ compute stubbed out (``colossal``'s messages, every backend's kernel at a tiny s
 - ``merge_s``: ``ops.merge.merge_into`` vs elements; ``elementwise_s``: an in-place ``add_`` vs elements
   (both least squares in relative error, as the collectives: the 4 K-element call sets the per-call time);
 - ``matmul_flops``: a batched ``[H, c, D] @ [H, D, c]`` (``colossal``'s score product);
-- ``colossal_s``: ``ops/colossal.py``'s own fwd+bwd on one rank (messages stubbed) per score element;
+- ``colossal_table``: ``ops/colossal.py``'s own fwd+bwd on one rank (messages stubbed) per score element, each
+  point the median over ``COLOSSAL_ROUNDS`` rounds over the points;
 - per world size, every rank computing (``busy_worker``): the fixed cost of a ``RingComm`` exchange,
   a tiny all-gather and a tiny all-to-all on top of a small kernel call (what the model uses);
 - per world size, idle ranks: ``message_s`` (a ``RingComm`` exchange of one float, Python and wait included),
@@ -98,6 +99,13 @@ KERNEL_ROUNDS = 3
 lands on one round of every point instead of on every round of some points (Note [Kernel table in rounds])."""
 
 
+def rotated(points: list, r: int, rounds: int) -> list:
+    """``points`` in round ``r``'s order of ``rounds``: started ``r / rounds`` of the way in, so each round begins
+    at another point (round 0 in the given order)."""
+    start = r * len(points) // rounds
+    return points[start:] + points[:start]
+
+
 def kernel_table_points(sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_extra=CAUSAL_EXTRA_SIDES) -> list[tuple]:
     """``(kind, D, q_len, k_len)`` of every kernel-table point: FULL rectangles and CAUSAL squares over ``sides``,
     and CAUSAL squares at ``causal_extra``, for each D."""
@@ -122,7 +130,7 @@ def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_
     points = kernel_table_points(sides, dims, causal_extra)
     per_round = {p: [] for p in points}
     for r in range(rounds):
-        for kind, d, q_len, k_len in points[r * len(points) // rounds:] + points[:r * len(points) // rounds]:
+        for kind, d, q_len, k_len in rotated(points, r, rounds):
             long_call = kind == "causal" and q_len in causal_extra  # seconds long: warm-up + 1
             n = 1 if long_call else (reps if q_len * k_len < 1 << 20 else max(2, reps - 1))
             per_round[(kind, d, q_len, k_len)].append(_kernel_pair(kernel, kind, q_len, k_len, KERNEL_HEADS, d, n))
@@ -267,23 +275,49 @@ def _colossal_local_time(n: int, d: int, reps: int) -> float:
     return median_seconds(lambda: colossal_local(q, k, v, dout), reps)
 
 
-def calibrate_colossal(reps: int = 3, points=COLOSSAL_POINTS) -> dict:
-    """``ops/colossal.py``'s local compute per score element in one process (``_colossal_local_time``):
-    ``colossal_table`` = seconds per score element at each point's ``E = H n (world n)`` score elements
-    of the rank and D (what the model reads); also the least squares line ``t = a + E (b + c D)`` ->
-    ``colossal_s = (a, b, c)`` for the record."""
+COLOSSAL_ROUNDS = 5
+"""Rounds over the colossal points, as the kernel table's (Note [Kernel table in rounds]; Note [Colossal table in
+rounds] in ``experiments/cost_model/README.md``). Round 0 is the one pass timed until session 27."""
+
+
+def colossal_table(points, times) -> list[list]:
+    """``[E, D, seconds per score element]`` per ``(n, D)`` point timed ``times`` seconds: ``E = H n (world n)``,
+    the score elements of the rank."""
+    return [[COLOSSAL_HEADS * n * n * COLOSSAL_WORLD, d, t / (COLOSSAL_HEADS * n * n * COLOSSAL_WORLD)]
+            for (n, d), t in zip(points, times)]
+
+
+def calibrate_colossal(reps: int = 3, points=COLOSSAL_POINTS, rounds: int = COLOSSAL_ROUNDS) -> dict:
+    """``ops/colossal.py``'s local compute per score element in one process (``_colossal_local_time``), each point
+    the median over ``rounds`` rounds (order rotated) of the median of ``reps`` calls: ``colossal_table`` = seconds
+    per score element at each point's score elements of the rank and D (what the model reads); the rounds'
+    times as ``rounds``; also the least squares line ``t = a + E (b + c D)`` -> ``colossal_s = (a, b, c)`` for
+    the record."""
     torch.set_num_threads(1)
-    times = [_colossal_local_time(n, d, reps) for n, d in points]
+    points = list(points)
+    per_round = {p: [] for p in points}
+    for r in range(rounds):
+        for n, d in rotated(points, r, rounds):
+            per_round[(n, d)].append(_colossal_local_time(n, d, reps))
+    times = [statistics.median(per_round[p]) for p in points]
     # normal equations for t = a + b E + c E D
     rows = [(1.0, COLOSSAL_HEADS * n * n * COLOSSAL_WORLD, COLOSSAL_HEADS * n * n * COLOSSAL_WORLD * d) for n, d in points]
     ata = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
     atb = [sum(r[i] * t for r, t in zip(rows, times)) for i in range(3)]
     coef = torch.linalg.solve(torch.tensor(ata, dtype=torch.float64), torch.tensor(atb, dtype=torch.float64)).tolist()
-    table = [[COLOSSAL_HEADS * n * n * COLOSSAL_WORLD, d, t / (COLOSSAL_HEADS * n * n * COLOSSAL_WORLD)]
-             for (n, d), t in zip(points, times)]
-    return {"colossal_s": [max(c, 0.0) for c in coef], "colossal_table": table,
+    return {"colossal_s": [max(c, 0.0) for c in coef], "colossal_table": colossal_table(points, times),
             "points": [[n, d, t] for (n, d), t in zip(points, times)],
+            "rounds": [[n, d, per_round[(n, d)]] for n, d in points],
             "primitive": f"ops/colossal.py fwd+bwd as rank 0 of {COLOSSAL_WORLD}, messages stubbed (_NoRing)"}
+
+
+def colossal_table_of_round(colossal: dict, r: int = 0) -> list[list]:
+    """The ``colossal_table`` that round ``r`` alone gives (round 0: what one pass over the points, the calibration
+    until session 27, kept), from ``calibrate_colossal``'s record."""
+    if "rounds" not in colossal:
+        raise ValueError("this calibration timed the colossal table in one pass (no 'rounds'): the colossal rounds "
+                         "study needs a calibration from session 27 on")
+    return colossal_table([(n, d) for n, d, _ in colossal["rounds"]], [times[r] for _, _, times in colossal["rounds"]])
 
 
 SHARING_CALL = (512, 512, 4, 64)  # q_len, k_len, heads, D of the kernel loop the sharing is measured with

@@ -317,6 +317,43 @@ def test_kernel_table_is_the_median_over_rounds_so_a_slow_spell_misses_it(monkey
     assert sum(row[4] > 5 * expected[0] for row in slow["kernel_table"]) == n_points // 2
 
 
+def test_colossal_table_is_the_median_over_rounds_and_round_0_is_the_one_pass(monkeypatch):
+    """``calibrate_colossal`` times its points in rounds (each once per round, the order rotated) and keeps each point's
+    median, so a slow spell over part of one round misses the table (Note [Colossal table in rounds]); round 0 alone
+    (``colossal_table_of_round``) is what the one pass timed until session 27 kept, spell included. A calibration
+    without rounds is refused by the study that needs them."""
+    from experiments.cost_model import calibrate
+
+    points = ((256, 32), (512, 32), (512, 64), (1024, 32), (1024, 128))
+    fast, slow_factor = 1e-3, 10.0
+
+    def table_with_a_spell(rounds, spell):
+        calls = []
+
+        def fake_time(n, d, reps):
+            calls.append((n, d))
+            return fast * (slow_factor if len(calls) - 1 in spell else 1.0)
+
+        monkeypatch.setattr(calibrate, "_colossal_local_time", fake_time)
+        got = calibrate.calibrate_colossal(reps=1, points=points, rounds=rounds)
+        assert len(calls) == rounds * len(points) and set(calls) == set(points)  # every point once per round
+        assert rounds == 1 or calls[len(points)] != points[0]  # round 1 starts elsewhere
+        return got
+
+    def per_score(n):
+        return fast / (calibrate.COLOSSAL_HEADS * n * n * calibrate.COLOSSAL_WORLD)
+
+    got = table_with_a_spell(5, spell=range(2))  # the first two points of round 0
+    assert [row[2] for row in got["colossal_table"]] == pytest.approx([per_score(n) for n, _ in points])
+    assert all(len(times) == 5 for _, _, times in got["rounds"])
+    first = calibrate.colossal_table_of_round(got, 0)
+    assert [row[2] > 5 * per_score(n) for row, (n, _) in zip(first, points)] == [True, True, False, False, False]
+    one_pass = table_with_a_spell(1, spell=range(2))  # control: one pass keeps the spell, as round 0 does
+    assert one_pass["colossal_table"] == first  # the same arithmetic on the same times
+    with pytest.raises(ValueError, match="one pass"):
+        calibrate.colossal_table_of_round({k: v for k, v in got.items() if k != "rounds"})
+
+
 def test_sync_delay_is_added_once_per_synchronisation_that_ends_compute():
     """``sync_delay_s`` (Note [Per-call terms]): the delay is added once at every collective or ring wait that follows
     kernel compute, and at the layer's end if compute ran since the last one; a collective right after another meets

@@ -334,3 +334,68 @@ def test_sharing_study_prices_the_same_rows_by_the_stretch_at_the_grids_start(tm
     assert not ablation.judge([fake(((10, 26.1), (10, 25)), ((6, 17), (6, 17)))] * 5, "sharing_again")["keep"]
     assert not ablation.judge([fake(((10, 25), (10, 25)), ((6, 36), (6, 30)))] * 5, "sharing_again")["keep"]
     assert not ablation.judge([tie] * 4, "sharing_again")["keep"]
+
+
+def test_colossal_rounds_study_prices_colossal_by_the_median_over_rounds_and_by_round_0(tmp_path):
+    """The ``colossal_rounds`` study: "with" prices the rows by the calibration's colossal table over its rounds,
+    "without" by round 0's alone (the one pass of before), both from the grid's own profile (checked to reproduce the
+    file's column) whichever of the two priced it; other backends' rows do not move; a calibration without rounds is
+    refused; ``COLOSSAL_ROUNDS_RULE`` is applied as written, its first condition on ``colossal``'s rows alone."""
+    import json
+    from dataclasses import replace
+
+    import pytest
+
+    from experiments.cost_model import ablation, calibrate
+    from lightning_sp.cost_model import preset
+
+    points = ((1024, 32), (2048, 32))
+    rounds = [[n, d, [3e-9 * e * (1.5 if r == 0 else 1.0) for r in range(5)]]  # round 0 read 1.5x slow
+              for n, d in points for e in [calibrate.COLOSSAL_HEADS * n * n * calibrate.COLOSSAL_WORLD]]
+    colossal = {"colossal_table": calibrate.colossal_table(points, [t[2] for _, _, t in rounds]), "rounds": rounds}
+    hw = replace(preset("a100-80gb"), compute_slots=None, colossal_table=tuple(map(tuple, colossal["colossal_table"])))
+    rows = [{"P": 2, "N": 2048, "backend": b, "heads": 8, "kv_heads": 4, "head_dim": 32, "causal": True,
+             "kv_pieces": 1} for b in ("colossal", "zigzag_ring")]
+    barrier = 1e-4
+    with_ms = [ablation.predict_row(r, hw, barrier) for r in rows]
+    grid = {"date": "2026-11-25T03:00:00+00:00", "calibration_profile": hw.to_dict(),
+            "results": [{**r, "measured_ms": m, "model_predicted_ms": round(m, 3)} for r, m in zip(rows, with_ms)]}
+    (tmp_path / "cost_model_calibration.json").write_text(json.dumps(
+        {"profile": hw.to_dict(), "links": {"2": {"barrier_s": barrier}}, "local": {"colossal": colossal}}))
+    for g in ablation.GRIDS:
+        (tmp_path / f"cost_model_validation_{g}.json").write_text(json.dumps(grid))
+    got = ablation.ablate_run(tmp_path, "colossal_rounds")["grid1"]
+    assert got["with"]["max_abs_pct"] == pytest.approx(0.0, abs=0.01)
+    colossal_row, other_row = got["rows"]
+    assert colossal_row["without_ms"] > colossal_row["with_ms"] * 1.3  # its compute priced 1.5x
+    assert other_row["without_ms"] == other_row["with_ms"]
+    assert got["colossal_ns_per_score"] == {"4194304/32": [3.0, 4.5], "16777216/32": [3.0, 4.5]}  # 2 heads x n x 2n
+    first = replace(hw, colossal_table=tuple(map(tuple, calibrate.colossal_table_of_round(colossal, 0))))
+    priced = {**grid, "calibration_profile": first.to_dict(), "results": [  # the same rows priced by round 0
+        {**r, "measured_ms": m, "model_predicted_ms": round(ablation.predict_row(r, first, barrier), 3)}
+        for r, m in zip(rows, with_ms)]}
+    (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(priced))
+    assert ablation.ablate_run(tmp_path, "colossal_rounds")["grid1"]["rows"] == got["rows"]
+    del colossal["rounds"]  # a calibration of the code before session 27
+    (tmp_path / "cost_model_calibration.json").write_text(json.dumps(
+        {"profile": hw.to_dict(), "links": {"2": {"barrier_s": barrier}}, "local": {"colossal": colossal}}))
+    with pytest.raises(ValueError, match="one pass"):
+        ablation.ablate_run(tmp_path, "colossal_rounds")
+
+    def fake(colossal_errors, g1=((8, 20), (8, 20)), g2=((6, 17), (6, 17))):  # colossal rows' % (with, without)
+        entry = lambda mean_max: {"mean_abs_pct": mean_max[0], "max_abs_pct": mean_max[1], "mean_signed_pct": 0.0}
+        row = lambda err: {"backend": "colossal", "measured_ms": 100.0, "with_ms": 100.0 + err[0],
+                           "without_ms": 100.0 + err[1]}
+        return {g: {"with": entry(got[0]), "without": entry(got[1]), "rows": [row(e) for e in errs]}
+                for g, got, errs in (("grid1", g1, colossal_errors), ("grid2", g2, ()))}
+
+    better = fake([(10, 20), (-5, 30)])
+    assert ablation.colossal_mean_abs_pct([better] * 5, "with") == 7.5
+    assert ablation.judge([better] * 5, "colossal_rounds")["keep"]
+    assert not ablation.judge([better] * 4, "colossal_rounds")["keep"]  # fewer runs than the rule asks for
+    tied = fake([(10, -10), (5, 5)])  # colossal no closer: the change is for those rows
+    assert ablation.judge([tied] * 5, "colossal_rounds")["checks"] == [False, True, True, True, True, True]
+    worse_max = fake([(10, 20)], g2=((6, 18.1), (6, 17)))
+    assert ablation.judge([worse_max] * 5, "colossal_rounds")["checks"][1:] == [True, True, True, True, False]
+    fewer_pairs = fake([(10, 20)], g1=((8, 36), (8, 34)))  # within a point, but grid 1 misses the max target
+    assert ablation.judge([fewer_pairs] * 5, "colossal_rounds")["checks"][1] is False
