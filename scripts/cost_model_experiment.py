@@ -177,9 +177,8 @@ def _summary(rows) -> dict:
 def run_grid(args, argv, grid: str) -> list[dict]:
     hw, barriers = load_profile(args.out)
     t0 = time.perf_counter()
-    # the machine's sharing now (a primitive kernel loop on P ranks at once), for the grid's timings
+    # the machine's sharing at the grid's start (a primitive kernel loop on P ranks at once): recorded, not priced by
     sharing = calibrate.measure_sharing((2,) if args.quick else WORLDS)
-    hw = replace(hw, compute_sharing=tuple((w, x) for w, x in sharing.items() if isinstance(w, int)))
     # and the delay a synchronisation meets now (as the sharing, the machine's state more than its hardware)
     sync = calibrate.measure_sync_delay((2,), rounds=3, blocks=1) if args.quick else calibrate.measure_sync_delay(WORLDS)
     hw = calibrate.with_sync_delay(hw, sync)
@@ -200,16 +199,21 @@ def run_grid(args, argv, grid: str) -> list[dict]:
         print(f"{grid} P={world}: {len(cases)} cases measured in {time.perf_counter() - t1:.0f} s; probe "
               f"{statistics.median(probes[world]) * 1e3:.1f} ms per call (median of the rounds; "
               f"{probe_at_calibration[world] * 1e3:.1f} ms at calibration)", flush=True)
-    # recorded, not priced by: the stretch during the rows (the rounds' probes), judged paired twice and not kept
-    # (experiments/cost_model/README.md, "The stretch during the rows"; ablation.py --study sharing|sharing_again)
+    # priced by: the stretch each world's rows met against the calibration's own table (the rounds' median probe
+    # over what the kernel table prices the probe's call at alone; Note [The stretch against the table]). Recorded
+    # beside it: the stretch at the grid's start (sharing_now) and during the rows over the grid's time alone,
+    # judged paired twice and not kept (README, "The stretch during the rows"; ablation.py --study sharing)
     during = calibrate.stretch_during_rows(probes, sharing["alone_s"])
+    against_table = calibrate.stretch_during_rows(probes, calibrate.probe_call_priced_s(hw))
+    hw = replace(hw, compute_sharing=tuple(sorted(against_table.items())))
     rows = predict_rows(hw, barriers, grid, measured)
     meta = run_metadata(
         __file__, argv, kind="measured", calibration_profile=hw.to_dict(), seconds=round(time.perf_counter() - t0, 1),
         columns={"measured_ms": "measured here (median fwd+bwd between barriers, slowest rank)",
                  "measured_iqr_pct": "measured here: interquartile range of the reps, % of their median",
                  "model_*": "cost-model output from the calibrated profile (not measured)"},
-        **_summary(rows), sharing_now=sharing, sharing_during_rows=during, sync_delay_now=sync,
+        **_summary(rows), sharing_now=sharing, sharing_during_rows=during, sharing_against_table=against_table,
+        sync_delay_now=sync,
         reps_per_case=grid_reps(args, grid),
         # measured, for reading a run (not used by the model): the machine's speed while each world's rows ran
         probe_s={str(w): {"rounds": p, "at_calibration": probe_at_calibration[w],
@@ -218,7 +222,7 @@ def run_grid(args, argv, grid: str) -> list[dict]:
     )
     write_results(f"cost_model_validation_{grid}", meta, rows, args.out)
     print(f"{grid}: {len(rows)} rows, mean |error| {meta['mean_abs_error_pct']}%, max {meta['max_abs_error_pct']}% "
-          f"(stretch during the rows {({w: round(x, 2) for w, x in during.items()})})", flush=True)
+          f"(stretch against the table {({w: round(x, 2) for w, x in against_table.items()})})", flush=True)
     combine_grids(args.out, argv)
     return rows
 

@@ -628,13 +628,27 @@ def calibration_shared_seconds(out) -> dict[int, float]:
 def stretch_during_rows(probes: dict[int, list[float]], alone_s: float) -> dict[int, float]:
     """``{world: stretch}`` while the validation's rows ran: the median over rounds of the in-round probe
     (``measure.time_backends_worker``: ``shared_window`` on every rank at the start of each round, seconds per
-    ``SHARING_CALL``) over the grid's time alone (``measure_sharing``'s ``alone_s`` at the grid's start). The
-    same measure as ``measure_sharing``'s, taken in every round instead of once before the rows. Recorded in each
-    grid file (``sharing_during_rows``) and judged paired against the stretch at the grid's start, twice, by rules
-    written before the runs: not kept (``experiments/cost_model/README.md``, "The stretch during the rows")."""
+    ``SHARING_CALL``) over a time of that call alone. Two are recorded in each grid file:
+    - ``sharing_during_rows``: over the grid's time alone (``measure_sharing``'s ``alone_s`` at the grid's start),
+      the same measure as ``measure_sharing``'s taken in every round; judged paired against the stretch at the
+      grid's start, twice, by rules written before the runs: not kept (``experiments/cost_model/README.md``, "The
+      stretch during the rows");
+    - ``sharing_against_table``: over what the calibration's kernel table prices the call at alone
+      (``probe_call_priced_s``), so the machine running slower than at calibration is in it too (Note [The stretch
+      against the table])."""
     if alone_s <= 0:
         raise ValueError(f"alone_s must be positive, got {alone_s}")
     return {int(w): statistics.median(rounds) / alone_s for w, rounds in sorted(probes.items()) if rounds}
+
+
+def probe_call_priced_s(hw: HardwareProfile) -> float:
+    """Seconds the profile's kernel table prices one ``SHARING_CALL`` (FULL, forward and backward) at on one rank
+    alone: the time the in-round probe would take on the machine the table was timed on."""
+    from lightning_sp.ops.schedule import KernelCall
+
+    q_len, k_len, heads, d = SHARING_CALL
+    return sum(hw.kernel_time(KernelCall(q_len, k_len, "full", heads, heads, backward), d)
+               for backward in (False, True))
 
 
 LATENCY_SHAPE = (256, 8, 8, 8, 8)

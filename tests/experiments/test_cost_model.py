@@ -19,6 +19,9 @@ pytestmark = pytest.mark.distributed
 
 
 def test_cost_model_quick(tmp_path):
+    from experiments.cost_model import calibrate
+    from lightning_sp.cost_model import HardwareProfile
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "cost_model_experiment.py"), "--quick", "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -41,11 +44,14 @@ def test_cost_model_quick(tmp_path):
         probe = data["probe_s"]["2"]
         assert len(probe["rounds"]) == 2 and all(x > 0 for x in probe["rounds"]) and probe["at_calibration"] > 0
         assert probe["slowdown"] == pytest.approx(sum(probe["rounds"]) / 2 / probe["at_calibration"])
-        # recorded: the stretch during the rows (the rounds' median probe over the grid's time alone); priced by:
-        # the stretch at the grid's start
+        # recorded: the stretch during the rows over the grid's time alone; priced by: the stretch against the table
+        # (the rounds' median probe over what the calibration's kernel table prices the probe's call at)
         during = sum(probe["rounds"]) / 2 / data["sharing_now"]["alone_s"]
         assert data["sharing_during_rows"] == {"2": pytest.approx(during)}
-        assert data["calibration_profile"]["compute_sharing"] == [[2, data["sharing_now"]["2"]]]
+        priced_s = calibrate.probe_call_priced_s(HardwareProfile.from_dict(data["calibration_profile"]))
+        against = sum(probe["rounds"]) / 2 / priced_s
+        assert data["sharing_against_table"] == {"2": pytest.approx(against)}
+        assert data["calibration_profile"]["compute_sharing"] == [[2, pytest.approx(against)]]
     profile = val["calibration_profile"]
     assert profile["intra_bandwidth"] > 0 and profile["intra_latency"] >= 0 and len(profile["attention_curve"]) == 2
     assert profile["kernel_table"] and profile["message_s"] and profile["compute_sharing"]  # the calibrated terms

@@ -399,3 +399,64 @@ def test_colossal_rounds_study_prices_colossal_by_the_median_over_rounds_and_by_
     assert ablation.judge([worse_max] * 5, "colossal_rounds")["checks"][1:] == [True, True, True, True, False]
     fewer_pairs = fake([(10, 20)], g1=((8, 36), (8, 34)))  # within a point, but grid 1 misses the max target
     assert ablation.judge([fewer_pairs] * 5, "colossal_rounds")["checks"][1] is False
+
+
+def test_probe_call_is_priced_by_the_calibrations_own_kernel_table():
+    """``calibrate.probe_call_priced_s``: what the profile's kernel table prices one ``SHARING_CALL`` (FULL, forward
+    and backward, its heads) at, fixed call time included; a table twice as slow prices it twice (less the fixed
+    part), so a stretch taken against it sees the machine's speed at calibration."""
+    from dataclasses import replace
+
+    import pytest
+
+    from experiments.cost_model import calibrate
+    from lightning_sp.cost_model import preset
+
+    q_len, k_len, heads, d = calibrate.SHARING_CALL
+    table = tuple((kind, dd, q, k, 1e-4, 2e-4) for kind in ("full", "causal") for dd in (32, 64, 128)
+                  for q in (128, 512, 2048) for k in (128, 512, 2048))
+    hw = replace(preset("a100-80gb"), kernel_table=table, kernel_call_s=(1e-5, 2e-5))
+    assert calibrate.probe_call_priced_s(hw) == pytest.approx(heads * 3e-4 + 3e-5)
+    slow = replace(hw, kernel_table=tuple((*r[:4], 2 * r[4], 2 * r[5]) for r in table))
+    assert calibrate.probe_call_priced_s(slow) == pytest.approx(2 * heads * 3e-4 + 3e-5)
+
+
+def test_stretch_against_table_study_prices_the_same_rows_by_the_stretch_at_the_grids_start(tmp_path):
+    """The ``stretch_against_table`` study: "with" prices the rows by the stretch they met against the calibration's
+    table, "without" by the stretch at the grid's start, both from the grid's own profile whichever priced it; a grid
+    without the record is refused; ``AGAINST_TABLE_RULE`` is the rule ``SHARING_AGAIN_RULE``'s checks apply."""
+    import json
+    from dataclasses import replace
+
+    import pytest
+
+    from experiments.cost_model import ablation
+    from lightning_sp.cost_model import preset
+
+    hw = replace(preset("a100-80gb"), compute_slots=None, compute_sharing=((2, 1.2),))
+    row = {"P": 2, "N": 32768, "backend": "zigzag_ring", "heads": 8, "kv_heads": 4, "head_dim": 32, "causal": True,
+           "kv_pieces": 1}
+    barrier = 1e-4
+    with_ms = ablation.predict_row(row, hw, barrier)
+    grid = {"date": "2026-11-25T03:50:00+00:00", "calibration_profile": hw.to_dict(),
+            "sharing_now": {"alone_s": 0.014, "2": 1.0, "slowest_2": 1.1}, "sharing_against_table": {"2": 1.2},
+            "results": [{**row, "measured_ms": with_ms, "model_predicted_ms": round(with_ms, 3)}]}
+    (tmp_path / "cost_model_calibration.json").write_text(json.dumps(
+        {"profile": hw.to_dict(), "links": {"2": {"barrier_s": barrier}}}))
+    for g in ablation.GRIDS:
+        (tmp_path / f"cost_model_validation_{g}.json").write_text(json.dumps(grid))
+    got = ablation.ablate_run(tmp_path, "stretch_against_table")["grid1"]
+    assert got["with"]["max_abs_pct"] == pytest.approx(0.0, abs=0.01)
+    assert got["rows"][0]["without_ms"] < got["rows"][0]["with_ms"] / 1.1  # priced by the start's 1.0 instead
+    assert got["stretch_against_table"] == {"2": 1.2} and got["stretch_at_start"] == {"2": 1.0}
+    at_start = replace(hw, compute_sharing=((2, 1.0),))
+    priced = {**grid, "calibration_profile": at_start.to_dict(), "results": [
+        {**row, "measured_ms": with_ms, "model_predicted_ms": round(ablation.predict_row(row, at_start, barrier), 3)}]}
+    (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(priced))
+    assert ablation.ablate_run(tmp_path, "stretch_against_table")["grid1"]["rows"] == got["rows"]
+    del priced["sharing_against_table"]  # a grid of the code before session 27
+    (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(priced))
+    with pytest.raises(ValueError, match="did not record sharing_against_table"):
+        ablation.ablate_run(tmp_path, "stretch_against_table")
+    assert ablation.AGAINST_TABLE_RULE["keep if"] == ablation.SHARING_AGAIN_RULE["keep if"]
+    assert ablation.STUDIES["stretch_against_table"].checks is ablation.STUDIES["sharing_again"].checks
