@@ -460,3 +460,30 @@ def test_stretch_against_table_study_prices_the_same_rows_by_the_stretch_at_the_
         ablation.ablate_run(tmp_path, "stretch_against_table")
     assert ablation.AGAINST_TABLE_RULE["keep if"] == ablation.SHARING_AGAIN_RULE["keep if"]
     assert ablation.STUDIES["stretch_against_table"].checks is ablation.STUDIES["sharing_again"].checks
+
+
+def test_each_study_results_file_holds_what_its_rule_makes_of_its_runs():
+    """Every committed paired study (``results/cost_model_*_runs.json``): each grid's two columns of figures are what
+    its rows give, the verdict is what ``ablation.judge`` makes of its runs under the study's rule, and that rule is
+    the one in ``ablation.py`` now (a rule edited after its runs, or a verdict typed in, fails here)."""
+    import json
+
+    import pytest
+
+    from experiments.cost_model import ablation
+
+    files = sorted(RESULTS.glob("cost_model_*_runs.json"))
+    assert len(files) >= 4
+    for path in files:
+        data = json.loads(path.read_text())
+        study = data.get("study", "sync_delay")  # session 25's file predates the key
+        for run in data["runs"]:
+            for g in ablation.GRIDS:
+                rows = run[g]["rows"]
+                for variant in ("with", "without"):
+                    got = ablation.stats([r[f"{variant}_ms"] for r in rows], [r["measured_ms"] for r in rows])
+                    assert got == pytest.approx(run[g][variant], abs=0.02), (path.name, run["run"], g, variant)
+        verdict = ablation.judge(data["runs"], study)
+        assert (verdict["checks"], verdict["keep"]) == (data["checks"], data["keep"]), path.name
+        assert verdict["means_over_runs"] == data["means_over_runs"], path.name
+        assert data["rule"] == ablation.STUDIES[study].rule, path.name
