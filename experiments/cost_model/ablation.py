@@ -149,7 +149,9 @@ def _sharing_variants(hw: HardwareProfile, grid: dict, calibration: dict) -> tup
     return replace(hw, compute_sharing=_stretch_during_rows(grid)), replace(hw, compute_sharing=stretch_at_start(grid))
 
 
-def _stretch_against_table(grid: dict) -> tuple[tuple[int, float], ...]:
+def stretch_against_table(grid: dict) -> tuple[tuple[int, float], ...]:
+    """The grid file's stretch against the calibration's table (``sharing_against_table``), as
+    ``HardwareProfile.compute_sharing``: what the grids are priced by since session 27."""
     if "sharing_against_table" not in grid:
         raise ValueError(f"the grid of {grid['date']} did not record sharing_against_table: the study needs runs of "
                          "scripts/cost_model_experiment.py from session 27 on")
@@ -158,7 +160,7 @@ def _stretch_against_table(grid: dict) -> tuple[tuple[int, float], ...]:
 
 def _against_table_variants(hw: HardwareProfile, grid: dict,
                             calibration: dict) -> tuple[HardwareProfile, HardwareProfile]:
-    return (replace(hw, compute_sharing=_stretch_against_table(grid)),
+    return (replace(hw, compute_sharing=stretch_against_table(grid)),
             replace(hw, compute_sharing=stretch_at_start(grid)))
 
 
@@ -186,7 +188,7 @@ def _sharing_record(grid: dict, calibration: dict) -> dict:
 
 
 def _against_table_record(grid: dict, calibration: dict) -> dict:
-    return {"stretch_against_table": {str(w): round(x, 3) for w, x in _stretch_against_table(grid)},
+    return {"stretch_against_table": {str(w): round(x, 3) for w, x in stretch_against_table(grid)},
             "stretch_at_start": {str(w): round(x, 3) for w, x in stretch_at_start(grid)}}
 
 
