@@ -11,13 +11,13 @@ first reproduce the file's ``model_predicted_ms`` from; the measured column neve
   empty (Note [Per-call terms] in ``lightning_sp/cost_model.py``).
 - ``sharing`` (session 26, ``SHARING_RULE``; not kept): "with" prices each world's rows by the stretch during its
   rows (the rounds' probes, ``calibrate.stretch_during_rows``, recorded as ``sharing_during_rows``), "without" by the
-  stretch measured once at the grid's start (``sharing_now``, what main prices by).
+  stretch measured once at the grid's start (``sharing_now``, what main priced by until ``stretch_against_table``).
 - ``sharing_again`` (session 26, ``SHARING_AGAIN_RULE``; not kept): the same two variants on five new runs, judged by
   issue 17's targets (no fewer (run, grid) pairs meeting both) and no worse than a point on either grid's mean or max.
-- ``colossal_rounds`` (session 27, ``COLOSSAL_ROUNDS_RULE``): "with" prices ``colossal``'s rows by its table's median
+- ``colossal_rounds`` (session 27, ``COLOSSAL_ROUNDS_RULE``; kept): "with" prices ``colossal``'s rows by its table's median
   over the calibration's rounds (``calibrate.COLOSSAL_ROUNDS``), "without" by the table of round 0 alone (the one
   pass timed until then; Note [Colossal table in rounds] in ``README.md``).
-- ``stretch_against_table`` (session 27, ``AGAINST_TABLE_RULE``): "with" prices each world's rows by the stretch they
+- ``stretch_against_table`` (session 27, ``AGAINST_TABLE_RULE``; kept, what main prices by): "with" prices each world's rows by the stretch they
   met against the calibration's own table (the rounds' median probe over what the kernel table prices the probe's
   call at alone, ``sharing_against_table``), "without" by the stretch at the grid's start (``sharing_now``).
 """
@@ -72,7 +72,8 @@ SHARING_AGAIN_RULE = {
                          "scripts/cost_model_validate.sh once and commits that run",
 }
 COLOSSAL_ROUNDS_RULE = {
-    "written": "2026-11-25 02:17 UTC (session 27), committed before the five complete runs it judges; those five runs only",
+    "written": "2026-11-25 02:17 UTC (session 27), committed before the five complete runs it judges; those five runs "
+               "only",
     "runs": 5,
     "why": "3 of the 6 max misses of main's model over the fifteen runs of sessions 25-26 came with a colossal table "
            "point read high in its one pass: T1 grid 1 (colossal P = 2, N = 1024, +37%: 22.5 ns per score element at "
