@@ -228,6 +228,44 @@ def test_reproducibility_add_keeps_a_new_run_beside_the_old_ones(tmp_path, capsy
         main(["--runs", str(runs), "--add", str(tmp_path)])
 
 
+def _one_row_run(run_dir, hw, rows, barrier, date, grid_extra=None, calibration_extra=None) -> dict:
+    """A run directory whose calibration profile is ``hw`` and whose two grid files hold ``rows``, each measured at
+    what ``hw`` predicts and priced by it (what ``ablation`` reads); returns the grid file's contents."""
+    import json
+
+    from experiments.cost_model import ablation
+
+    with_ms = [ablation.predict_row(r, hw, barrier) for r in rows]
+    grid = {"date": date, "calibration_profile": hw.to_dict(), **(grid_extra or {}),
+            "results": [{**r, "measured_ms": m, "model_predicted_ms": round(m, 3)} for r, m in zip(rows, with_ms)]}
+    (run_dir / "cost_model_calibration.json").write_text(json.dumps(
+        {"profile": hw.to_dict(), "links": {"2": {"barrier_s": barrier}}, **(calibration_extra or {})}))
+    for g in ablation.GRIDS:
+        (run_dir / f"cost_model_validation_{g}.json").write_text(json.dumps(grid))
+    return grid
+
+
+def _judged_alike_priced_by(run_dir, grid, other, barrier, study, recorded) -> list[dict]:
+    """The study's rows for ``grid``'s rows priced by the profile ``other`` instead (to compare with the rows as
+    priced first: a study judges a run the same whichever variant priced it); then checks that the grid without the
+    ``recorded`` key is refused by name."""
+    import json
+
+    import pytest
+
+    from experiments.cost_model import ablation
+
+    priced = {**grid, "calibration_profile": other.to_dict(), "results": [
+        {**r, "model_predicted_ms": round(ablation.predict_row(r, other, barrier), 3)} for r in grid["results"]]}
+    (run_dir / "cost_model_validation_grid1.json").write_text(json.dumps(priced))
+    rows = ablation.ablate_run(run_dir, study)["grid1"]["rows"]
+    del priced[recorded]  # a grid of the code before the study
+    (run_dir / "cost_model_validation_grid1.json").write_text(json.dumps(priced))
+    with pytest.raises(ValueError, match=f"did not record {recorded}"):
+        ablation.ablate_run(run_dir, study)
+    return rows
+
+
 def test_sync_delay_ablation_is_paired_and_the_rule_is_applied_as_written(tmp_path):
     """``experiments.cost_model.ablation``: a run's rows predicted from its own grid profile with the delay per
     synchronisation (checked equal to the file's model column, so it judges what the grid ran) and without it (the
@@ -292,7 +330,6 @@ def test_sharing_study_prices_the_same_rows_by_the_stretch_at_the_grids_start(tm
     the grid's start, both from the grid's own profile (checked to reproduce the file's column), whichever of the two
     the grid was priced by; a grid that did not record the stretch during its rows is refused; ``SHARING_RULE`` is
     applied as written."""
-    import json
     from dataclasses import replace
 
     import pytest
@@ -304,27 +341,14 @@ def test_sharing_study_prices_the_same_rows_by_the_stretch_at_the_grids_start(tm
     row = {"P": 2, "N": 32768, "backend": "zigzag_ring", "heads": 8, "kv_heads": 4, "head_dim": 32, "causal": True,
            "kv_pieces": 1}  # long enough that the shared compute, not the messages, sets the steps
     barrier = 1e-4
-    with_ms = ablation.predict_row(row, hw, barrier)
-    grid = {"date": "2026-11-24T23:50:00+00:00", "calibration_profile": hw.to_dict(),
-            "sharing_now": {"alone_s": 0.014, "2": 1.5, "slowest_2": 1.6}, "sharing_during_rows": {"2": 1.0},
-            "results": [{**row, "measured_ms": with_ms, "model_predicted_ms": round(with_ms, 3)}]}
-    (tmp_path / "cost_model_calibration.json").write_text(json.dumps(
-        {"profile": hw.to_dict(), "links": {"2": {"barrier_s": barrier}}}))
-    for g in ablation.GRIDS:
-        (tmp_path / f"cost_model_validation_{g}.json").write_text(json.dumps(grid))
+    grid = _one_row_run(tmp_path, hw, [row], barrier, "2026-11-24T23:50:00+00:00", {
+        "sharing_now": {"alone_s": 0.014, "2": 1.5, "slowest_2": 1.6}, "sharing_during_rows": {"2": 1.0}})
     got = ablation.ablate_run(tmp_path, "sharing")["grid1"]
     assert got["with"]["max_abs_pct"] == pytest.approx(0.0, abs=0.01)
     assert got["rows"][0]["without_ms"] > got["rows"][0]["with_ms"] * 1.2  # priced by the 1.5 stretch instead
     assert got["stretch_during_rows"] == {"2": 1.0} and got["stretch_at_start"] == {"2": 1.5}
     at_start = replace(hw, compute_sharing=((2, 1.5),))  # the same rows as main prices them: the same two variants
-    priced = {**grid, "calibration_profile": at_start.to_dict(), "results": [
-        {**row, "measured_ms": with_ms, "model_predicted_ms": round(ablation.predict_row(row, at_start, barrier), 3)}]}
-    (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(priced))
-    assert ablation.ablate_run(tmp_path, "sharing")["grid1"]["rows"] == got["rows"]
-    del priced["sharing_during_rows"]  # a grid of the code before session 26
-    (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(priced))
-    with pytest.raises(ValueError, match="did not record sharing_during_rows"):
-        ablation.ablate_run(tmp_path, "sharing")
+    assert _judged_alike_priced_by(tmp_path, grid, at_start, barrier, "sharing", "sharing_during_rows") == got["rows"]
 
     def fake(g1, g2):  # per grid ((mean, max) with, (mean, max) without), % |error|
         entry = lambda mean_max: {"mean_abs_pct": mean_max[0], "max_abs_pct": mean_max[1], "mean_signed_pct": 0.0}
@@ -368,13 +392,9 @@ def test_colossal_rounds_study_prices_colossal_by_the_median_over_rounds_and_by_
     rows = [{"P": 2, "N": 2048, "backend": b, "heads": 8, "kv_heads": 4, "head_dim": 32, "causal": True,
              "kv_pieces": 1} for b in ("colossal", "zigzag_ring")]
     barrier = 1e-4
-    with_ms = [ablation.predict_row(r, hw, barrier) for r in rows]
-    grid = {"date": "2026-11-25T03:00:00+00:00", "calibration_profile": hw.to_dict(),
-            "results": [{**r, "measured_ms": m, "model_predicted_ms": round(m, 3)} for r, m in zip(rows, with_ms)]}
-    (tmp_path / "cost_model_calibration.json").write_text(json.dumps(
-        {"profile": hw.to_dict(), "links": {"2": {"barrier_s": barrier}}, "local": {"colossal": colossal}}))
-    for g in ablation.GRIDS:
-        (tmp_path / f"cost_model_validation_{g}.json").write_text(json.dumps(grid))
+    grid = _one_row_run(tmp_path, hw, rows, barrier, "2026-11-25T03:00:00+00:00",
+                        calibration_extra={"local": {"colossal": colossal}})
+    with_ms = [r["measured_ms"] for r in grid["results"]]
     got = ablation.ablate_run(tmp_path, "colossal_rounds")["grid1"]
     assert got["with"]["max_abs_pct"] == pytest.approx(0.0, abs=0.01)
     colossal_row, other_row = got["rows"]
@@ -436,7 +456,6 @@ def test_stretch_against_table_study_prices_the_same_rows_by_the_stretch_at_the_
     """The ``stretch_against_table`` study: "with" prices the rows by the stretch they met against the calibration's
     table, "without" by the stretch at the grid's start, both from the grid's own profile whichever priced it; a grid
     without the record is refused; ``AGAINST_TABLE_RULE`` is the rule ``SHARING_AGAIN_RULE``'s checks apply."""
-    import json
     from dataclasses import replace
 
     import pytest
@@ -448,27 +467,15 @@ def test_stretch_against_table_study_prices_the_same_rows_by_the_stretch_at_the_
     row = {"P": 2, "N": 32768, "backend": "zigzag_ring", "heads": 8, "kv_heads": 4, "head_dim": 32, "causal": True,
            "kv_pieces": 1}
     barrier = 1e-4
-    with_ms = ablation.predict_row(row, hw, barrier)
-    grid = {"date": "2026-11-25T03:50:00+00:00", "calibration_profile": hw.to_dict(),
-            "sharing_now": {"alone_s": 0.014, "2": 1.0, "slowest_2": 1.1}, "sharing_against_table": {"2": 1.2},
-            "results": [{**row, "measured_ms": with_ms, "model_predicted_ms": round(with_ms, 3)}]}
-    (tmp_path / "cost_model_calibration.json").write_text(json.dumps(
-        {"profile": hw.to_dict(), "links": {"2": {"barrier_s": barrier}}}))
-    for g in ablation.GRIDS:
-        (tmp_path / f"cost_model_validation_{g}.json").write_text(json.dumps(grid))
+    grid = _one_row_run(tmp_path, hw, [row], barrier, "2026-11-25T03:50:00+00:00", {
+        "sharing_now": {"alone_s": 0.014, "2": 1.0, "slowest_2": 1.1}, "sharing_against_table": {"2": 1.2}})
     got = ablation.ablate_run(tmp_path, "stretch_against_table")["grid1"]
     assert got["with"]["max_abs_pct"] == pytest.approx(0.0, abs=0.01)
     assert got["rows"][0]["without_ms"] < got["rows"][0]["with_ms"] / 1.1  # priced by the start's 1.0 instead
     assert got["stretch_against_table"] == {"2": 1.2} and got["stretch_at_start"] == {"2": 1.0}
     at_start = replace(hw, compute_sharing=((2, 1.0),))
-    priced = {**grid, "calibration_profile": at_start.to_dict(), "results": [
-        {**row, "measured_ms": with_ms, "model_predicted_ms": round(ablation.predict_row(row, at_start, barrier), 3)}]}
-    (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(priced))
-    assert ablation.ablate_run(tmp_path, "stretch_against_table")["grid1"]["rows"] == got["rows"]
-    del priced["sharing_against_table"]  # a grid of the code before session 27
-    (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(priced))
-    with pytest.raises(ValueError, match="did not record sharing_against_table"):
-        ablation.ablate_run(tmp_path, "stretch_against_table")
+    assert _judged_alike_priced_by(tmp_path, grid, at_start, barrier, "stretch_against_table",
+                                   "sharing_against_table") == got["rows"]
     assert ablation.AGAINST_TABLE_RULE["keep if"] == ablation.SHARING_AGAIN_RULE["keep if"]
     assert ablation.STUDIES["stretch_against_table"].checks is ablation.STUDIES["sharing_again"].checks
 
