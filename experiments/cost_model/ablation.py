@@ -14,12 +14,13 @@ first reproduce the file's ``model_predicted_ms`` from; the measured column neve
   stretch measured once at the grid's start (``sharing_now``, what main priced by until ``stretch_against_table``).
 - ``sharing_again`` (session 26, ``SHARING_AGAIN_RULE``; not kept): the same two variants on five new runs, judged by
   issue 17's targets (no fewer (run, grid) pairs meeting both) and no worse than a point on either grid's mean or max.
-- ``colossal_rounds`` (session 27, ``COLOSSAL_ROUNDS_RULE``; kept): "with" prices ``colossal``'s rows by its table's median
-  over the calibration's rounds (``calibrate.COLOSSAL_ROUNDS``), "without" by the table of round 0 alone (the one
-  pass timed until then; Note [Colossal table in rounds] in ``README.md``).
-- ``stretch_against_table`` (session 27, ``AGAINST_TABLE_RULE``; kept, what main prices by): "with" prices each world's rows by the stretch they
-  met against the calibration's own table (the rounds' median probe over what the kernel table prices the probe's
-  call at alone, ``sharing_against_table``), "without" by the stretch at the grid's start (``sharing_now``).
+- ``colossal_rounds`` (session 27, ``COLOSSAL_ROUNDS_RULE``; kept): "with" prices ``colossal``'s rows by its table's
+  median over the calibration's rounds (``calibrate.COLOSSAL_ROUNDS``), "without" by the table of round 0 alone (the
+  one pass timed until then; Note [Colossal table in rounds] in ``README.md``).
+- ``stretch_against_table`` (session 27, ``AGAINST_TABLE_RULE``; kept, what main prices by): "with" prices each world's
+  rows by the stretch they met against the calibration's own table (the rounds' median probe over what the kernel
+  table prices the probe's call at alone, ``sharing_against_table``), "without" by the stretch at the grid's start
+  (``sharing_now``). The three stretch studies share ``_stretch_study``.
 """
 
 from __future__ import annotations
@@ -139,30 +140,23 @@ def stretch_at_start(grid: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted((int(w), float(x)) for w, x in grid["sharing_now"].items() if str(w).isdigit()))
 
 
+def _recorded_stretch(grid: dict, key: str, since: str) -> tuple[tuple[int, float], ...]:
+    """A stretch the grid file recorded under ``key`` (written by the experiment from ``since`` on), as
+    ``HardwareProfile.compute_sharing``; a grid without it is refused by name."""
+    if key not in grid:
+        raise ValueError(f"the grid of {grid['date']} did not record {key}: the study needs runs of "
+                         f"scripts/cost_model_experiment.py from {since} on")
+    return tuple(sorted((int(w), float(x)) for w, x in grid[key].items()))
+
+
 def _stretch_during_rows(grid: dict) -> tuple[tuple[int, float], ...]:
-    if "sharing_during_rows" not in grid:
-        raise ValueError(f"the grid of {grid['date']} did not record sharing_during_rows: the sharing study needs "
-                         "runs of scripts/cost_model_experiment.py from session 26 on")
-    return tuple(sorted((int(w), float(x)) for w, x in grid["sharing_during_rows"].items()))
-
-
-def _sharing_variants(hw: HardwareProfile, grid: dict, calibration: dict) -> tuple[HardwareProfile, HardwareProfile]:
-    return replace(hw, compute_sharing=_stretch_during_rows(grid)), replace(hw, compute_sharing=stretch_at_start(grid))
+    return _recorded_stretch(grid, "sharing_during_rows", "session 26")
 
 
 def stretch_against_table(grid: dict) -> tuple[tuple[int, float], ...]:
     """The grid file's stretch against the calibration's table (``sharing_against_table``), as
     ``HardwareProfile.compute_sharing``: what the grids are priced by since session 27."""
-    if "sharing_against_table" not in grid:
-        raise ValueError(f"the grid of {grid['date']} did not record sharing_against_table: the study needs runs of "
-                         "scripts/cost_model_experiment.py from session 27 on")
-    return tuple(sorted((int(w), float(x)) for w, x in grid["sharing_against_table"].items()))
-
-
-def _against_table_variants(hw: HardwareProfile, grid: dict,
-                            calibration: dict) -> tuple[HardwareProfile, HardwareProfile]:
-    return (replace(hw, compute_sharing=stretch_against_table(grid)),
-            replace(hw, compute_sharing=stretch_at_start(grid)))
+    return _recorded_stretch(grid, "sharing_against_table", "session 27")
 
 
 def _colossal_tables(calibration: dict) -> tuple[tuple, tuple]:
@@ -181,16 +175,6 @@ def _colossal_rounds_variants(hw: HardwareProfile, grid: dict,
 def _sync_delay_record(grid: dict, calibration: dict) -> dict:
     hw = grid["calibration_profile"]
     return {"sync_delay_ms": {str(w): round(t * 1e3, 3) for w, t in hw.get("sync_delay_s", ())}}
-
-
-def _sharing_record(grid: dict, calibration: dict) -> dict:
-    return {"stretch_during_rows": {str(w): round(x, 3) for w, x in _stretch_during_rows(grid)},
-            "stretch_at_start": {str(w): round(x, 3) for w, x in stretch_at_start(grid)}}
-
-
-def _against_table_record(grid: dict, calibration: dict) -> dict:
-    return {"stretch_against_table": {str(w): round(x, 3) for w, x in stretch_against_table(grid)},
-            "stretch_at_start": {str(w): round(x, 3) for w, x in stretch_at_start(grid)}}
 
 
 def _colossal_rounds_record(grid: dict, calibration: dict) -> dict:
@@ -241,11 +225,6 @@ def _show_delay(got: dict) -> str:
     return " / ".join(f"{v:.2f}" for v in got["sync_delay_ms"].values())
 
 
-def _show_stretches(first: str) -> Callable:
-    return lambda got: " vs ".join(" / ".join(f"{v:.2f}" for v in got[key].values())
-                                   for key in (first, "stretch_at_start"))
-
-
 def _show_colossal(got: dict) -> str:
     return ", ".join(f"{a:.1f} vs {b:.1f}" for key, (a, b) in got["colossal_ns_per_score"].items()
                      if key.startswith("16777216/"))
@@ -260,19 +239,34 @@ class Study:
     shown: tuple[str, Callable]  # the table's column for the record: (its header, record -> text)
 
 
+def _stretch_study(rule: dict, checks: Callable, name: str, read: Callable, header: str) -> Study:
+    """A study of one stretch against the stretch at the grid's start: "with" prices the rows by ``read(grid)``
+    (recorded as ``name``), "without" by ``stretch_at_start``."""
+    def variants(hw, grid, calibration):
+        return replace(hw, compute_sharing=read(grid)), replace(hw, compute_sharing=stretch_at_start(grid))
+
+    def record(grid, calibration):
+        return {key: {str(w): round(x, 3) for w, x in stretch} for key, stretch in
+                ((name, read(grid)), ("stretch_at_start", stretch_at_start(grid)))}
+
+    def show(got):
+        return " vs ".join(" / ".join(f"{v:.2f}" for v in got[key].values()) for key in (name, "stretch_at_start"))
+
+    return Study(rule, variants, record, checks, (f"{header} / at start (P = 2 / 4 / 8)", show))
+
+
 STUDIES = {
     "sync_delay": Study(RULE, _sync_delay_variants, _sync_delay_record, _judge_sync_delay,
                         ("delay ms (P = 2 / 4 / 8)", _show_delay)),
-    "sharing": Study(SHARING_RULE, _sharing_variants, _sharing_record, _judge_sharing,
-                     ("stretch during rows / at start (P = 2 / 4 / 8)", _show_stretches("stretch_during_rows"))),
-    "sharing_again": Study(SHARING_AGAIN_RULE, _sharing_variants, _sharing_record, _judge_sharing_again,
-                           ("stretch during rows / at start (P = 2 / 4 / 8)", _show_stretches("stretch_during_rows"))),
+    "sharing": _stretch_study(SHARING_RULE, _judge_sharing, "stretch_during_rows", _stretch_during_rows,
+                              "stretch during rows"),
+    "sharing_again": _stretch_study(SHARING_AGAIN_RULE, _judge_sharing_again, "stretch_during_rows",
+                                    _stretch_during_rows, "stretch during rows"),
     "colossal_rounds": Study(COLOSSAL_ROUNDS_RULE, _colossal_rounds_variants, _colossal_rounds_record,
                              _judge_colossal_rounds, ("colossal ns per score at 16.8 M, rounds vs round 0 (D = 32, "
                                                       "128)", _show_colossal)),
-    "stretch_against_table": Study(AGAINST_TABLE_RULE, _against_table_variants, _against_table_record,
-                                   _judge_sharing_again, ("stretch against the table / at start (P = 2 / 4 / 8)",
-                                                          _show_stretches("stretch_against_table"))),
+    "stretch_against_table": _stretch_study(AGAINST_TABLE_RULE, _judge_sharing_again, "stretch_against_table",
+                                            stretch_against_table, "stretch against the table"),
 }
 
 
