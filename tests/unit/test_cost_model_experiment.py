@@ -60,6 +60,31 @@ def test_quoted_errors_are_the_committed_results():
     assert table in readme, "the experiment README's embedded table is not results/cost_model_validation.md's"
 
 
+def test_paper_figures_cost_model_files_are_the_committed_run():
+    """``paper_figures/``'s cost-model data files are byte copies of the committed run's, its drawn table is
+    ``results/cost_model_validation.md``'s, and its README row quotes that run's grid 1 and grid 2 figures: a new
+    committed run without the copy (or a figure left from an older one) fails."""
+    import re
+
+    papers = ROOT / "paper_figures"
+    for name in ("cost_model_validation", "cost_model_cpu_profile", "cost_model_predictions"):
+        for ext in ("json", "csv"):
+            assert (papers / f"{name}.{ext}").read_bytes() == (RESULTS / f"{name}.{ext}").read_bytes(), \
+                f"paper_figures/{name}.{ext} is not the committed run's: copy it from {RESULTS.relative_to(ROOT)}"
+    drawn = (papers / "cost_model_validation.md").read_text().split("## Predictions")[0]
+    assert drawn == (RESULTS / "cost_model_validation.md").read_text().split("## Predictions")[0], \
+        "paper_figures/cost_model_validation.md was not redrawn (scripts/plot_cost_model.py --publish)"
+    row = next(line for line in (papers / "README.md").read_text().splitlines()
+               if line.startswith("| **Cost-model validation**"))
+    found = re.search(r"N = 1024, 2048\) \*\*mean \\\|error\\\| ([\d.]+)%, max ([\d.]+)%\*\*; 24 unseen shapes .*?"
+                      r"\*\*([\d.]+)%, ([\d.]+)%\*\*", row)
+    assert found, "paper_figures/README.md's cost-model row no longer says where its figures are"
+    g1, g2 = _grid("grid1"), _grid("grid2")
+    assert tuple(float(x) for x in found.groups()) == (g1["mean_abs_error_pct"], g1["max_abs_error_pct"],
+                                                        g2["mean_abs_error_pct"], g2["max_abs_error_pct"])
+    assert len(g2["results"]) == 24
+
+
 def test_committed_model_columns_are_this_codes_predictions():
     """Every committed row's model column is what the model in this tree predicts from the committed calibration
     (with the stretch against the calibration's table and the delay per synchronisation measured at its grid's
