@@ -66,8 +66,11 @@ def plot(results: Path, out: Path, log_dir: Path | None) -> Path:
 def tables(results: Path) -> tuple[str, str]:
     """Markdown tables (validation; predictions if the file is beside it) the README shows."""
     meta, rows = read_results(results)
-    lines = [f"Measured {meta['date'][:10]} on {meta['hardware']['device']}; command `{meta['command']}`. "
-             f"Mean |model error| {meta.get('mean_abs_error_pct')}%, max {meta.get('max_abs_error_pct')}%.", "",
+    grids = meta.get("grids") or {"grid1": meta}  # a combined file names each grid's run; a one-grid file is its own
+    header = " ".join(f"{name[:4].capitalize()} {name[4:]}: measured {g['date'][:16].replace('T', ' ')} UTC, command "
+                      f"`{g['command']}`, mean |model error| {g['mean_abs_error_pct']}%, max {g['max_abs_error_pct']}%."
+                      for name, g in grids.items())
+    lines = [f"On {meta['hardware']['device']}. {header}", "",
              "| grid | P | N | H / H_kv / D, mask, pieces | backend | measured ms | model ms (compute / exposed comm) | model error % |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
