@@ -15,8 +15,10 @@ barrier before and after each call); median and minimum over reps after one warm
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,13 +56,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backends", default="ring,zigzag_ring,allgather_kv,ulysses")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--pieces", default="8", help='the variant timed against kv_pieces=1: an int, or "auto" (the default)')
+    ap.add_argument("--out", type=Path, default=None, help="also write the rows (every median and minimum) as JSON here")
     a = ap.parse_args(argv)
     pieces = a.pieces if a.pieces == "auto" else int(a.pieces)
     if a.reps < 1 or any(n % 4 for n in a.seq_lens):
         ap.error("--reps must be >= 1 and every --seq-lens divisible by 4 (2 ranks x 2 zigzag chunks)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    load_before = os.getloadavg()[0]
+    print(f"load average before: {load_before:.2f}")
+    rows = []
     for n in a.seq_lens:
         res = run_on_ranks(_worker, 2, (n, a.backends.split(","), a.reps, pieces), timeout_s=1200)[0]
         for backend, r in res.items():
@@ -68,7 +73,18 @@ def main(argv: list[str] | None = None) -> None:
             print(f"N={n} P=2 {backend:12s} kv_pieces={pieces}: median {pm:.3f} s (min {pmin:.3f}) | "
                   f"kv_pieces=1: median {wm:.3f} s (min {wmin:.3f}) | ratio median {pm / wm:.3f}, min {pmin / wmin:.3f}",
                   flush=True)
+            rows.append({"N": n, "P": 2, "backend": backend, "kv_pieces": pieces, "median_s": pm, "min_s": pmin,
+                         "whole_median_s": wm, "whole_min_s": wmin, "ratio_median": pm / wm, "ratio_min": pmin / wmin})
     print(f"load average after: {os.getloadavg()[0]:.2f}")
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "kind": "measured",
+                "command": "scripts/bench_kv_pieces.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                "device": f"CPU, {os.cpu_count()} cores, gloo, one thread per rank", "causal": True, "heads": 8,
+                "head_dim": 64, "dtype": "float32", "reps": a.reps, "warmup": 1,
+                "load_1m_before": load_before, "load_1m_after": os.getloadavg()[0]}
+        a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":

@@ -102,3 +102,20 @@ def test_bench_peers_quick_deepspeed(peers_quick):
     r = peers_quick["ulysses"]
     _check_row(r)
     assert r["peer"].startswith("deepspeed.sequence.layer.DistributedAttention") and r["peer_version"]
+
+
+def test_bench_kv_pieces_writes_what_it_prints(tmp_path):
+    """``scripts/bench_kv_pieces.py --out``: one row per (N, backend), each ratio the quotient of the medians it
+    records, and the file says what ran (the README's kv_pieces figures are read from such a file)."""
+    out = tmp_path / "kv.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_kv_pieces.py"), "--seq-lens", "256", "--reps", "1",
+           "--backends", "ring,ulysses", "--pieces", "auto", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    data = json.loads(out.read_text())
+    assert data["meta"]["kind"] == "measured" and "--pieces auto" in data["meta"]["command"]
+    assert [(r["N"], r["backend"], r["kv_pieces"]) for r in data["rows"]] == [(256, "ring", "auto"), (256, "ulysses", "auto")]
+    for r in data["rows"]:
+        assert r["median_s"] > 0 and r["whole_median_s"] > 0
+        assert r["ratio_median"] == pytest.approx(r["median_s"] / r["whole_median_s"])
+        assert f"{r['backend']:12s} kv_pieces=auto: median {r['median_s']:.3f} s" in proc.stdout

@@ -113,3 +113,17 @@ def test_rank_timeout_covers_the_measured_runs():
     CPU, 2026-11-24) fit with room to spare, which a fixed 900 s did not for 8 rounds."""
     bp = _bench_peers()
     assert bp.rank_timeout(5) > 1.5 * 672 and bp.rank_timeout(8) > 1.5 * 992 > 900
+
+
+def test_run11_rerun_is_quoted_as_its_file_holds_it():
+    """The rerun of run 11's two N=4096 cells that the README's peers row cites: its rows stand in
+    benchmarks/README.md's run-11 subsection with the file's ratios and verdicts, and the README quotes both ratios."""
+    data = json.loads((ROOT / "benchmarks/results/2026-11-28_cpu-amd-epyc-2c_run11-rerun-4096_peers.json").read_text())
+    section = (ROOT / "benchmarks" / "README.md").read_text().split("### Run 11,")[1].split("\n### ")[0]
+    readme_row = next(line for line in (ROOT / "README.md").read_text().splitlines() if "scripts/bench_peers.py" in line)
+    assert [(r["pair"], r["seq_len"]) for r in data["results"]] == [("ulysses", 4096), ("allgather_kv", 4096)]
+    for r in data["results"]:
+        cells = (rf"\| {r['pair']} \| [^|]+ \| 4096 \| {r['time_ratio']:.3f} \| {r['time_ratio_best']:.3f} \| "
+                 rf"\**{r['memory_ratio']:.3f}\**.* {r['time_verdict']} \|")
+        assert re.search(cells, section), r["pair"]
+        assert f"{r['time_ratio']:.3f} ({r['pair']})" in readme_row, r["pair"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.script_import import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,10 +32,14 @@ def test_grid_reps_default_per_grid_and_yield_to_the_flags(tmp_path):
 RESULTS = ROOT / "experiments" / "cost_model" / "results"
 
 
-def _grid(name: str) -> dict:
+NEW_MACHINE = RESULTS / "new_machine"
+"""Session 28's complete run of main's model on the workplace's new VM (2026-11-28), kept beside the committed run."""
+
+
+def _grid(name: str, results: Path = RESULTS) -> dict:
     import json
 
-    return json.loads((RESULTS / f"cost_model_validation_{name}.json").read_text())
+    return json.loads((results / f"cost_model_validation_{name}.json").read_text())
 
 
 def test_quoted_errors_are_the_committed_results():
@@ -85,8 +91,9 @@ def test_paper_figures_cost_model_files_are_the_committed_run():
     assert len(g2["results"]) == 24
 
 
-def test_committed_model_columns_are_this_codes_predictions():
-    """Every committed row's model column is what the model in this tree predicts from the committed calibration
+@pytest.mark.parametrize("results", [RESULTS, NEW_MACHINE], ids=["committed", "new_machine"])
+def test_committed_model_columns_are_this_codes_predictions(results):
+    """Every committed row's model column is what the model in this tree predicts from the run's own calibration
     (with the stretch against the calibration's table and the delay per synchronisation measured at its grid's
     start, and the two barriers): a change to the model or to the calibration without re-running
     ``scripts/cost_model_validate.sh`` fails here. The committed colossal table is the median over its rounds.
@@ -99,14 +106,14 @@ def test_committed_model_columns_are_this_codes_predictions():
     from experiments.cost_model.ablation import predict_row, stretch_against_table, stretch_at_start
     from experiments.cost_model.calibrate import colossal_table, load_profile, with_sync_delay
 
-    hw, _ = load_profile(RESULTS)
+    hw, _ = load_profile(results)
     assert hw.layer_latency_s and hw.sync_delay_s, "the committed calibration lacks the layer latency or the delay"
-    rounds = json.loads((RESULTS / "cost_model_calibration.json").read_text())["local"]["colossal"]["rounds"]
+    rounds = json.loads((results / "cost_model_calibration.json").read_text())["local"]["colossal"]["rounds"]
     medians = colossal_table([(n, d) for n, d, _ in rounds], [statistics.median(t) for _, _, t in rounds])
     assert [list(row) for row in hw.colossal_table] == medians and all(len(t) == 5 for _, _, t in rounds)
     moved = {"latency": 0, "delay": 0, "stretch at start": 0}
     for name in ("grid1", "grid2"):
-        grid = _grid(name)
+        grid = _grid(name, results)
         now = with_sync_delay(replace(hw, compute_sharing=stretch_against_table(grid)), grid["sync_delay_now"])
         for r in grid["results"]:
             for profile, left_out in ((now, None), (replace(now, layer_latency_s=()), "latency"),
@@ -119,7 +126,7 @@ def test_committed_model_columns_are_this_codes_predictions():
                         f"{r['model_predicted_ms']} ms; re-run scripts/cost_model_validate.sh")
                 else:
                     moved[left_out] += abs(ms - r["model_predicted_ms"]) > 0.01
-    rows = len(_grid("grid1")["results"]) + len(_grid("grid2")["results"])
+    rows = len(_grid("grid1", results)["results"]) + len(_grid("grid2", results)["results"])
     assert moved["latency"] >= 10  # the controls: the layer latency is in the committed predictions,
     assert moved["delay"] == rows  # the delay in every row,
     assert moved["stretch at start"] >= rows // 2  # and the stretch against the table (rows that wait on messages
@@ -530,3 +537,23 @@ def test_each_study_results_file_holds_what_its_rule_makes_of_its_runs():
         assert (verdict["checks"], verdict["keep"]) == (data["checks"], data["keep"]), path.name
         assert verdict["means_over_runs"] == data["means_over_runs"], path.name
         assert data["rule"] == ablation.STUDIES[study].rule, path.name
+
+
+def test_new_machine_run_is_quoted_as_its_files_hold_it():
+    """The experiment README's "A new machine" section and benchmarks/README.md's section 10 quote the new-machine
+    run's grid figures and row counts as `results/new_machine/` holds them (a figure edited by hand fails)."""
+    import re
+
+    section = (ROOT / "experiments" / "cost_model" / "README.md").read_text().split("### A new machine")[1]
+    section = section.split("\n### ")[0]
+    bench = (ROOT / "benchmarks" / "README.md").read_text().split("## 10. Issue 17's targets")[1]
+    main_row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| [cost_model]"))
+    for name, label in (("grid1", "grid 1"), ("grid2", "grid 2")):
+        grid = _grid(name, NEW_MACHINE)
+        quoted = re.search(rf"^- {label}: (\d+) rows, \*\*mean \|error\| ([\d.]+)%, max ([\d.]+)%\*\*", section, re.M)
+        assert quoted, f"the new-machine section no longer quotes {name}"
+        assert (int(quoted.group(1)), float(quoted.group(2)), float(quoted.group(3))) == (
+            len(grid["results"]), grid["mean_abs_error_pct"], grid["max_abs_error_pct"])
+        assert f"{label} **{grid['mean_abs_error_pct']}% / {grid['max_abs_error_pct']}%**" in bench, name
+        assert f"{label} {grid['mean_abs_error_pct']}% / {grid['max_abs_error_pct']}%" in main_row, name
+    assert _grid("grid1", NEW_MACHINE)["date"].startswith("2026-11-28")
