@@ -23,7 +23,10 @@ negative control) before anything is timed. Time: fwd+bwd, ``experiments.through
 (the two sides alternate with the order rotated each rep, barriers before and after each call), warm-up reps
 first, the whole grid timed ``--rounds`` times over (interleaved, odd rounds starting with the peer); median and
 best-of over the timed reps of all rounds (rank 0; the barriers align the ranks), and the spread of the per-rep
-ratios (median, interquartile range, min-max, share of reps <= 1.0), so "<= 1.0" is a measured statement. Memory: the PyTorch
+ratios (median, interquartile range, min-max, share of reps <= 1.0), so "<= 1.0" is a measured statement.
+``--launches K`` starts the ranks afresh K times, each timing all rounds; the reps pool, and the verdict ("ahead" /
+"behind" where a ratio's bootstrap interval excludes 1.0) must hold in every launch (``launch_verdict``): one
+launch's interval does not see what moves between launches. Memory: the PyTorch
 allocator's peak during one fwd+bwd over what existed before (``experiments.peak_memory.attention_peak_bytes``:
 the backward seeded without holding the output; the same measure on both sides; not gloo's own buffers), the
 max over ranks. Ratios are ours / peer: time goal <= 1.0, memory goal < 1.0.
@@ -164,6 +167,61 @@ def ratio_spread(ours_s: list[float], peer_s: list[float]) -> dict:
     }
 
 
+def launch_verdict(verdicts: list[str]) -> str:
+    """The verdict over fresh launches of the ranks: ``"ahead"`` / ``"behind"`` only where every launch's own
+    verdict (``time_verdict`` of its reps' interval) says so, else ``"parity"`` (``"few reps"`` if any launch had
+    too few reps for one). One launch's interval counts the noise between its reps, not what differs from one
+    launch to the next (run 11 of benchmarks/README.md section 8 read two cells "behind" that read parity when
+    launched again): a lead or a lag is claimed only where it survives a relaunch."""
+    if not verdicts or "few reps" in verdicts:
+        return "few reps"
+    return verdicts[0] if verdicts[0] in ("ahead", "behind") and len(set(verdicts)) == 1 else "parity"
+
+
+def pool_launches(launches: list[list[dict]]) -> list[dict]:
+    """One row per cell from the rows of every launch (each a list of rows in grid order, from ``_worker``):
+    times, ratios and the pooled interval over all launches' reps (``ratio_spread``), peaks the max over launches,
+    and per launch its ratio of medians, interval and verdict; ``time_verdict`` is ``launch_verdict`` of those
+    (with one launch: that launch's own verdict, as before ``--launches``)."""
+    import statistics
+
+    cells = [[launch[i] for launch in launches] for i in range(len(launches[0]))]
+    rows = []
+    for runs in cells:
+        first = runs[0]
+        if any((r["pair"], r["seq_len"]) != (first["pair"], first["seq_len"]) for r in runs):
+            raise ValueError("launches timed different grids")
+        ours = [t for r in runs for t in r["ours_all_s"]]
+        peer = [t for r in runs for t in r["peer_all_s"]]
+        peaks = {side: max(r[f"{side}_peak_bytes"] for r in runs) for side in ("ours", "peer")}
+        med = {"ours": statistics.median(ours), "peer": statistics.median(peer)}
+        best = {"ours": min(ours), "peer": min(peer)}
+        spread = ratio_spread(ours, peer)
+        row = {
+            **first,
+            "ours_peak_bytes": peaks["ours"], "peer_peak_bytes": peaks["peer"],
+            "memory_ratio": peaks["ours"] / peaks["peer"],
+            "peaks_by_rank": [{side: max(r["peaks_by_rank"][rank][side] for r in runs) for side in ("ours", "peer")}
+                              for rank in range(len(first["peaks_by_rank"]))],  # each rank's max over launches
+            "max_abs_diff_out_and_grads": max(r["max_abs_diff_out_and_grads"] for r in runs),
+            "negative_control_diff": min(r["negative_control_diff"] for r in runs),
+            "ours_median_s": med["ours"], "peer_median_s": med["peer"], "time_ratio": med["ours"] / med["peer"],
+            **spread,
+            "ours_best_s": best["ours"], "peer_best_s": best["peer"], "time_ratio_best": best["ours"] / best["peer"],
+            "ours_all_s": ours, "peer_all_s": peer, "reps": len(ours),
+            "launches": len(runs), "reps_per_launch": [len(r["ours_all_s"]) for r in runs],
+            "launch_time_ratios": [r["time_ratio"] for r in runs],
+            "launch_ci95": [r["time_ratio_ci95"] for r in runs],
+            "launch_verdicts": [r["time_verdict"] for r in runs],
+            "time_verdict_pooled": spread["time_verdict"],
+            "time_verdict": launch_verdict([r["time_verdict"] for r in runs]),
+            "load_average_1m": runs[-1]["load_average_1m"],
+            "load_average_1m_by_round": [x for r in runs for x in r["load_average_1m_by_round"]],
+        }
+        rows.append(row)
+    return rows
+
+
 def _worker(rank, world, cfg):
     import statistics
 
@@ -264,11 +322,17 @@ def _table(rows) -> str:
             f"{r['ours_peak_bytes'] / 2**20:>9.1f} {r['peer_peak_bytes'] / 2**20:>9.1f} {r['max_abs_diff_out_and_grads']:>10.1e}"
         )
     reps = rows[0]["reps"] if rows else 0
-    lines.append(f"ratios = ours / peer; time: median fwd+bwd over {reps} reps (rounds x reps per round), its 95% "
-                 "bootstrap interval (reps resampled in pairs; verdict: ahead / behind where the interval excludes 1.0, "
-                 "else parity) and the per-rep ratios (median, interquartile range, min-max, share <= 1.0), goal <= 1.0; "
-                 "mem: allocator peak added "
-                 "per rank, max over ranks, goal < 1.0; ours with default settings")
+    launches = rows[0].get("launches", 1) if rows else 1
+    if launches > 1:
+        for r in rows:
+            lines.append(f"  {r['pair']:<13} N={r['seq_len']:<6} launches: ratio " +
+                         ", ".join(f"{x:.3f}" for x in r["launch_time_ratios"]) + "; verdicts " +
+                         ", ".join(r["launch_verdicts"]) + f" -> {r['time_verdict']} (pooled reps: {r['time_verdict_pooled']})")
+    lines.append(f"ratios = ours / peer; time: median fwd+bwd over {reps} reps ({launches} launch(es) x rounds x reps "
+                 "per round), its 95% bootstrap interval (reps resampled in pairs) and the per-rep ratios (median, "
+                 "interquartile range, min-max, share <= 1.0), goal <= 1.0; verdict: ahead / behind where the interval "
+                 "excludes 1.0 in every launch, else parity; mem: allocator peak added "
+                 "per rank, max over ranks and launches, goal < 1.0; ours with default settings")
     return "\n".join(lines)
 
 
@@ -291,6 +355,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=None,
                    help="times the whole grid of pairs x lengths is timed, interleaved, odd rounds starting with the "
                         "peer (default 2; quick 1); a cell's statistics pool its reps over the rounds")
+    p.add_argument("--launches", type=int, default=1,
+                   help="times the ranks are started afresh, each timing --rounds rounds; a verdict (ahead / behind) "
+                        "must hold in every launch (launch_verdict)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up reps per pair and round (default 1; quick 0)")
     p.add_argument("--tol", type=float, default=1e-3, help="max |ours - peer| over out, dq, dk, dv")
     p.add_argument("--threads-per-rank", type=int, default=1)
@@ -302,7 +369,7 @@ def parse_args(argv=None):
     unknown = set(args.pairs.split(",")) - set(PAIRS)
     if unknown:
         p.error(f"unknown pairs {sorted(unknown)}; choose from {PAIRS}")
-    for name in ("reps", "rounds"):
+    for name in ("reps", "rounds", "launches"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.world < 2:
@@ -322,7 +389,7 @@ def main(argv=None) -> int:
         "reps": args.reps or (1 if args.quick else 4),
         "rounds": args.rounds or (1 if args.quick else 2),
         "warmup": args.warmup if args.warmup is not None else (0 if args.quick else 1), "tol": args.tol,
-        "threads_per_rank": args.threads_per_rank,
+        "threads_per_rank": args.threads_per_rank, "launches": args.launches,
     }
     meta = run_metadata(__file__, argv, config=cfg, load_average_1m_start=os.getloadavg()[0],
                         time_method="fwd+bwd between barriers, sides alternating (experiments.throughput.time_alternating)",
@@ -330,7 +397,12 @@ def main(argv=None) -> int:
                                       "(experiments.peak_memory.attention_peak_bytes), max over ranks")
     print(f"device: {meta['hardware']['device']}, torch {torch.__version__}; command: {meta['command']}", flush=True)
     timeout = args.timeout or rank_timeout(cfg["rounds"])
-    rows = run_on_ranks(_worker, args.world, (cfg,), timeout_s=timeout, pg_timeout_s=timeout)[0]
+    launches = []
+    for launch in range(args.launches):  # fresh rank processes each time: what differs between launches shows
+        launches.append(run_on_ranks(_worker, args.world, (cfg,), timeout_s=timeout, pg_timeout_s=timeout)[0])
+        if args.launches > 1:
+            print(f"launch {launch + 1} of {args.launches} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    rows = pool_launches(launches)
     meta["runtime_s"] = time.perf_counter() - t_start
     meta["load_average_1m_end"] = os.getloadavg()[0]
     print(_table(rows))

@@ -63,7 +63,7 @@ def peers_quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("peers")
     pairs = TORCH_PAIRS + (["ulysses"] if _has_deepspeed() else [])
     cmd = [sys.executable, str(PEERS_SCRIPT), "--quick", "--pairs", ",".join(pairs), "--out", str(out),
-           "--name", "peers", "--timeout", "120"]
+           "--name", "peers", "--timeout", "120", "--launches", "2"]  # two fresh starts of the ranks, pooled
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     data = json.loads((out / "peers.json").read_text())
@@ -72,6 +72,10 @@ def peers_quick(tmp_path_factory):
         assert key in data, key
     assert [r["pair"] for r in data["results"]] == pairs
     assert "time ratio" in proc.stdout and "mem ratio" in proc.stdout
+    for r in data["results"]:  # both launches' reps pooled, each launch's verdict kept
+        assert r["launches"] == 2 and r["reps_per_launch"] == [1, 1] and len(r["ours_all_s"]) == 2, r
+        assert r["launch_verdicts"] == ["few reps", "few reps"] and r["time_verdict"] == "few reps"
+    assert "launch 2 of 2 done" in proc.stdout
     return {r["pair"]: r for r in data["results"]}
 
 

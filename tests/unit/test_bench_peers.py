@@ -53,15 +53,66 @@ def test_quoted_ratios_are_the_committed_results():
         time = [f"{rows[(pair, n)]['time_ratio']:.3f}" for n in (4096, 8192)]
         assert re.search(rf"{pair} \**{mem[0]} / {mem[1]}", row), (pair, mem)
         assert re.search(rf"{pair} {time[0]} / {time[1]}", row), (pair, time)
-    # the verdicts the row quotes are the bootstrap intervals of the file's own reps (recomputed here)
-    bp = _bench_peers()
-    verdicts = {key: bp.time_verdict(bp.ratio_ci(r["ours_all_s"], r["peer_all_s"])) for key, r in rows.items()}
+    # the verdicts the row quotes are the bootstrap intervals of the file's own reps (recomputed here), launch by
+    # launch where the file has several (a verdict must hold in every launch)
+    verdicts = {key: _recomputed_verdict(r) for key, r in rows.items()}
     for pair in ("zigzag_ring", "ring", "allgather_kv", "ulysses"):
         assert re.search(rf"{pair} {verdicts[(pair, 4096)]} / {verdicts[(pair, 8192)]}", row), (pair, verdicts)
     table = (ROOT / "benchmarks" / "README.md").read_text()
     for (pair, n), r in rows.items():
         cells = rf"\| {pair} \| [^|]+ \| {n} \| {r['time_ratio']:.3f} \| {r['time_ratio_best']:.3f} \| \**{r['memory_ratio']:.3f}\**"
         assert re.search(cells, table), (pair, n)
+
+
+def _recomputed_verdict(row: dict) -> str:
+    """A results row's time verdict from its own reps: each launch's interval (the pooled reps split by
+    ``reps_per_launch``), combined by ``launch_verdict``; files before ``--launches`` are one launch."""
+    bp = _bench_peers()
+    sizes, ours, peer, verdicts, start = row.get("reps_per_launch", [len(row["ours_all_s"])]), row["ours_all_s"], \
+        row["peer_all_s"], [], 0
+    for n in sizes:
+        verdicts.append(bp.time_verdict(bp.ratio_ci(ours[start:start + n], peer[start:start + n])))
+        start += n
+    assert start == len(ours) == len(peer)
+    return bp.launch_verdict(verdicts)
+
+
+def _cell(pair: str, n: int, ours_s: list[float], peer_s: list[float], peak: int = 100) -> dict:
+    """A ``_worker`` row of one launch, as far as ``pool_launches`` reads it."""
+    import statistics
+
+    bp = _bench_peers()
+    return {"pair": pair, "seq_len": n, "ours_peak_bytes": peak, "peer_peak_bytes": 200,
+            "peaks_by_rank": [{"ours": peak, "peer": 200}, {"ours": peak - 10, "peer": 190}],
+            "max_abs_diff_out_and_grads": 1e-7, "negative_control_diff": 3.0, "ours_all_s": ours_s, "peer_all_s": peer_s,
+            "time_ratio": statistics.median(ours_s) / statistics.median(peer_s), "load_average_1m": 1.0,
+            "load_average_1m_by_round": [1.0], **bp.ratio_spread(ours_s, peer_s)}
+
+
+def test_a_verdict_must_hold_in_every_launch():
+    """``launch_verdict``: ahead / behind only where every launch says so; one launch is its own verdict; a launch
+    with too few reps withholds it. ``pool_launches``: a cell ahead in one launch and behind in the next pools to
+    parity although its pooled reps alone would call it (the control), and times, peaks and launches are kept."""
+    bp = _bench_peers()
+    lv = bp.launch_verdict
+    assert lv(["ahead"]) == "ahead" and lv(["behind"]) == "behind" and lv(["parity"]) == "parity"
+    assert lv(["ahead", "ahead", "ahead"]) == "ahead" and lv(["behind", "behind"]) == "behind"
+    assert lv(["ahead", "parity"]) == "parity" and lv(["ahead", "behind"]) == "parity"
+    assert lv(["ahead", "few reps"]) == "few reps" and lv([]) == "few reps"
+    peer = [1.0 + 0.001 * i for i in range(30)]
+    fast, slow = [0.95 * t for t in peer], [1.02 * t for t in peer[:10]]  # a long launch ahead, a short one behind
+    pooled = bp.pool_launches([[_cell("ring", 4096, fast, peer, peak=90)], [_cell("ring", 4096, slow, peer[:10])]])
+    (row,) = pooled
+    assert row["launch_verdicts"] == ["ahead", "behind"] and row["time_verdict"] == "parity"
+    assert row["time_verdict_pooled"] == "ahead"  # the control: the pooled reps alone claim a lead
+    assert row["reps"] == 40 and row["reps_per_launch"] == [30, 10] and row["launches"] == 2
+    assert row["ours_peak_bytes"] == 100 and row["memory_ratio"] == 0.5  # the worst launch's peak
+    assert row["peaks_by_rank"] == [{"ours": 100, "peer": 200}, {"ours": 90, "peer": 190}]  # each rank's worst
+    assert _recomputed_verdict(row) == "parity"
+    (one,) = bp.pool_launches([[_cell("ring", 4096, fast, peer)]])
+    assert one["time_verdict"] == "ahead" and one["launch_time_ratios"] == [pytest.approx(0.95)]
+    with pytest.raises(ValueError, match="different grids"):
+        bp.pool_launches([[_cell("ring", 4096, fast, peer)], [_cell("ring", 8192, fast, peer)]])
 
 
 def test_ratio_spread_pairs_reps_and_rejects_unpaired():
