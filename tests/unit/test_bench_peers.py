@@ -178,3 +178,16 @@ def test_run11_rerun_is_quoted_as_its_file_holds_it():
                  rf"\**{r['memory_ratio']:.3f}\**.* {r['time_verdict']} \|")
         assert re.search(cells, section), r["pair"]
         assert f"{r['time_ratio']:.3f} ({r['pair']})" in readme_row, r["pair"]
+
+
+def test_run12_launch_table_is_its_file():
+    """benchmarks/README.md's launch-by-launch table of run 12 holds each launch's ratio, interval and verdict as the
+    file records them, and the verdict over the launches is ``launch_verdict`` of the file's own reps."""
+    data = json.loads((ROOT / "benchmarks/results/2026-11-28_cpu-amd-epyc-2c_run12_peers.json").read_text())
+    section = (ROOT / "benchmarks" / "README.md").read_text().split("### Run 12,")[1].split("\n### ")[0]
+    for r in data["results"]:
+        assert r["launches"] == 3 and r["time_verdict"] == _recomputed_verdict(r), r["pair"]
+        row = (f"| {r['pair']} | {r['seq_len']} | " + " / ".join(f"{x:.3f}" for x in r["launch_time_ratios"]) + " | "
+               + " / ".join(f"[{a:.3f}-{b:.3f}] {v}" for (a, b), v in zip(r["launch_ci95"], r["launch_verdicts"]))
+               + f" | {r['time_verdict_pooled']} | **{r['time_verdict']}** |")
+        assert row in section, row
