@@ -123,3 +123,19 @@ def test_bench_kv_pieces_writes_what_it_prints(tmp_path):
         assert r["median_s"] > 0 and r["whole_median_s"] > 0
         assert r["ratio_median"] == pytest.approx(r["median_s"] / r["whole_median_s"])
         assert f"{r['backend']:12s} kv_pieces=auto: median {r['median_s']:.3f} s" in proc.stdout
+
+
+def test_bench_peer_cell_quick(tmp_path):
+    """``scripts/bench_peer_cell.py --quick``: one launch of ours, ours unchecked and the peer in one cell; the file
+    holds each side's reps and ratios that are the quotients of its medians."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_peer_cell.py"), "--quick", "--pair", "zigzag_ring",
+           "--out", str(tmp_path), "--name", "cell"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    data = json.loads((tmp_path / "cell.json").read_text())
+    assert data["meta"]["config"]["pair"] == "zigzag_ring" and data["meta"]["launches"] == 1
+    (row,) = data["rows"]
+    for side in ("ours", "ours_unchecked", "peer"):
+        assert len(row[f"{side}_all_s"]) == 2 and row[f"{side}_median_s"] > 0
+    assert row["ours_over_peer"] == pytest.approx(row["ours_median_s"] / row["peer_median_s"])
+    assert row["ours_over_unchecked"] == pytest.approx(row["ours_median_s"] / row["ours_unchecked_median_s"])

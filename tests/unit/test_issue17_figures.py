@@ -53,3 +53,22 @@ def test_regret_and_first_call_in_section_10_are_the_files():
     assert f"**{sum(regrets) / len(regrets):.3f} / {max(regrets):.3f}**; first call {min(first):.1f}-{max(first):.1f} s" \
         in SECTION_10
     assert f"(measured {min(first):.1f}-{max(first):.1f} s on the CPU grid below" in (ROOT / "README.md").read_text()
+
+
+def test_peer_cell_ratios_are_the_files():
+    """The allgather_kv / ulysses cells timed alone (``scripts/bench_peer_cell.py``), as section 8's run 12 and the
+    README's peers row quote them."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    run12 = " ".join(BENCH.split("### Run 12,")[1].split("\n### ")[0].replace("**", "").split())
+    for pair in ("allgather_kv", "ulysses"):
+        rows = json.loads((RESULTS / f"2026-11-28_peer-cell_{pair}_N4096.json").read_text())["rows"]
+        assert [r["launch"] for r in rows] == [1, 2, 3]
+        ratios = [f"{r['ours_over_peer']:.3f}" for r in rows]
+        check = [r["ours_over_unchecked"] for r in rows]
+        assert ", ".join(ratios) in run12, (pair, ratios)
+        assert f"ours / unchecked {min(check):.3f}-{max(check):.3f}" in run12, pair
+    rows = json.loads((RESULTS / "2026-11-28_peer-cell_allgather_kv_N4096.json").read_text())["rows"]
+    ratios = [f"{r['ours_over_peer']:.3f}" for r in rows]
+    check = [r["ours_over_unchecked"] for r in rows]
+    assert f"{ratios[0]}, {ratios[1]} and {ratios[2]} timed alone" in readme
+    assert f"the cross-rank check cost {min(check):.3f}-{max(check):.3f}x" in readme
