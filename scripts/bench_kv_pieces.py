@@ -18,13 +18,12 @@ import argparse
 import json
 import os
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.common import run_on_ranks  # noqa: E402
+from experiments.common import run_metadata, run_on_ranks  # noqa: E402
 
 def _worker(rank: int, world: int, seq_len: int, backends: list[str], reps: int, pieces: int | str = 8) -> dict:
     import torch
@@ -78,11 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "kind": "measured",
-                "command": "scripts/bench_kv_pieces.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                "device": f"CPU, {os.cpu_count()} cores, gloo, one thread per rank", "causal": True, "heads": 8,
-                "head_dim": 64, "dtype": "float32", "reps": a.reps, "warmup": 1,
-                "load_1m_before": load_before, "load_1m_after": os.getloadavg()[0]}
+        meta = run_metadata(__file__, argv, ranks="gloo, one thread per rank", causal=True, heads=8, head_dim=64,
+                            dtype="float32", reps=a.reps, warmup=1, load_1m_before=load_before,
+                            load_1m_after=os.getloadavg()[0])
         a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         print(f"wrote {a.out}")
 

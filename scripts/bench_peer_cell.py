@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +68,7 @@ def launch_row(launch: int, walls: dict[str, list[float]]) -> dict:
 
 
 def main(argv=None) -> int:
-    from experiments.common import run_on_ranks
+    from experiments.common import run_metadata, run_on_ranks
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", default="allgather_kv", choices=("ulysses", "zigzag_ring", "ring", "allgather_kv"))
@@ -87,11 +86,8 @@ def main(argv=None) -> int:
     if cfg["reps"] < 1 or launches < 1 or cfg["seq_len"] % 4:
         p.error("--reps and --launches must be >= 1 and --seq-len divisible by 4 (2 ranks x 2 zigzag chunks)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "kind": "measured",
-            "command": "scripts/bench_peer_cell.py " + " ".join(sys.argv[1:] if argv is None else argv),
-            "device": f"CPU, {os.cpu_count()} cores, gloo, one thread per rank", "world": 2, "heads": 8,
-            "head_dim": 64, "dtype": "float32", "causal": True, "config": cfg, "launches": launches,
-            "load_1m_before": os.getloadavg()[0]}
+    meta = run_metadata(__file__, argv, ranks="gloo, one thread per rank", world=2, heads=8, head_dim=64,
+                        dtype="float32", causal=True, config=cfg, launches=launches, load_1m_before=os.getloadavg()[0])
     rows = []
     for launch in range(launches):
         walls = run_on_ranks(_worker, 2, (cfg,), timeout_s=1800)[0]

@@ -167,6 +167,18 @@ def ratio_spread(ours_s: list[float], peer_s: list[float]) -> dict:
     }
 
 
+def time_stats(ours_s: list[float], peer_s: list[float]) -> dict:
+    """A cell's time figures from its paired reps: each side's median and best, their ratios, the per-rep spread
+    and interval (``ratio_spread``), and the reps themselves."""
+    import statistics
+
+    med, best = (statistics.median(ours_s), statistics.median(peer_s)), (min(ours_s), min(peer_s))
+    return {"ours_median_s": med[0], "peer_median_s": med[1], "time_ratio": med[0] / med[1],
+            **ratio_spread(ours_s, peer_s),
+            "ours_best_s": best[0], "peer_best_s": best[1], "time_ratio_best": best[0] / best[1],
+            "ours_all_s": ours_s, "peer_all_s": peer_s, "reps": len(ours_s)}
+
+
 def launch_verdict(verdicts: list[str]) -> str:
     """The verdict over fresh launches of the ranks: ``"ahead"`` / ``"behind"`` only where every launch's own
     verdict (``time_verdict`` of its reps' interval) says so, else ``"parity"`` (``"few reps"`` if any launch had
@@ -183,20 +195,14 @@ def pool_launches(launches: list[list[dict]]) -> list[dict]:
     times, ratios and the pooled interval over all launches' reps (``ratio_spread``), peaks the max over launches,
     and per launch its ratio of medians, interval and verdict; ``time_verdict`` is ``launch_verdict`` of those
     (with one launch: that launch's own verdict, as before ``--launches``)."""
-    import statistics
-
     cells = [[launch[i] for launch in launches] for i in range(len(launches[0]))]
     rows = []
     for runs in cells:
         first = runs[0]
         if any((r["pair"], r["seq_len"]) != (first["pair"], first["seq_len"]) for r in runs):
             raise ValueError("launches timed different grids")
-        ours = [t for r in runs for t in r["ours_all_s"]]
-        peer = [t for r in runs for t in r["peer_all_s"]]
         peaks = {side: max(r[f"{side}_peak_bytes"] for r in runs) for side in ("ours", "peer")}
-        med = {"ours": statistics.median(ours), "peer": statistics.median(peer)}
-        best = {"ours": min(ours), "peer": min(peer)}
-        spread = ratio_spread(ours, peer)
+        pooled = time_stats([t for r in runs for t in r["ours_all_s"]], [t for r in runs for t in r["peer_all_s"]])
         row = {
             **first,
             "ours_peak_bytes": peaks["ours"], "peer_peak_bytes": peaks["peer"],
@@ -205,15 +211,12 @@ def pool_launches(launches: list[list[dict]]) -> list[dict]:
                               for rank in range(len(first["peaks_by_rank"]))],  # each rank's max over launches
             "max_abs_diff_out_and_grads": max(r["max_abs_diff_out_and_grads"] for r in runs),
             "negative_control_diff": min(r["negative_control_diff"] for r in runs),
-            "ours_median_s": med["ours"], "peer_median_s": med["peer"], "time_ratio": med["ours"] / med["peer"],
-            **spread,
-            "ours_best_s": best["ours"], "peer_best_s": best["peer"], "time_ratio_best": best["ours"] / best["peer"],
-            "ours_all_s": ours, "peer_all_s": peer, "reps": len(ours),
+            **pooled,
             "launches": len(runs), "reps_per_launch": [len(r["ours_all_s"]) for r in runs],
             "launch_time_ratios": [r["time_ratio"] for r in runs],
             "launch_ci95": [r["time_ratio_ci95"] for r in runs],
             "launch_verdicts": [r["time_verdict"] for r in runs],
-            "time_verdict_pooled": spread["time_verdict"],
+            "time_verdict_pooled": pooled["time_verdict"],
             "time_verdict": launch_verdict([r["time_verdict"] for r in runs]),
             "load_average_1m": runs[-1]["load_average_1m"],
             "load_average_1m_by_round": [x for r in runs for x in r["load_average_1m_by_round"]],
@@ -223,8 +226,6 @@ def pool_launches(launches: list[list[dict]]) -> list[dict]:
 
 
 def _worker(rank, world, cfg):
-    import statistics
-
     import torch.distributed as dist
 
     from experiments.peak_memory import attention_peak_bytes
@@ -293,17 +294,10 @@ def _worker(rank, world, cfg):
             load.append(os.getloadavg()[0])
     rows = []
     for (row, _calls), wall, load in zip(cells, walls, loads):
-        med = {side: statistics.median(t) for side, t in wall.items()}
-        best = {side: min(t) for side, t in wall.items()}
         rows.append({
             **row,
-            "ours_median_s": med["ours"], "peer_median_s": med["peer"],
-            "time_ratio": med["ours"] / med["peer"],
-            **ratio_spread(wall["ours"], wall["peer"]),
-            "ours_best_s": best["ours"], "peer_best_s": best["peer"],
-            "time_ratio_best": best["ours"] / best["peer"],
-            "ours_all_s": wall["ours"], "peer_all_s": wall["peer"],
-            "reps": cfg["reps"] * cfg["rounds"], "reps_per_round": cfg["reps"], "rounds": cfg["rounds"],
+            **time_stats(wall["ours"], wall["peer"]),  # reps = rounds x reps per round
+            "reps_per_round": cfg["reps"], "rounds": cfg["rounds"],
             "warmup": cfg["warmup"], "load_average_1m": load[-1], "load_average_1m_by_round": load,
         })
     return rows

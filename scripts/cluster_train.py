@@ -74,10 +74,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def launched_by_torchrun() -> bool:
+    """torchrun (and any elastic launcher) sets ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` for every rank."""
+    return "LOCAL_WORLD_SIZE" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def launch_topology(devices: int) -> tuple[int, int]:
     """``(num_nodes, devices per node)``: torchrun's (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``) when it launched
     us, else one node of ``devices``."""
-    if "LOCAL_WORLD_SIZE" in os.environ and "WORLD_SIZE" in os.environ:
+    if launched_by_torchrun():
         world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
         if world % local:
             raise SystemExit(f"cluster_train: WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}: "
@@ -212,5 +217,5 @@ def leave_without_finalizing() -> None:
 
 if __name__ == "__main__":
     main()
-    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ:  # launched by torchrun
+    if launched_by_torchrun():
         leave_without_finalizing()
