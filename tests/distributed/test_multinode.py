@@ -11,6 +11,7 @@ checked against the one this test runs."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import signal
@@ -103,7 +104,26 @@ def launched(tmp_path_factory):
     _wait_all(procs, logs)
     reports = {run: [json.loads((report / f"{run}-rank{r}.json").read_text()) for r in range(4)] for run in RUNS}
     return {"report": report, "reports": reports, "agents": {procs["node0"].pid: 0, procs["node1"].pid: 1},
-            "reference": json.loads((report / "reference-rank0.json").read_text()), "args": args}
+            "reference": json.loads((report / "reference-rank0.json").read_text()), "args": args,
+            "log_dir": out / "runs"}
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_every_run_leaves_its_tensorboard_log_whole(launched, run):
+    """``cluster_train.py`` under torchrun leaves without the interpreter's finalization (``leave_without_finalizing``):
+    what it wrote before must be whole. Each run's TensorBoard file, read back, holds ``Loss/train`` at every step;
+    with one data-parallel replica (dp = 1) the logged values are the global losses of rank 0's report (with more,
+    rank 0 logs its own replica's)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = (launched["log_dir"] / run).glob("version_*/events.out.tfevents.*")
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    logged = [e.value for e in acc.Scalars("Loss/train")]
+    reported = next(info for info in launched["reports"][run] if info["rank"] == 0)["losses"]
+    assert len(logged) == STEPS and all(math.isfinite(x) for x in logged), logged
+    if run.endswith("dp1"):
+        assert logged == pytest.approx(reported, rel=1e-6), (logged, reported)
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))
