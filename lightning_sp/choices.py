@@ -95,7 +95,7 @@ Pessimistic by design: an overestimate costs more pieces (time), an underestimat
 # Peak per rank of one fwd+bwd, inputs (q, k, v, dout) included, from the rank's q shard bytes ``u`` and K/V shard
 # bytes ``u_kv`` (after Ulysses' K/V head replication): whole blocks ``w_u * u + w_kv * u_kv``; in ``m > 1``
 # pieces ``f_u * u + f_kv * u_kv + (m_u * u + m_kv * u_kv) / m``. Non-negative least squares on allocator peaks
-# (``experiments.peak_memory.AllocatorPeak``) at P = 4, fp32, causal, shapes (N, H, H_kv, D) = (4096, 16, 16, 32)
+# (``experiments.common.memory.AllocatorPeak``) at P = 4, fp32, causal, shapes (N, H, H_kv, D) = (4096, 16, 16, 32)
 # and (2048, 8, 2, 64), kv_pieces 1, 2, 4, 8 (``scripts/calibrate_peak_memory.py``, 2026-11-23; max error on
 # those rows 4.2%). ``tests/distributed/test_choices.py`` checks the prediction at other shapes. ``ulysses``
 # re-fitted 2026-11-24 (Note [Heads in groups]: groups after the gather; its groups are head-group counts, so

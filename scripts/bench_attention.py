@@ -27,12 +27,12 @@ Sections (``--sections``, comma-separated; default all):
   saves its head-split copies instead), plus ``dout``. (b) charges a backend for copies of its
   inputs but not for the inputs themselves, (c) for both; (d) for what a model would hold. The
   backward is seeded through a function that does not keep the attention output alive
-  (``experiments.peak_memory.grad_seed``), as in a model, where the next layer's backward has
+  (``experiments.common.memory.grad_seed``), as in a model, where the next layer's backward has
   released it before attention's backward runs; an output that the backend itself saves for
   backward still counts. ``allgather_kv`` is also shown without its gathered K/V (``2 N h_kv``),
   which it keeps by design.
 - ``memtrace`` (not in the default run): where each backend's peak comes from. One fwd+bwd per
-  backend under ``experiments.peak_memory.AllocatorPeak`` (``torch.profiler``, ``profile_memory``);
+  backend under ``experiments.common.memory.AllocatorPeak`` (``torch.profiler``, ``profile_memory``);
   from the allocator events (address, bytes, running total) it reports the peak of tensor bytes
   allocated during the call and the tensors alive at that moment, grouped by the aten op that
   allocated them and its autograd node.
@@ -60,14 +60,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.peak_memory import (  # noqa: E402
+from experiments.common.memory import (  # noqa: E402
     AllocatorPeak,
     grad_seed,
     mmap_large_allocations,
     proc_status_kib,
     reset_peak_rss,
 )
-from experiments.peers import SDPALocal, deepspeed_ulysses  # noqa: E402
+from experiments.common.peers import SDPALocal, deepspeed_ulysses  # noqa: E402
 
 # Large allocations through mmap, so the memory they free leaves the process and VmHWM deltas mean
 # "peak bytes this call needed". Must be set before the rank processes start (inherited by spawn).

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.common import run_on_ranks  # noqa: E402
+from experiments.common.launch import run_on_ranks  # noqa: E402
 
 # (P, N, H, H_kv, D, causal): the grid of issue 17's table
 GRID = [

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import run_on_ranks  # noqa: E402
+from experiments.common.launch import run_on_ranks  # noqa: E402
 
 BALANCED = {"zigzag_ring", "allgather_kv", "ulysses", "usp"}
 

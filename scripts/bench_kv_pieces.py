@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.common import run_metadata, run_on_ranks  # noqa: E402
+from experiments.common.results import run_metadata  # noqa: E402
+from experiments.common.launch import run_on_ranks  # noqa: E402
 
 def _worker(rank: int, world: int, seq_len: int, backends: list[str], reps: int, pieces: int | str = 8) -> dict:
     import torch

@@ -68,7 +68,8 @@ def launch_row(launch: int, walls: dict[str, list[float]]) -> dict:
 
 
 def main(argv=None) -> int:
-    from experiments.common import run_metadata, run_on_ranks
+    from experiments.common.results import run_metadata
+    from experiments.common.launch import run_on_ranks
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", default="allgather_kv", choices=("ulysses", "zigzag_ring", "ring", "allgather_kv"))

@@ -5,7 +5,7 @@
     .venv/bin/python scripts/bench_peers.py --quick     # N=256, 1 rep: a smoke run (15-30 s)
 
 Pairs (ours = ``SequenceParallelAttention(backend=..., causal=True, group=...)`` with every other argument at
-its default: ``kernel="auto"``, ``kv_pieces="auto"``, ``validate_inputs=True``; peers in ``experiments/peers.py``):
+its default: ``kernel="auto"``, ``kv_pieces="auto"``, ``validate_inputs=True``; peers in ``experiments/common/peers.py``):
 
 - ``ulysses`` vs DeepSpeed ``deepspeed.sequence.layer.DistributedAttention`` around ``F.scaled_dot_product_attention``;
 - ``zigzag_ring`` vs PyTorch's ``_templated_ring_attention``, head-tail load-balanced, ``rotate_method=ALL_TO_ALL``;
@@ -27,7 +27,7 @@ ratios (median, interquartile range, min-max, share of reps <= 1.0), so "<= 1.0"
 ``--launches K`` starts the ranks afresh K times, each timing all rounds; the reps pool, and the verdict ("ahead" /
 "behind" where a ratio's bootstrap interval excludes 1.0) must hold in every launch (``launch_verdict``): one
 launch's interval does not see what moves between launches. Memory: the PyTorch
-allocator's peak during one fwd+bwd over what existed before (``experiments.peak_memory.attention_peak_bytes``:
+allocator's peak during one fwd+bwd over what existed before (``experiments.common.memory.attention_peak_bytes``:
 the backward seeded without holding the output; the same measure on both sides; not gloo's own buffers), the
 max over ranks. Ratios are ours / peer: time goal <= 1.0, memory goal < 1.0.
 
@@ -60,7 +60,7 @@ TORCH_RING_OPTIONS = {
 def _peer(backend: str, group):
     """``(call, name, version)`` of the peer paired with ``backend``; ``call.positions(N)`` where it has its
     own layout, else ``None`` (DeepSpeed: contiguous)."""
-    from experiments.peers import TorchRing, deepspeed_ulysses
+    from experiments.common.peers import TorchRing, deepspeed_ulysses
 
     if backend == "ulysses":
         call, version = deepspeed_ulysses(group, causal=True)
@@ -228,7 +228,7 @@ def pool_launches(launches: list[list[dict]]) -> list[dict]:
 def _worker(rank, world, cfg):
     import torch.distributed as dist
 
-    from experiments.peak_memory import attention_peak_bytes
+    from experiments.common.memory import attention_peak_bytes
     from experiments.throughput import time_alternating
     from lightning_sp import SequenceParallelAttention, shard_sequence
     from lightning_sp.ops.kernels import make_kernel
@@ -372,7 +372,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from experiments.common import run_metadata, run_on_ranks, write_results
+    from experiments.common.results import run_metadata, write_results
+    from experiments.common.launch import run_on_ranks
 
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -388,7 +389,7 @@ def main(argv=None) -> int:
     meta = run_metadata(__file__, argv, config=cfg, load_average_1m_start=os.getloadavg()[0],
                         time_method="fwd+bwd between barriers, sides alternating (experiments.throughput.time_alternating)",
                         memory_method="PyTorch allocator peak of one fwd+bwd over what existed before "
-                                      "(experiments.peak_memory.attention_peak_bytes), max over ranks")
+                                      "(experiments.common.memory.attention_peak_bytes), max over ranks")
     print(f"device: {meta['hardware']['device']}, torch {torch.__version__}; command: {meta['command']}", flush=True)
     timeout = args.timeout or rank_timeout(cfg["rounds"])
     launches = []

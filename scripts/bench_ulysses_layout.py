@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.common import run_on_ranks  # noqa: E402
+from experiments.common.launch import run_on_ranks  # noqa: E402
 
 # (P, N, H, H_kv, D, causal): the bench_auto grid's rows whose heads split over P
 GRID = [

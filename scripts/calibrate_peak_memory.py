@@ -7,7 +7,7 @@ per backend a non-negative least-squares fit of whole blocks (``w_u * u + w_kv *
     OMP_NUM_THREADS=1 .venv/bin/python scripts/calibrate_peak_memory.py     # ~10 min on a quiet 2-core CPU
 
 P = 4 gloo ranks, fp32, causal, ``kernel="sdpa"``, ``MIN_PIECE_TOKENS = 128``; the peak is PyTorch's CPU
-allocator's (``experiments.peak_memory.AllocatorPeak``), deterministic. The validation shapes live in
+allocator's (``experiments.common.memory.AllocatorPeak``), deterministic. The validation shapes live in
 ``tests/distributed/test_choices.py`` and are never fitted.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.common import run_on_ranks  # noqa: E402
+from experiments.common.launch import run_on_ranks  # noqa: E402
 
 WORLD = 4
 SHAPES = [(4096, 16, 16, 32), (2048, 8, 2, 64)]  # (N, H, H_kv, D)
@@ -32,7 +32,7 @@ def _worker(rank: int, world: int) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from experiments.peak_memory import attention_peak_bytes
+    from experiments.common.memory import attention_peak_bytes
     from lightning_sp import SequenceParallelAttention, shard_sequence
     from lightning_sp.ops import ring_attention
 

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import add_output_arguments, output_dir, run_metadata, run_on_ranks, write_results  # noqa: E402
+from experiments.common.results import add_output_arguments, output_dir, run_metadata, write_results  # noqa: E402
+from experiments.common.launch import run_on_ranks  # noqa: E402
 
 NAME = "comm_volume"
 HEADS = {"mha": (8, 8), "gqa": (8, 2)}  # (H, H_kv)

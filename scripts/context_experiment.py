@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import RUNS, add_output_arguments, output_dir, run_metadata, write_results  # noqa: E402
+from experiments.common.results import RUNS, add_output_arguments, output_dir, run_metadata, write_results  # noqa: E402
 
 NAME = "context_matters"
 EXP = ROOT / "experiments" / NAME

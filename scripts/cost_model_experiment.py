@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import add_output_arguments, keep_freed_memory, output_dir, run_metadata, write_results  # noqa: E402
+from experiments.common.results import add_output_arguments, output_dir, run_metadata, write_results  # noqa: E402
+from experiments.common.launch import keep_freed_memory  # noqa: E402
 from experiments.cost_model import calibrate, measure, papers  # noqa: E402
 from experiments.cost_model.calibrate import load_profile  # noqa: E402
 from lightning_sp.cost_model import AttentionShape, HardwareProfile, predict_attention  # noqa: E402

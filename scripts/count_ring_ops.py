@@ -9,7 +9,7 @@ import os
 import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.common import run_on_ranks  # noqa: E402
+from experiments.common.launch import run_on_ranks  # noqa: E402
 
 
 

@@ -10,7 +10,7 @@ For every method and degree P the largest global length N (a multiple of the gra
 for which ONE TRAINING STEP of ``lightning_sp.models.ProteinEncoder`` (forward, backward, gradient
 all-reduce, AdamW step) keeps the measured peak memory of every rank within the budget: N doubles from
 a start until a step does not fit, then the interval is bisected down to the granularity. Every probe
-builds a fresh model and optimizer and measures one step (``experiments.peak_memory.PeakRSS``; what is
+builds a fresh model and optimizer and measures one step (``experiments.common.memory.PeakRSS``; what is
 counted: see ``MEASURED``). Results: ``<out>/longest_sequence.{json,csv}`` (one row per method and P,
 with every probe), TensorBoard runs under ``runs/longest_sequence/``.
 """
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.peak_memory import method, mmap_threshold  # noqa: E402
+from experiments.common.memory import method, mmap_threshold  # noqa: E402
 
 NAME = "longest_sequence"
 MMAP_THRESHOLD = 16 * 1024
@@ -194,7 +194,7 @@ def measure_step(method: Method, n: int, cfg: SearchConfig, group) -> int:
     """Peak bytes one training step at global length ``n`` adds on this rank (see ``MEASURED``)."""
     import torch.distributed as dist
 
-    from experiments.peak_memory import PeakRSS
+    from experiments.common.memory import PeakRSS
 
     world = dist.get_world_size(group) if group is not None else 1
     if world > 1:
@@ -287,7 +287,7 @@ def _measure_worker(rank: int, world: int, cfg: SearchConfig, points: list[tuple
 def measure_points(world: int, points: list[tuple[str, int]], cfg: SearchConfig, *, timeout_s: float = 600) -> list[int]:
     """Peak bytes (max over ranks) of one training step for each ``(method, N)`` at degree ``world``,
     measured in freshly spawned ranks (one warm-up step per method first)."""
-    from experiments.common import run_on_ranks
+    from experiments.common.launch import run_on_ranks
 
     with mmap_threshold(MMAP_THRESHOLD):
         return run_on_ranks(_measure_worker, world, (cfg, points), timeout_s=timeout_s, pg_timeout_s=timeout_s)[0]
@@ -297,7 +297,7 @@ def run_search(plan: dict[int, list[str]], cfg: SearchConfig, *, timeout_s: floa
                log=print, on_degree_done=None) -> list[dict]:
     """One spawn of ``P`` ranks per degree (all degrees at once if ``concurrent``); every method of the plan
     searched there. Rows as in the file. ``on_degree_done(rows so far)`` after each degree (partial saves)."""
-    from experiments.common import run_on_ranks
+    from experiments.common.launch import run_on_ranks
 
     for p, names in plan.items():
         unknown = [n for n in names if n not in METHODS]
@@ -352,7 +352,7 @@ def log_tensorboard(rows: list[dict], log_dir: Path) -> None:
     """One run per method and P (``ring-P4``): peak MiB of every probe against N, and the longest N."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from experiments.common import run_name
+    from experiments.common.results import run_name
 
     for r in rows:
         with SummaryWriter(str(log_dir / run_name(r["method"], P=r["P"]))) as w:
@@ -362,7 +362,7 @@ def log_tensorboard(rows: list[dict], log_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.common import RUNS, add_output_arguments, output_dir, run_metadata, write_results
+    from experiments.common.results import RUNS, add_output_arguments, output_dir, run_metadata, write_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model and budget, P = 1 and 2: a smoke run")

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--publish", action="store_true", help="the committed results in paper_figures/ (default: runs/activation_memory/)")
     p.add_argument("--out", type=Path, default=None, help="PNG path (default: beside the CSV)")
     a = p.parse_args(argv)
-    from experiments.common import default_results
+    from experiments.common.results import default_results
 
     a.csv = a.csv or default_results(a, "activation_memory", "activation_memory.csv")
     a.out = a.out or a.csv.with_suffix(".png")

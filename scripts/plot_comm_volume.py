@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import RUNS, default_results, log_figure, read_results  # noqa: E402
+from experiments.common.results import RUNS, default_results, log_figure, read_results  # noqa: E402
 
 ORDER = ["megatron_tp_sp", "ulysses", "usp(U=2)", "usp(U=4)", "ring", "zigzag_ring", "allgather_kv", "colossal"]
 LABEL = {"megatron_tp_sp": "Megatron TP+SP (layer)", "zigzag_ring": "zigzag ring", "allgather_kv": "all-gather KV",

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import default_results  # noqa: E402
+from experiments.common.results import default_results  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.common import RUNS, default_results, log_figure, read_results  # noqa: E402
+from experiments.common.results import RUNS, default_results, log_figure, read_results  # noqa: E402
 
 METHOD_COLORS = {"ulysses": "tab:blue", "ring": "tab:orange", "zigzag_ring": "tab:green", "allgather_kv": "tab:red",
                  "usp": "tab:purple", "colossal": "tab:brown", "megatron_tp_sp": "tab:pink"}

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import RUNS, default_results, log_figure, read_results  # noqa: E402
+from experiments.common.results import RUNS, default_results, log_figure, read_results  # noqa: E402
 
 MARKERS = {"ulysses": "o", "ring": "v", "zigzag_ring": "^", "allgather_kv": "s", "colossal": "x"}
 

@@ -83,7 +83,7 @@ def draw(results: dict, png: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.common import PAPER_FIGURES, RUNS, log_figure
+    from experiments.common.results import PAPER_FIGURES, RUNS, log_figure
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", type=Path, help="a bench_gpu.py results file (.json)")

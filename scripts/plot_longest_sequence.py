@@ -59,7 +59,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.common import RUNS, default_results, log_figure, read_results
+    from experiments.common.results import RUNS, default_results, log_figure, read_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", default=None, help="default: runs/longest_sequence/longest_sequence.json")

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import RUNS, default_results, log_figure, read_results  # noqa: E402
+from experiments.common.results import RUNS, default_results, log_figure, read_results  # noqa: E402
 
 # DeepSpeed-Ulysses (arXiv 2309.14509) Fig. 3, TFLOPs per GPU; None = out of memory. From ../shared/REFERENCES.md.
 PAPER_SEQ_K = [8, 16, 32, 64, 128, 256]

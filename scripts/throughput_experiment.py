@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.common import RUNS, add_output_arguments, output_dir, run_metadata, run_name, run_on_ranks, write_results  # noqa: E402
+from experiments.common.results import RUNS, add_output_arguments, output_dir, run_metadata, run_name, write_results  # noqa: E402
+from experiments.common.launch import run_on_ranks  # noqa: E402
 from experiments.throughput.measure import (  # noqa: E402
     ATTENTION_BACKENDS,
     LOCAL,

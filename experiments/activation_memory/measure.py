@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gpt_layer import GPTLayer  # noqa: E402
 
-from experiments.common import add_output_arguments, output_dir, run_metadata  # noqa: E402
+from experiments.common.results import add_output_arguments, output_dir, run_metadata  # noqa: E402
 
 DTYPE = torch.bfloat16
 BYTES = 2  # per activation element (the paper's 16-bit activations)

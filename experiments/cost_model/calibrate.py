@@ -210,7 +210,7 @@ def links_worker(rank, world, sizes, reps):
 
 def calibrate_links(worlds, reps: int = 5, sizes=LINK_SIZES) -> dict:
     """``{world: {"message_s", "all_to_all": (lat, bw), "all_gather": (lat, bw), "one_way": (lat, bw), "points"}}``."""
-    from experiments.common import run_on_ranks
+    from experiments.common.launch import run_on_ranks
 
     out = {}
     for world in worlds:
@@ -376,7 +376,7 @@ def measure_sharing(worlds, reps: int = 1) -> dict:
     memory bandwidth and whatever else runs on the machine now), measured with a primitive, never a
     backend. The mean, not the slowest rank: ranks of a layer wait for each other at every step, and
     a waiting rank leaves its core to the others. Also ``{"alone_s": ..., "slowest_<world>": ...}``."""
-    from experiments.common import run_on_ranks
+    from experiments.common.launch import run_on_ranks
 
     alone = statistics.median(_kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
                               for _ in range(SHARING_WINDOWS))
@@ -497,7 +497,7 @@ def busy_worker(rank, world, iters, reps):
 
 def measure_busy(worlds, iters: int = BUSY_ITERS, reps: int = BUSY_REPS) -> dict:
     """``{world: {"message_s", "all_gather_s", "all_to_all_s", "plain_s", "rounds"}}`` (``busy_worker``)."""
-    from experiments.common import run_on_ranks
+    from experiments.common.launch import run_on_ranks
 
     return {int(w): run_on_ranks(busy_worker, w, (iters, reps), timeout_s=600, pg_timeout_s=300)[0] for w in worlds}
 
@@ -585,7 +585,7 @@ def sync_delay_from_rounds(blocks) -> float:
 
 def measure_sync_delay(worlds, rounds: int = SYNC_ROUNDS, blocks: int = SYNC_BLOCKS, late_s: float = 0.0) -> dict:
     """``{world: {"delay_s", "rounds"}}``: ``sync_delay_worker`` on ``world`` ranks (one spawn each)."""
-    from experiments.common import run_on_ranks
+    from experiments.common.launch import run_on_ranks
 
     out = {}
     for world in worlds:
@@ -668,7 +668,7 @@ def latency_cases(world: int) -> list[tuple]:
 def measure_stubbed_layers(worlds, reps: int = LATENCY_REPS) -> dict:
     """``{world: {backend: seconds}}``: fwd+bwd of each of ``latency_cases(world)`` with the kernel stubbed, the
     slowest rank's median over ``reps`` rounds (the order rotated per round), idle ranks."""
-    from experiments.common import run_on_ranks
+    from experiments.common.launch import run_on_ranks
     from experiments.cost_model.split import split_steps_worker
 
     out = {}

@@ -59,6 +59,6 @@ def time_backends_worker(rank, world, cases, reps):
 def measure_world(world: int, cases, reps: int) -> tuple[list[list[float]], list[float]]:
     """Every timed fwd+bwd (seconds, ``reps`` per case) per case, and each round's probe (seconds per call),
     measured on ``world`` gloo ranks (one spawn)."""
-    from experiments.common import run_on_ranks
+    from experiments.common.launch import run_on_ranks
 
     return run_on_ranks(time_backends_worker, world, (list(cases), reps), timeout_s=1800, pg_timeout_s=300)[0]

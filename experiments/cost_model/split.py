@@ -108,7 +108,7 @@ def model_split(backend, u, n, h, h_kv, d, pieces, world, hw, barrier_s) -> dict
 
 
 def run(args) -> dict:
-    from experiments.common import keep_freed_memory, run_on_ranks
+    from experiments.common.launch import keep_freed_memory, run_on_ranks
     from experiments.cost_model.calibrate import load_profile
 
     keep_freed_memory()

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from experiments.common.timing import Timing, _barrier, time_alternating  # noqa: F401  (re-exported)
+
 ATTENTION_BACKENDS = ("ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal")
 MEGATRON_SP = "megatron_sp"  # Megatron tensor + sequence parallelism over all P ranks (tensor_parallel_size=P)
 LOCAL = "local"  # one process, no parallelism
@@ -77,46 +79,6 @@ class ModelShape:
 
         return megatron_flops_per_iteration(batch=self.batch, seq_len=seq_len, num_layers=self.n_layers,
                                             hidden=self.d_model, vocab=self.vocab_size)
-
-
-@dataclass(kw_only=True)
-class Timing:
-    """Per-rep times of one implementation on this rank (seconds)."""
-
-    wall_s: list[float] = field(default_factory=list)
-    """Between the barriers around each timed call."""
-    cpu_s: list[float] = field(default_factory=list)
-    """This process's CPU time over the same interval."""
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.wall_s)
-
-
-def _barrier(group) -> None:
-    if group is not None:
-        dist.barrier(group)
-
-
-def time_alternating(calls: dict[str, Callable[[], object]], *, warmup: int, reps: int, group=None) -> dict[str, Timing]:
-    """Time every callable ``warmup + reps`` times, alternating them rep by rep (the order rotates each
-    rep), with a barrier over ``group`` before and after each call; returns the timed reps only."""
-    if warmup < 0 or reps < 1:
-        raise ValueError(f"need warmup >= 0 and reps >= 1, got warmup={warmup}, reps={reps}")
-    names = list(calls)
-    out = {name: Timing() for name in names}
-    for rep in range(warmup + reps):
-        k = rep % len(names)
-        for name in names[k:] + names[:k]:
-            _barrier(group)
-            w0, c0 = time.perf_counter(), time.process_time()
-            calls[name]()
-            _barrier(group)
-            w1, c1 = time.perf_counter(), time.process_time()
-            if rep >= warmup:
-                out[name].wall_s.append(w1 - w0)
-                out[name].cpu_s.append(c1 - c0)
-    return out
 
 
 # ------------------------------------------------------------------------------------------ training step

@@ -99,7 +99,7 @@ def _auto_worker(rank, world, cache_root):
 def _pieces_worker(rank, world):
     import torch.distributed as dist
 
-    from experiments.peak_memory import attention_peak_bytes
+    from experiments.common.memory import attention_peak_bytes
     from lightning_sp import SequenceParallelAttention, choices, shard_sequence
     from lightning_sp.ops import ring_attention
 

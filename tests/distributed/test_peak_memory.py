@@ -4,7 +4,7 @@ colossal (whose scores are O(N^2/P) by design); allgather_kv's gathered K/V (``2
 design) is set apart.
 
 Measured as ``scripts/bench_attention.py --sections memtrace`` does, but small and deterministic: the
-peak of PyTorch allocator bytes during the call (``experiments.peak_memory.AllocatorPeak``) plus the
+peak of PyTorch allocator bytes during the call (``experiments.common.memory.AllocatorPeak``) plus the
 rank's inputs ``q, k, v, dout``, against the same for ``backend="local"`` on the whole sequence. The
 backward is seeded without holding the output (``grad_seed``), as in a model. Shards of 1024 tokens
 in the default 8 pieces (``MIN_PIECE_TOKENS = 128``), Ulysses in 4 head groups (its 4 heads per rank), USP in 4. Negative control: whole blocks (``kv_pieces=1``) exceed
@@ -33,7 +33,7 @@ BUDGETED = ["ring", "zigzag_ring", "usp"]  # kv_pieces="auto" (the default) with
 
 def _footprint(attn, full, group) -> tuple[int, int]:
     """(allocator peak of one fwd+bwd + bytes of q, k, v, dout on this rank, gathered K/V bytes)."""
-    from experiments.peak_memory import attention_peak_bytes
+    from experiments.common.memory import attention_peak_bytes
     from lightning_sp import shard_sequence
 
     q, k, v, dout = (t.clone() if group is None else shard_sequence(t, group, layout=attn.layout).clone() for t in full)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.common import read_results
+from experiments.common.results import read_results
 
 pytestmark = pytest.mark.distributed
 

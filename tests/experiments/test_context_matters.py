@@ -51,7 +51,7 @@ def test_quick_run_has_provenance_progress_and_reruns_bit_for_bit(tmp_path):
 
 
 def test_output_dir_defaults_to_runs():
-    from experiments.common import PAPER_FIGURES, RUNS, output_dir
+    from experiments.common.results import PAPER_FIGURES, RUNS, output_dir
 
     assert output_dir(argparse.Namespace(out=None, publish=False), "x") == RUNS / "x"
     assert output_dir(argparse.Namespace(out=None, publish=True), "x") == PAPER_FIGURES

@@ -28,7 +28,7 @@ def test_bad_arguments_say_what_to_change(tmp_path):
 
 def test_quick_run_matches_one_process(tmp_path):
     exp = _script("convergence_experiment")
-    from experiments.common import read_results
+    from experiments.common.results import read_results
 
     path = exp.main(["--quick", "--out", str(tmp_path)])
     assert path == tmp_path / "convergence.json" and (tmp_path / "convergence.csv").is_file()

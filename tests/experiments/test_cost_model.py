@@ -138,7 +138,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 """
 _KEEP_THEN_TOUCH = f"""
 import subprocess, sys
-from experiments.common import keep_freed_memory
+from experiments.common.launch import keep_freed_memory
 assert keep_freed_memory()
 child = subprocess.run([sys.executable, "-c", {_TOUCH_TWICE!r}], capture_output=True, text=True, check=True)
 print(child.stdout.split()[-1])  # a process started afterwards

@@ -33,7 +33,7 @@ def _load(name: str):
 @pytest.mark.timeout(900)  # ~30 s on a quiet 2-core machine; the ranks' own timeouts (240 s) catch hangs
 def test_quick_search_boundary_is_measured(tmp_path):
     exp = _load("longest_sequence_experiment")
-    from experiments.common import read_results
+    from experiments.common.results import read_results
 
     assert exp.main(["--quick", "--out", str(tmp_path), "--timeout", "240"]) == 0
     meta, rows = read_results(tmp_path / "longest_sequence.json")
