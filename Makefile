@@ -30,7 +30,7 @@ test-gpu: $(STAMP)
 
 bench: $(STAMP)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e ".[bench]"
-	$(PY) scripts/bench_attention.py
+	$(PY) benchmarks/attention/run.py
 
 clean:
 	rm -rf $(VENV) lightning_logs runs .pytest_cache

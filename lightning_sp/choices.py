@@ -23,7 +23,7 @@ Every step that picks a collective is agreed: the cache lookup is an all-reduce 
 the call's shapes with the length rounded up to a power of two, so lengths that change every batch
 measure at most once per octave. Cost at a bucket's first call: ``(1 + ROUNDS) x candidates + EXTRA_ROUNDS x
 close candidates`` fwd+bwd of one attention layer (4 to 8 per candidate; 3.4-23 s on the 2-core CPU grid of
-``scripts/bench_auto.py``). ``SequenceParallelContext.auto_policy="model"`` (or a ``hardware`` profile, or
+``benchmarks/auto/run.py``). ``SequenceParallelContext.auto_policy="model"`` (or a ``hardware`` profile, or
 ``LIGHTNING_SP_AUTO=model``) keeps the cost model's choice instead. Close calls exist because the fastest
 exact backends often lie within a few percent of each other; one noisy round (another process, the
 scheduler) then decides which wins.
@@ -96,7 +96,7 @@ Pessimistic by design: an overestimate costs more pieces (time), an underestimat
 # bytes ``u_kv`` (after Ulysses' K/V head replication): whole blocks ``w_u * u + w_kv * u_kv``; in ``m > 1``
 # pieces ``f_u * u + f_kv * u_kv + (m_u * u + m_kv * u_kv) / m``. Non-negative least squares on allocator peaks
 # (``experiments.common.memory.AllocatorPeak``) at P = 4, fp32, causal, shapes (N, H, H_kv, D) = (4096, 16, 16, 32)
-# and (2048, 8, 2, 64), kv_pieces 1, 2, 4, 8 (``scripts/calibrate_peak_memory.py``, 2026-11-23; max error on
+# and (2048, 8, 2, 64), kv_pieces 1, 2, 4, 8 (``benchmarks/kv_pieces/calibrate_peak_memory.py``, 2026-11-23; max error on
 # those rows 4.2%). ``tests/distributed/test_choices.py`` checks the prediction at other shapes. ``ulysses``
 # re-fitted 2026-11-24 (Note [Heads in groups]: groups after the gather; its groups are head-group counts, so
 # only the first shape has rows with groups). The rings' rows are kept from 2026-11-23 on purpose: a rerun

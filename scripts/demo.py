@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout even without `pip install -e .`
 
 DEFAULT_CONFIG = ROOT / "experiments" / "protein_demo" / "config.yaml"
 

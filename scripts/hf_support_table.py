@@ -25,7 +25,6 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if README.md's table differs")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.path.insert(0, str(ROOT))
     from tests.distributed.harness import run_on_ranks
     from tests.hf_tiny import TABLE_BEGIN, TABLE_END, support_table, sweep_worker
 

@@ -1,5 +1,5 @@
 """Peak resident memory of one piece of work in this process, on CPU (Linux): the method the memory
-experiments share (``scripts/bench_attention.py``'s memory section, ``experiments/longest_sequence``).
+experiments share (``benchmarks/attention/run.py``'s memory section, ``experiments/longest_sequence``).
 
     mmap_large_allocations()          # before torch allocates anything / before ranks are spawned
     with PeakRSS() as peak:           # baseline = VmRSS now; peak counter reset to it

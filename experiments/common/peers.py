@@ -1,5 +1,5 @@
 """Peer implementations of the algorithms lightning-sp runs, called the way their authors call them, for the
-side-by-side benchmarks (``scripts/bench_peers.py``, ``scripts/bench_attention.py``). Never imported by the
+side-by-side benchmarks (``benchmarks/peers/run.py``, ``benchmarks/attention/run.py``). Never imported by the
 library. Every peer takes and returns this rank's shard as ``[B, S/P, H, D]`` (the project's layout), so a
 benchmark times both sides on the same tensors.
 

@@ -3,7 +3,7 @@ and without the term, and the rule written down before the runs applied over the
 
     .venv/bin/python -m experiments.cost_model.ablation [--study NAME] RUN_DIR [RUN_DIR ...] [--write FILE]
 
-A run directory holds a complete ``scripts/cost_model_validate.sh`` run: ``cost_model_calibration.json`` and
+A run directory holds a complete ``experiments/cost_model/validate.sh`` run: ``cost_model_calibration.json`` and
 ``cost_model_validation_grid{1,2}.json``. Both variants are priced from the grid's own profile, which this code must
 first reproduce the file's ``model_predicted_ms`` from; the measured column never changes. The studies (``STUDIES``):
 
@@ -70,7 +70,7 @@ SHARING_AGAIN_RULE = {
         "each grid: the mean over the runs of max |error| is at most 1 point above the stretch at the grid's start",
     ],
     "committed results": "none this session: if kept, the next session prices by the stretch during the rows, runs "
-                         "scripts/cost_model_validate.sh once and commits that run",
+                         "experiments/cost_model/validate.sh once and commits that run",
 }
 COLOSSAL_ROUNDS_RULE = {
     "written": "2026-11-25 02:17 UTC (session 27), committed before the five complete runs it judges; those five runs "
@@ -145,7 +145,7 @@ def _recorded_stretch(grid: dict, key: str, since: str) -> tuple[tuple[int, floa
     ``HardwareProfile.compute_sharing``; a grid without it is refused by name."""
     if key not in grid:
         raise ValueError(f"the grid of {grid['date']} did not record {key}: the study needs runs of "
-                         f"scripts/cost_model_experiment.py from {since} on")
+                         f"experiments/cost_model/run.py from {since} on")
     return tuple(sorted((int(w), float(x)) for w, x in grid[key].items()))
 
 

@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from experiments.common.launch import run_on_ranks
+
 if TYPE_CHECKING:
     from lightning_sp.cost_model import HardwareProfile
 
@@ -210,7 +212,6 @@ def links_worker(rank, world, sizes, reps):
 
 def calibrate_links(worlds, reps: int = 5, sizes=LINK_SIZES) -> dict:
     """``{world: {"message_s", "all_to_all": (lat, bw), "all_gather": (lat, bw), "one_way": (lat, bw), "points"}}``."""
-    from experiments.common.launch import run_on_ranks
 
     out = {}
     for world in worlds:
@@ -376,7 +377,6 @@ def measure_sharing(worlds, reps: int = 1) -> dict:
     memory bandwidth and whatever else runs on the machine now), measured with a primitive, never a
     backend. The mean, not the slowest rank: ranks of a layer wait for each other at every step, and
     a waiting rank leaves its core to the others. Also ``{"alone_s": ..., "slowest_<world>": ...}``."""
-    from experiments.common.launch import run_on_ranks
 
     alone = statistics.median(_kernel_seconds_per_call(SHARING_WINDOW_S / SHARING_WINDOWS * 2)
                               for _ in range(SHARING_WINDOWS))
@@ -497,7 +497,6 @@ def busy_worker(rank, world, iters, reps):
 
 def measure_busy(worlds, iters: int = BUSY_ITERS, reps: int = BUSY_REPS) -> dict:
     """``{world: {"message_s", "all_gather_s", "all_to_all_s", "plain_s", "rounds"}}`` (``busy_worker``)."""
-    from experiments.common.launch import run_on_ranks
 
     return {int(w): run_on_ranks(busy_worker, w, (iters, reps), timeout_s=600, pg_timeout_s=300)[0] for w in worlds}
 
@@ -585,7 +584,6 @@ def sync_delay_from_rounds(blocks) -> float:
 
 def measure_sync_delay(worlds, rounds: int = SYNC_ROUNDS, blocks: int = SYNC_BLOCKS, late_s: float = 0.0) -> dict:
     """``{world: {"delay_s", "rounds"}}``: ``sync_delay_worker`` on ``world`` ranks (one spawn each)."""
-    from experiments.common.launch import run_on_ranks
 
     out = {}
     for world in worlds:
@@ -654,32 +652,6 @@ def probe_call_priced_s(hw: HardwareProfile) -> float:
 LATENCY_SHAPE = (256, 8, 8, 8, 8)
 """``(N, H, H_kv, D, kv_pieces)`` of the layer whose kernel is stubbed for ``layer_latency_s``: tiny, so what is
 left is the layer's fixed cost (Python, autograd, plans, hand-overs, the collectives' and messages' latency)."""
-LATENCY_REPS = 15
-
-
-def latency_cases(world: int) -> list[tuple]:
-    """``split.split_steps_worker``'s cases at ``LATENCY_SHAPE``: every backend the model times by its schedule
-    (``usp`` from 4 ranks, with 2 Ulysses ranks); not ``colossal``, whose primitive is its own."""
-    n, h, h_kv, d, pieces = LATENCY_SHAPE
-    backends = [("ulysses", None), ("ring", None), ("zigzag_ring", None), ("allgather_kv", None)]
-    return [(b, u, n, h, h_kv, d, pieces) for b, u in backends + ([("usp", 2)] if world >= 4 else [])]
-
-
-def measure_stubbed_layers(worlds, reps: int = LATENCY_REPS) -> dict:
-    """``{world: {backend: seconds}}``: fwd+bwd of each of ``latency_cases(world)`` with the kernel stubbed, the
-    slowest rank's median over ``reps`` rounds (the order rotated per round), idle ranks."""
-    from experiments.common.launch import run_on_ranks
-    from experiments.cost_model.split import split_steps_worker
-
-    out = {}
-    for world in worlds:
-        cases = latency_cases(world)
-        per_rank = run_on_ranks(split_steps_worker, world, (cases, reps, True), timeout_s=600, pg_timeout_s=300)
-        out[int(world)] = {case[0]: max(statistics.median(step for step, _ in rank[i]) for rank in per_rank)
-                           for i, case in enumerate(cases)}
-    return out
-
-
 def with_layer_latency(hw: HardwareProfile, stubbed: dict, barriers: dict) -> HardwareProfile:
     """``hw`` with ``layer_latency_s``: for each measured ``(world, backend)``, the latency at which the model's
     prediction of the stubbed layer (the schedule's calls at ``LATENCY_SHAPE``, priced by ``hw``; plus the two

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from experiments.cost_model.calibrate import median_seconds
+from experiments.common.launch import run_on_ranks
+from experiments.cost_model.calibrate import median_seconds, shared_window
 
 
 def _inputs(seed, n, h, h_kv, d, dtype):
@@ -27,7 +28,6 @@ def time_backends_worker(rank, world, cases, reps):
     mean seconds per ``SHARING_CALL`` with every rank calling it, the machine's speed while that round ran). Every
     case is warmed up once, then timed in ``reps`` rounds over all cases, the order rotated by one case per round,
     so a slow spell of the machine spreads over the cases instead of landing on the ones timed during it."""
-    from experiments.cost_model.calibrate import shared_window
     from lightning_sp import SequenceParallelAttention, shard_sequence
 
     torch.set_num_threads(1)
@@ -59,6 +59,5 @@ def time_backends_worker(rank, world, cases, reps):
 def measure_world(world: int, cases, reps: int) -> tuple[list[list[float]], list[float]]:
     """Every timed fwd+bwd (seconds, ``reps`` per case) per case, and each round's probe (seconds per call),
     measured on ``world`` gloo ranks (one spawn)."""
-    from experiments.common.launch import run_on_ranks
 
     return run_on_ranks(time_backends_worker, world, (list(cases), reps), timeout_s=1800, pg_timeout_s=300)[0]

@@ -8,19 +8,105 @@ the model needs, the assumption is written in the row.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from lightning_sp.cost_model import (
-    AttentionShape,
-    HardwareProfile,
-    ModelShape,
-    layer_time,
-    max_context,
-    predict_attention,
-    preset,
-    step_memory_bytes,
-    tflops_per_rank,
-)
+from lightning_sp.cost_model import AttentionShape, HardwareProfile, predict_attention, preset
+from lightning_sp.flops import causal_attention_flops_saved, megatron_flops_per_iteration
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole transformer layer / step, as the cost model prices it (the papers' TFLOPs and max-context setups)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelShape:
+    """A GPT-style decoder for step-level predictions."""
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    vocab: int = 50257
+    num_kv_heads: int | None = None
+    ffn_mult: int = 4
+
+    @property
+    def params(self) -> float:
+        return 12.0 * self.num_layers * self.hidden ** 2 + self.vocab * self.hidden
+
+
+def layer_time(model: ModelShape, seq_len: int, batch: int, backend: str, world: int, hw: HardwareProfile, *,
+               ulysses_degree: int | None = None, dtype_bytes: int = 2) -> dict[str, float]:
+    """fwd+bwd seconds of one transformer layer per rank: linear layers (``24 b s h^2`` fwd FLOPs,
+    split over ``world``) at ``hw.matmul_flops`` + the attention of ``predict_attention``; Megatron TP+SP
+    (``megatron_sp``) also pays its all-gather/reduce-scatter around the MLP (not overlapped)."""
+    h = model.hidden
+    shape = AttentionShape(seq_len=seq_len, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads or model.num_heads,
+                           head_dim=h // model.num_heads, batch=batch, dtype_bytes=dtype_bytes, causal=True)
+    attn = predict_attention(backend, shape, world, hw, ulysses_degree=ulysses_degree)
+    linear = 3 * 24.0 * batch * seq_len * h * h / world / hw.matmul_flops * hw.compute_stretch(world)
+    mlp_comm = 0.0
+    if backend == "megatron_sp" and world > 1:
+        bw, lat = hw.link(world)
+        mlp_comm = 4 * (world - 1) * (lat + seq_len / world * h * batch * dtype_bytes / bw)
+    return {"attention_s": attn.total_s, "linear_s": linear, "comm_s": attn.comm_s + mlp_comm,
+            "exposed_comm_s": attn.exposed_comm_s + mlp_comm, "total_s": attn.total_s + linear + mlp_comm,
+            "activation_bytes": attn.activation_bytes}
+
+
+def model_flops(model: ModelShape, seq_len: int, batch: int, *, causal: bool = True) -> float:
+    """Model FLOPs of one fwd+bwd: Megatron's ``72 B L s h^2 (1 + s/(6h) + V/(12 h L))``
+    (``lightning_sp.flops``), whose attention term counts the whole score matrix; ``causal=True``
+    counts the half a causal kernel computes (``s/(12h)``), so TFLOP/s stays below peak."""
+    full = megatron_flops_per_iteration(batch=batch, seq_len=seq_len, num_layers=model.num_layers,
+                                        hidden=model.hidden, vocab=model.vocab)
+    if not causal:
+        return full
+    return full - causal_attention_flops_saved(batch=batch, seq_len=seq_len, num_layers=model.num_layers,
+                                               hidden=model.hidden)
+
+
+def tflops_per_rank(model: ModelShape, seq_len: int, batch: int, backend: str, world: int, hw: HardwareProfile, **kw) -> float:
+    """Predicted model TFLOP/s per rank: model FLOPs of the group's batch over ``world`` ranks x step time."""
+    t = layer_time(model, seq_len, batch, backend, world, hw, **kw)["total_s"] * model.num_layers
+    return model_flops(model, seq_len, batch) / world / t / 1e12
+
+
+def step_memory_bytes(model: ModelShape, seq_len: int, batch: int, backend: str, world: int, *,
+                      shard_states_over: int, checkpoint_layers: bool = True, dtype_bytes: int = 2,
+                      attention: str = "flash") -> float:
+    """Per-rank peak memory of one training step: mixed-precision Adam states (16 bytes/param, ZeRO-3
+    over ``shard_states_over`` ranks) + stored activations (each layer's input ``2sbh/P`` with full
+    recompute, else every layer's activations) + one layer's full activations during its backward.
+    ``attention``: ``"flash"`` (scores never stored), ``"vanilla"`` (``5as/h`` term kept) for the
+    Ring Attention Table 3 baselines."""
+    s, b, h, a = seq_len, batch, model.hidden, model.num_heads
+    states = 16.0 * model.params / shard_states_over
+    scores = 5 * a * s / h if attention == "vanilla" or backend == "colossal" else 4 * a / h
+    one_layer = s * b * h * (34 * dtype_bytes / 2 + scores) / world
+    stored = (2 * s * b * h / world * model.num_layers) if checkpoint_layers else one_layer * model.num_layers
+    logits = s * b * model.vocab * 4 / world  # fp32 logits of this rank's tokens
+    return states + stored + one_layer + logits
+
+
+def max_context(model: ModelShape, budget_bytes: float, backend: str, world: int, *, shard_states_over: int,
+                batch: int = 1, attention: str = "flash", checkpoint_layers: bool = True, grid: int = 1024) -> int:
+    """Largest sequence (multiple of ``grid``) whose ``step_memory_bytes`` fits ``budget_bytes`` (model)."""
+    if step_memory_bytes(model, grid, batch, backend, world, shard_states_over=shard_states_over,
+                         attention=attention, checkpoint_layers=checkpoint_layers) > budget_bytes:
+        return 0
+    lo, hi = 1, 2
+    fits = lambda k: step_memory_bytes(model, k * grid, batch, backend, world, shard_states_over=shard_states_over,  # noqa: E731
+                                       attention=attention, checkpoint_layers=checkpoint_layers) <= budget_bytes
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 24:
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * grid
+
 
 GPT_7B = ModelShape(num_layers=32, hidden=4096, num_heads=32, vocab=50257)
 GPT_30B = ModelShape(num_layers=48, hidden=7168, num_heads=56, vocab=50257)  # 12 L h^2 = 29.6B

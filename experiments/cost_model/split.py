@@ -12,7 +12,7 @@ signature runs the real kernel, untimed): what the layer costs beyond its kernel
 side is the same split of ``predict_attention`` on the committed calibration (``results/``): the schedule's
 kernel calls priced by the kernel table, and the rest of its total (including the two barriers the measured
 interval holds). Measured and model columns stay apart; the split itself feeds nothing, while its stubbed runner
-(``split_steps_worker``) is also the layer-latency primitive (``calibrate.measure_stubbed_layers``)."""
+(``split_steps_worker``) is also the layer-latency primitive (``measure_stubbed_layers``)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ import time
 from pathlib import Path
 
 import torch
+
+from experiments.common.launch import keep_freed_memory, run_on_ranks
+from experiments.cost_model.calibrate import LATENCY_SHAPE, load_profile
+from experiments.cost_model.measure import _inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ("ulysses", "zigzag_ring", "allgather_kv", "ring")
@@ -65,7 +69,6 @@ def split_steps_worker(rank, world, cases, reps, stub):
     the kernel wrapped (``stub``: stubbed), every case warmed up once then timed in rotated rounds."""
     import torch.distributed as dist
 
-    from experiments.cost_model.measure import _inputs
     from lightning_sp import SequenceParallelAttention, shard_sequence
 
     torch.set_num_threads(1)
@@ -108,8 +111,6 @@ def model_split(backend, u, n, h, h_kv, d, pieces, world, hw, barrier_s) -> dict
 
 
 def run(args) -> dict:
-    from experiments.common.launch import keep_freed_memory, run_on_ranks
-    from experiments.cost_model.calibrate import load_profile
 
     keep_freed_memory()
     cases = [(b, args.ulysses_degree if b == "usp" else None, args.seq, args.heads, args.kv_heads, args.head_dim,
@@ -132,6 +133,29 @@ def run(args) -> dict:
             "columns": {"measured_*": "measured here: medians over the reps, the slowest rank",
                         "model_*": "cost-model output from the calibration in --profile (not measured)"},
             "results": rows}
+
+
+LATENCY_REPS = 15
+
+
+def latency_cases(world: int) -> list[tuple]:
+    """``split_steps_worker``'s cases at ``LATENCY_SHAPE``: every backend the model times by its schedule
+    (``usp`` from 4 ranks, with 2 Ulysses ranks); not ``colossal``, whose primitive is its own."""
+    n, h, h_kv, d, pieces = LATENCY_SHAPE
+    backends = [("ulysses", None), ("ring", None), ("zigzag_ring", None), ("allgather_kv", None)]
+    return [(b, u, n, h, h_kv, d, pieces) for b, u in backends + ([("usp", 2)] if world >= 4 else [])]
+
+
+def measure_stubbed_layers(worlds, reps: int = LATENCY_REPS) -> dict:
+    """``{world: {backend: seconds}}``: fwd+bwd of each of ``latency_cases(world)`` with the kernel stubbed, the
+    slowest rank's median over ``reps`` rounds (the order rotated per round), idle ranks."""
+    out = {}
+    for world in worlds:
+        cases = latency_cases(world)
+        per_rank = run_on_ranks(split_steps_worker, world, (cases, reps, True), timeout_s=600, pg_timeout_s=300)
+        out[int(world)] = {case[0]: max(statistics.median(step for step, _ in rank[i]) for rank in per_rank)
+                           for i, case in enumerate(cases)}
+    return out
 
 
 def main(argv=None) -> None:

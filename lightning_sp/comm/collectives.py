@@ -72,7 +72,7 @@ class TokenOrder(NamedTuple):
 # The CPU flash op (aten._scaled_dot_product_flash_attention_for_cpu) takes [B, H, S, D] tensors of any
 # strides, and runs faster when q, k, v are contiguous (head-major memory) than when they are transposed
 # views of [B, S, H, D] memory (benchmarks/README.md, section 8, "Ulysses memory", "Head-major gathers";
-# scripts/bench_headmajor_sdpa.py). So seq_to_head_all_to_all(head_major=True) hands out its [B, S, H/P, D]
+# benchmarks/headmajor_sdpa/run.py). So seq_to_head_all_to_all(head_major=True) hands out its [B, S, H/P, D]
 # result as the transpose of a contiguous [B, H/P, S, D] tensor: with a token order the gather writes it
 # (no extra copy), without one a copy of the receive buffer does (recv is freed after it: a transient).
 # Ulysses asks for it for q, k, v where the kernel prefers_heads_major (SDPAKernel on CPU; each head group is

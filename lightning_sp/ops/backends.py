@@ -46,7 +46,7 @@ Note [Heads in groups]
     per group; the output's all-to-all takes the groups' outputs in one send buffer. The backward
     then finishes one group (and autograd frees what that group saved) before it starts the next, so
     the kernel's transients are ``3u / G`` and the saved tensors shrink by ``4u / G`` per group done
-    (``scripts/bench_attention.py --sections memory``). Same all-to-alls and bytes as whole heads; ``G`` kernel calls of
+    (``benchmarks/attention/run.py --sections memory``). Same all-to-alls and bytes as whole heads; ``G`` kernel calls of
     ``H/(PG)`` heads; one copy of each group's ``dq, dk, dv`` into the send buffers and of its ``dout``
     out of the receive buffer (whole heads use both as they are where ``B = 1``; the CPU flash backward
     would copy a strided head slice of ``dout`` itself, inside the call); query head ``h`` stays

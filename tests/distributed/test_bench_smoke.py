@@ -1,5 +1,5 @@
-"""Smoke tests of the benchmark scripts: ``scripts/bench_attention.py``'s volume and memory sections in
-``--quick`` mode (its DeepSpeed section is left out: it takes minutes), and ``scripts/bench_peers.py --quick``
+"""Smoke tests of the benchmark scripts: ``benchmarks/attention/run.py``'s volume and memory sections in
+``--quick`` mode (its DeepSpeed section is left out: it takes minutes), and ``benchmarks/peers/run.py --quick``
 (one run for every pair that can run here; the DeepSpeed pair needs the optional ``bench`` extra)."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_attention.py"
+SCRIPT = ["-m", "benchmarks.attention.run"]
 BACKENDS = {"ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal"}
 
 
 def test_bench_quick_volume_and_memory(tmp_path):
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--sections", "volume,memory", "--vol-seq-len", "128",
+    cmd = [sys.executable, *SCRIPT, "--quick", "--sections", "volume,memory", "--vol-seq-len", "128",
            "--mem-seq-len", "512", "--out", str(tmp_path), "--name", "smoke", "--timeout", "120"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
@@ -45,7 +45,7 @@ def test_bench_quick_volume_and_memory(tmp_path):
             assert key in r
 
 
-PEERS_SCRIPT = ROOT / "scripts" / "bench_peers.py"
+PEERS_SCRIPT = ["-m", "benchmarks.peers.run"]
 
 
 def _has_deepspeed() -> bool:
@@ -62,7 +62,7 @@ def peers_quick(tmp_path_factory):
     """One ``bench_peers.py --quick`` run over every pair that can run here: ``(rows by pair, stdout)``."""
     out = tmp_path_factory.mktemp("peers")
     pairs = TORCH_PAIRS + (["ulysses"] if _has_deepspeed() else [])
-    cmd = [sys.executable, str(PEERS_SCRIPT), "--quick", "--pairs", ",".join(pairs), "--out", str(out),
+    cmd = [sys.executable, *PEERS_SCRIPT, "--quick", "--pairs", ",".join(pairs), "--out", str(out),
            "--name", "peers", "--timeout", "120", "--launches", "2"]  # two fresh starts of the ranks, pooled
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
@@ -109,10 +109,10 @@ def test_bench_peers_quick_deepspeed(peers_quick):
 
 
 def test_bench_kv_pieces_writes_what_it_prints(tmp_path):
-    """``scripts/bench_kv_pieces.py --out``: one row per (N, backend), each ratio the quotient of the medians it
+    """``benchmarks/kv_pieces/run.py --out``: one row per (N, backend), each ratio the quotient of the medians it
     records, and the file says what ran (the README's kv_pieces figures are read from such a file)."""
     out = tmp_path / "kv.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_kv_pieces.py"), "--seq-lens", "256", "--reps", "1",
+    cmd = [sys.executable, "-m", "benchmarks.kv_pieces.run", "--seq-lens", "256", "--reps", "1",
            "--backends", "ring,ulysses", "--pieces", "auto", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
@@ -126,9 +126,9 @@ def test_bench_kv_pieces_writes_what_it_prints(tmp_path):
 
 
 def test_bench_peer_cell_quick(tmp_path):
-    """``scripts/bench_peer_cell.py --quick``: one launch of ours, ours unchecked and the peer in one cell; the file
+    """``benchmarks/peers/cell.py --quick``: one launch of ours, ours unchecked and the peer in one cell; the file
     holds each side's reps and ratios that are the quotients of its medians."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_peer_cell.py"), "--quick", "--pair", "zigzag_ring",
+    cmd = [sys.executable, "-m", "benchmarks.peers.cell", "--quick", "--pair", "zigzag_ring",
            "--out", str(tmp_path), "--name", "cell"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"

@@ -3,7 +3,7 @@ rank's shard needs at most 0.35 of what one process needs for the whole sequence
 colossal (whose scores are O(N^2/P) by design); allgather_kv's gathered K/V (``2 N h_kv``, kept by
 design) is set apart.
 
-Measured as ``scripts/bench_attention.py --sections memtrace`` does, but small and deterministic: the
+Measured as ``benchmarks/attention/run.py --sections memtrace`` does, but small and deterministic: the
 peak of PyTorch allocator bytes during the call (``experiments.common.memory.AllocatorPeak``) plus the
 rank's inputs ``q, k, v, dout``, against the same for ``backend="local"`` on the whole sequence. The
 backward is seeded without holding the output (``grad_seed``), as in a model. Shards of 1024 tokens

@@ -1,6 +1,6 @@
-"""``scripts/bench_gpu.py --smoke``: every section of issue 8's GPU benchmark runs end to end on CPU with
+"""``benchmarks/gpu/run.py --smoke``: every section of issue 8's GPU benchmark runs end to end on CPU with
 tiny shapes (simulated ranks through the fake process group, the Trainer + monitor for MFU) and writes a
-results file that labels simulated rows, which ``scripts/plot_gpu.py`` draws; the GPU numbers themselves
+results file that labels simulated rows, which ``benchmarks/gpu/plot.py`` draws; the GPU numbers themselves
 need a GPU."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_smoke_runs_every_section_and_labels_simulated_rows(tmp_path):
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke", "--out", str(tmp_path), "--name", "smoke"]
+    cmd = [sys.executable, "-m", "benchmarks.gpu.run", "--smoke", "--out", str(tmp_path), "--name", "smoke"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -35,7 +35,7 @@ def test_smoke_runs_every_section_and_labels_simulated_rows(tmp_path):
     assert mfu["mfu"] > 0 and mfu["tflops"] > 0
     assert (tmp_path / "smoke.csv").stat().st_size > 0
     assert list((tmp_path / "tensorboard").rglob("events.out.tfevents*")), "the monitor logged nothing"
-    plot = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_gpu.py"), str(tmp_path / "smoke.json"),
+    plot = subprocess.run([sys.executable, "-m", "benchmarks.gpu.plot", str(tmp_path / "smoke.json"),
                            "--png", str(tmp_path / "smoke.png"), "--log-dir", str(tmp_path / "figures")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert plot.returncode == 0, plot.stdout[-2000:] + plot.stderr[-2000:]

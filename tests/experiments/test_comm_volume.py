@@ -29,8 +29,8 @@ def _run(*args: str, timeout: int = 300) -> None:
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm_volume")
-    _run("scripts/comm_volume_experiment.py", "--quick", "--out", str(out))
-    _run("scripts/plot_comm_volume.py", "--json", str(out / "comm_volume.json"), "--out", str(out / "comm_volume.png"),
+    _run("-m", "experiments.comm_volume.run", "--quick", "--out", str(out))
+    _run("-m", "experiments.comm_volume.plot", "--json", str(out / "comm_volume.json"), "--out", str(out / "comm_volume.png"),
          "--log-dir", str(out / "runs"))
     meta, rows = read_results(out / "comm_volume.json")
     return out, meta, rows

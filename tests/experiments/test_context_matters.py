@@ -1,4 +1,4 @@
-"""Smoke test of the context experiment (``scripts/context_experiment.py --quick``): both arms train and
+"""Smoke test of the context experiment (``experiments/context_matters/run.py --quick``): both arms train and
 are evaluated, the result file carries its provenance, progress is printed, the figure is drawn beside
 the results, and a rerun gives the same numbers bit for bit (seeded, deterministic). Also: no experiment
 or figure script writes into ``paper_figures/`` unless told to (``--publish``)."""
@@ -18,13 +18,13 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "context_experiment.py"
+SCRIPT = ["-m", "experiments.context_matters.run"]
 METRICS = ("val_answer_acc", "val_loss", "train_loss_last")
 
 
 def _run(out: Path, *extra: str) -> tuple[dict, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), *extra], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, *SCRIPT, "--quick", "--out", str(out), *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "context_matters.json").read_text()), proc.stdout

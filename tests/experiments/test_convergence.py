@@ -1,4 +1,4 @@
-"""Smoke test of the convergence experiment (``scripts/convergence_experiment.py --quick``): a sequence-
+"""Smoke test of the convergence experiment (``experiments/convergence/run.py --quick``): a sequence-
 parallel and a Megatron TP+SP run of the protein encoder on 2 gloo ranks match the one-process run to
 the experiment's goal (1e-4 relative, fp32) at every step, the losses in TensorBoard are the ones in
 the result file, and the figure script draws from that file."""
@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.script_import import load_script
+import importlib
 
 pytestmark = pytest.mark.distributed
 
 
 def _script(name: str):
-    return load_script(name, register=True)  # the spawned ranks unpickle the worker function by its module name
+    return importlib.import_module(name)  # the spawned ranks unpickle the worker function by its module name
 
 
 def test_bad_arguments_say_what_to_change(tmp_path):
-    exp = _script("convergence_experiment")
+    exp = _script("experiments.convergence.run")
     with pytest.raises(ValueError, match="--steps must be >= 2"):
         exp.main(["--steps", "1", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="P = 1 is the one-process reference"):
@@ -27,7 +27,7 @@ def test_bad_arguments_say_what_to_change(tmp_path):
 
 
 def test_quick_run_matches_one_process(tmp_path):
-    exp = _script("convergence_experiment")
+    exp = _script("experiments.convergence.run")
     from experiments.common.results import read_results
 
     path = exp.main(["--quick", "--out", str(tmp_path)])
@@ -64,6 +64,6 @@ def test_quick_run_matches_one_process(tmp_path):
     assert logged == pytest.approx(ours, rel=1e-6, abs=0)
     assert len(acc.Scalars("convergence/rel_loss_diff_vs_one_process")) == steps
 
-    png = _script("plot_convergence").main(["--results", str(path)])
+    png = _script("experiments.convergence.plot").main(["--results", str(path)])
     assert png == tmp_path / "convergence.png" and png.stat().st_size > 10_000
     assert any((tmp_path / "runs" / "figures").iterdir())

@@ -1,4 +1,4 @@
-"""Smoke test of the cost-model experiment (``scripts/cost_model_experiment.py --quick``): calibration,
+"""Smoke test of the cost-model experiment (``experiments/cost_model/run.py --quick``): calibration,
 validation (both grids) on 2 gloo ranks and the papers' predictions land in result files that keep
 measured and model columns apart; the plot script draws from them."""
 
@@ -23,7 +23,7 @@ def test_cost_model_quick(tmp_path):
     from lightning_sp.cost_model import HardwareProfile
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "cost_model_experiment.py"), "--quick", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "experiments.cost_model.run", "--quick", "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
@@ -73,7 +73,7 @@ def test_cost_model_quick(tmp_path):
             assert r["diff_pct"] == pytest.approx(100 * (r["model_prediction"] - r["paper_value"]) / r["paper_value"], abs=0.1)
 
     png = tmp_path / "cost_model_validation.png"
-    plot = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_cost_model.py"), "--results",
+    plot = subprocess.run([sys.executable, "-m", "experiments.cost_model.plot", "--results",
                            str(tmp_path / "cost_model_validation.json"), "--out", str(png), "--log-dir", str(tmp_path / "runs")],
                           env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert plot.returncode == 0, plot.stderr[-3000:]

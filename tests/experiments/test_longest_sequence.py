@@ -1,4 +1,4 @@
-"""Smoke test of ``scripts/longest_sequence_experiment.py --quick``: the searched N fits the budget and
+"""Smoke test of ``experiments/longest_sequence/run.py --quick``: the searched N fits the budget and
 N + granularity does not, re-measured in fresh processes; ring attention on 2 ranks reaches a longer N
 than one process; the figure script draws from the result file."""
 
@@ -24,15 +24,13 @@ REMEASURES = 3
 
 
 def _load(name: str):
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    return importlib.import_module(f"scripts.{name}")  # spawned ranks find the workers by this name
+    return importlib.import_module(name)  # spawned ranks find the workers by this name
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)  # ~30 s on a quiet 2-core machine; the ranks' own timeouts (240 s) catch hangs
 def test_quick_search_boundary_is_measured(tmp_path):
-    exp = _load("longest_sequence_experiment")
+    exp = _load("experiments.longest_sequence.run")
     from experiments.common.results import read_results
 
     assert exp.main(["--quick", "--out", str(tmp_path), "--timeout", "240"]) == 0
@@ -56,14 +54,14 @@ def test_quick_search_boundary_is_measured(tmp_path):
     # ring attention splits the activations over 2 ranks: a longer sequence fits than in one process
     assert by[("ring", 2)]["longest_N"] > by[("memory_efficient+chunked_ffn", 1)]["longest_N"]
 
-    plot = _load("plot_longest_sequence")
+    plot = _load("experiments.longest_sequence.plot")
     assert plot.main(["--results", str(tmp_path / "longest_sequence.json"), "--log-dir", str(tmp_path / "runs")]) == 0
     assert (tmp_path / "longest_sequence.png").stat().st_size > 10_000
     assert "| ring attention (+ chunked FFN) | 2 |" in (tmp_path / "longest_sequence.md").read_text()
 
 
 def test_bad_configs_are_rejected():
-    exp = _load("longest_sequence_experiment")
+    exp = _load("experiments.longest_sequence.run")
     with pytest.raises(ValueError, match="multiple of granularity"):
         exp.SearchConfig(budget_mib=4, granularity=64, start=100, max_tokens=4096)
     with pytest.raises(ValueError, match="budget_mib must be > 0"):

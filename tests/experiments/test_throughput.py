@@ -1,4 +1,4 @@
-"""Smoke test of ``scripts/throughput_experiment.py --quick`` (P = 1 in process, P = 2 gloo ranks) and of the
+"""Smoke test of ``experiments/throughput/run.py --quick`` (P = 1 in process, P = 2 gloo ranks) and of the
 pieces it is built from: alternation order, the exported ``measure_step``, the step-0 loss check, bad input."""
 
 from __future__ import annotations
@@ -11,20 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.script_import import load_script
+import importlib
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "throughput_experiment.py"
+SCRIPT = ["-m", "experiments.throughput.run"]
 
 
 def _script_module():
-    return load_script("throughput_experiment")
+    return importlib.import_module("experiments.throughput.run")
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("throughput")
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--log-dir", str(out / "runs")]
+    cmd = [sys.executable, *SCRIPT, "--quick", "--out", str(out), "--log-dir", str(out / "runs")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "experiments" / "activation_memory" / "measure.py"
+SCRIPT = ["-m", "experiments.activation_memory.run"]
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("am")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], env=env,
+    proc = subprocess.run([sys.executable, *SCRIPT, "--quick", "--out", str(out)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with open(out / "activation_memory.csv") as f:

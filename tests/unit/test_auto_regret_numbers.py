@@ -9,10 +9,10 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks/results/2026-11-28_cpu-amd-epyc-2c_auto-regret-session28.json"
+RESULTS = ROOT / "benchmarks/auto/results/2026-11-28_regret-new-machine.json"
 """The newest run: the README's table."""
 RUNS = {RESULTS: "### On a new machine, session 28",
-        ROOT / "benchmarks/results/2026-11-24_cpu-amd-epyc-2c_auto-regret-groups.json": "### On the merged tree, after"}
+        ROOT / "benchmarks/auto/results/2026-11-24_regret-head-groups-after-gather.json": "### On the merged tree, after"}
 """Each run's file and the heading of its subsection in benchmarks/README.md."""
 
 

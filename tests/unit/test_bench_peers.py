@@ -1,4 +1,4 @@
-"""``scripts/bench_peers.py`` without ranks: its agreement check can fail (a peer that disagrees, or a tolerance
+"""``benchmarks/peers/run.py`` without ranks: its agreement check can fail (a peer that disagrees, or a tolerance
 too loose to fail, stops the run before timing), and the ratios the README and benchmarks/README quote are the
 committed results file's."""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.script_import import load_script
+import importlib
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench_peers():
-    return load_script("bench_peers")
+    return importlib.import_module("benchmarks.peers.run")
 
 
 def _grads(seed: int) -> list[torch.Tensor]:
@@ -42,7 +42,7 @@ def test_agreement_passes_close_sides_and_stops_disagreeing_ones():
 def test_quoted_ratios_are_the_committed_results():
     """The README row names its results file (a rerun on another date updates the name with the numbers)."""
     readme = (ROOT / "README.md").read_text()
-    row = next(line for line in readme.splitlines() if "scripts/bench_peers.py" in line)
+    row = next(line for line in readme.splitlines() if "benchmarks/peers/run.py" in line)
     results = re.search(r"`(benchmarks/results/[^`]+_peers\.json)`", row)
     assert results, "the README's bench_peers row names no results file"
     data = json.loads((ROOT / results.group(1)).read_text())
@@ -169,9 +169,9 @@ def test_rank_timeout_covers_the_measured_runs():
 def test_run11_rerun_is_quoted_as_its_file_holds_it():
     """The rerun of run 11's two N=4096 cells that the README's peers row cites: its rows stand in
     benchmarks/README.md's run-11 subsection with the file's ratios and verdicts, and the README quotes both ratios."""
-    data = json.loads((ROOT / "benchmarks/results/2026-11-28_cpu-amd-epyc-2c_run11-rerun-4096_peers.json").read_text())
+    data = json.loads((ROOT / "benchmarks/peers/results/2026-11-28_grid-new-machine-N4096-repeat.json").read_text())
     section = (ROOT / "benchmarks" / "README.md").read_text().split("### Run 11,")[1].split("\n### ")[0]
-    readme_row = next(line for line in (ROOT / "README.md").read_text().splitlines() if "scripts/bench_peers.py" in line)
+    readme_row = next(line for line in (ROOT / "README.md").read_text().splitlines() if "benchmarks/peers/run.py" in line)
     assert [(r["pair"], r["seq_len"]) for r in data["results"]] == [("ulysses", 4096), ("allgather_kv", 4096)]
     for r in data["results"]:
         cells = (rf"\| {r['pair']} \| [^|]+ \| 4096 \| {r['time_ratio']:.3f} \| {r['time_ratio_best']:.3f} \| "
@@ -183,7 +183,7 @@ def test_run11_rerun_is_quoted_as_its_file_holds_it():
 def test_run12_launch_table_is_its_file():
     """benchmarks/README.md's launch-by-launch table of run 12 holds each launch's ratio, interval and verdict as the
     file records them, and the verdict over the launches is ``launch_verdict`` of the file's own reps."""
-    data = json.loads((ROOT / "benchmarks/results/2026-11-28_cpu-amd-epyc-2c_run12_peers.json").read_text())
+    data = json.loads((ROOT / "benchmarks/peers/results/2026-11-28_grid-three-launches.json").read_text())
     section = (ROOT / "benchmarks" / "README.md").read_text().split("### Run 12,")[1].split("\n### ")[0]
     for r in data["results"]:
         assert r["launches"] == 3 and r["time_verdict"] == _recomputed_verdict(r), r["pair"]

@@ -1,4 +1,4 @@
-"""``scripts/cost_model_experiment.py`` without ranks: how many reps each validation grid's medians are of."""
+"""``experiments/cost_model/run.py`` without ranks: how many reps each validation grid's medians are of."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.script_import import load_script
+import importlib
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _experiment():
-    return load_script("cost_model_experiment")
+    return importlib.import_module("experiments.cost_model.run")
 
 
 def test_grid_reps_default_per_grid_and_yield_to_the_flags(tmp_path):
@@ -79,7 +79,7 @@ def test_paper_figures_cost_model_files_are_the_committed_run():
                 f"paper_figures/{name}.{ext} is not the committed run's: copy it from {RESULTS.relative_to(ROOT)}"
     drawn = (papers / "cost_model_validation.md").read_text().split("## Predictions")[0]
     assert drawn == (RESULTS / "cost_model_validation.md").read_text().split("## Predictions")[0], \
-        "paper_figures/cost_model_validation.md was not redrawn (scripts/plot_cost_model.py --publish)"
+        "paper_figures/cost_model_validation.md was not redrawn (experiments/cost_model/plot.py --publish)"
     row = next(line for line in (papers / "README.md").read_text().splitlines()
                if line.startswith("| **Cost-model validation**"))
     found = re.search(r"N = 1024, 2048\) \*\*mean \\\|error\\\| ([\d.]+)%, max ([\d.]+)%\*\*; 24 unseen shapes .*?"
@@ -96,7 +96,7 @@ def test_committed_model_columns_are_this_codes_predictions(results):
     """Every committed row's model column is what the model in this tree predicts from the run's own calibration
     (with the stretch against the calibration's table and the delay per synchronisation measured at its grid's
     start, and the two barriers): a change to the model or to the calibration without re-running
-    ``scripts/cost_model_validate.sh`` fails here. The committed colossal table is the median over its rounds.
+    ``experiments/cost_model/validate.sh`` fails here. The committed colossal table is the median over its rounds.
     Controls: the same rows without the calibrated layer latency, without the delay, or priced by the stretch at the
     grid's start differ, so the check sees the terms the results claim to include."""
     import json
@@ -123,7 +123,7 @@ def test_committed_model_columns_are_this_codes_predictions(results):
                 if left_out is None:
                     assert abs(ms - r["model_predicted_ms"]) < 0.01, (
                         f"{name} {r['backend']} P={r['P']} N={r['N']}: the model now predicts {ms:.3f} ms, the file "
-                        f"{r['model_predicted_ms']} ms; re-run scripts/cost_model_validate.sh")
+                        f"{r['model_predicted_ms']} ms; re-run experiments/cost_model/validate.sh")
                 else:
                     moved[left_out] += abs(ms - r["model_predicted_ms"]) > 0.01
     rows = len(_grid("grid1", results)["results"]) + len(_grid("grid2", results)["results"])

@@ -151,7 +151,9 @@ def test_flops_formulas_by_hand_and_shared_by_the_monitor_and_the_cost_model():
                                               vocab=vocab) == pytest.approx(full, rel=1e-15)
     saved = 72 * b * n_layers * s * h**2 * s / (12 * h)
     assert flops.causal_attention_flops_saved(batch=b, seq_len=s, num_layers=n_layers, hidden=h) == pytest.approx(saved)
-    shape = cost_model.ModelShape(num_layers=n_layers, hidden=h, num_heads=4, vocab=vocab)
-    assert cost_model.model_flops(shape, s, b, causal=False) == pytest.approx(full, rel=1e-15)
-    assert cost_model.model_flops(shape, s, b) == pytest.approx(full - saved, rel=1e-15)
-    assert cost_model.model_flops(shape, s, b) != pytest.approx(full)  # negative control: causal counts less
+    from experiments.cost_model import papers  # the step-level model the papers' predictions use
+
+    shape = papers.ModelShape(num_layers=n_layers, hidden=h, num_heads=4, vocab=vocab)
+    assert papers.model_flops(shape, s, b, causal=False) == pytest.approx(full, rel=1e-15)
+    assert papers.model_flops(shape, s, b) == pytest.approx(full - saved, rel=1e-15)
+    assert papers.model_flops(shape, s, b) != pytest.approx(full)  # negative control: causal counts less

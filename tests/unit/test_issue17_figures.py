@@ -56,7 +56,7 @@ def test_regret_and_first_call_in_section_10_are_the_files():
 
 
 def test_peer_cell_ratios_are_the_files():
-    """The allgather_kv / ulysses cells timed alone (``scripts/bench_peer_cell.py``), as section 8's run 12 and the
+    """The allgather_kv / ulysses cells timed alone (``benchmarks/peers/cell.py``), as section 8's run 12 and the
     README's peers row quote them."""
     readme = " ".join((ROOT / "README.md").read_text().split())
     run12 = " ".join(BENCH.split("### Run 12,")[1].split("\n### ")[0].replace("**", "").split())

@@ -4,7 +4,7 @@ a test fails when one drifts.
 - Communication per step: the README's MiB equal ``lightning_sp.comm.volume`` for the protein demo config
   (degrees, heads, layers, ``kv_pieces`` read from the config and the model the config builds).
 - Loss trends, validation loss, answer accuracy: the README's numbers equal what the committed demo runs
-  (``paper_figures/demo_{protein,multimodal}_loss.csv``, written by ``scripts/plot_demo_loss.py`` from the
+  (``paper_figures/demo_{protein,multimodal}_loss.csv``, written by ``experiments/common/demo_loss.py`` from the
   runs' event files) contain, computed as ``LogLocation`` prints them.
 - Those runs are what the current code trains: both demo configs, unshrunk, trained 5 steps in one process
   (the sequence-parallel run equals it, ``tests/distributed/test_demo_equivalence.py``), give the CSVs'
@@ -134,7 +134,7 @@ def test_committed_run_is_what_the_current_code_trains(marker, tmp_path):
     committed = _series(data)["Loss/train"][:STEPS]
     assert len(now) == STEPS and max(abs(a - b) for a, b in zip(now, committed)) < LOSS_TOL, (
         f"the current code trains differently from the committed run {data.name} (now {now}, committed {committed}):"
-        f" rerun the demo, redraw with scripts/plot_demo_loss.py and update the README's quoted numbers")
+        f" rerun the demo, redraw with experiments/common/demo_loss.py and update the README's quoted numbers")
     assert abs(now[0] - now[-1]) > 100 * LOSS_TOL, now  # negative control: the loss moves far more than the tolerance
 
     # the README's quoted lines: verbatim where they do not depend on the run, as a template where they do
