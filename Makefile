@@ -30,7 +30,10 @@ test-gpu: $(STAMP)
 
 bench: $(STAMP)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e ".[bench]"
-	$(PY) benchmarks/attention/run.py
+	$(PY) -m benchmarks.attention.run
+
+figures: $(STAMP)  # redraw paper_figures/ from the committed results (never trains)
+	$(PY) scripts/figures.py
 
 clean:
 	rm -rf $(VENV) lightning_logs runs .pytest_cache
