@@ -531,7 +531,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5; quick 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up repetitions (default 1; quick 1)")
     p.add_argument("--threads-per-rank", type=int, default=1)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory for the JSON/CSV results")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="directory for the JSON/CSV results")
     p.add_argument("--name", default=None, help="file stem (default attention_<date>_<host kind>[_quick])")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per group of rank processes")
     args = p.parse_args(argv)

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--check-reps", type=int, default=200)
     p.add_argument("--threads-per-rank", type=int, default=1)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--timeout", type=float, default=1800.0)
     args = p.parse_args(argv)
     cfg = {"seq_len": args.seq_len or (1024 if args.quick else 8192), "heads": args.heads, "head_dim": args.head_dim,

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--name", default="efficiency", help="file stem suffix: <date>_<host>_<name>.json")
     a = ap.parse_args(argv)
     if a.reps < 1 or any(n % (2 * a.world) for n in a.seq_lens):

@@ -2,7 +2,7 @@
 """Draw ``<stem>.png`` (beside it; ``--publish``: ``paper_figures/``) from a ``benchmarks/gpu/run.py`` results file (reads results;
 never measures) and log it into TensorBoard (``runs/gpu/figures``).
 
-    .venv/bin/python -m benchmarks.gpu.plot benchmarks/results/gpu_<date>_<device>.json
+    .venv/bin/python -m benchmarks.gpu.plot benchmarks/gpu/results/gpu_<date>_<device>.json
 
 Left: per-rank schedule efficiency (one kernel call's time for the same useful work / one rank's fwd+bwd)
 against tokens per rank, one line per backend and P, causal solid and bidirectional dashed; the 0.95

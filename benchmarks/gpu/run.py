@@ -382,7 +382,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     p.add_argument("--smoke", action="store_true", help="CPU-sized shapes: checks the code paths, measures nothing")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default=None, help="results file stem (default gpu_<date>_<device>)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no new row after this many seconds")
     p.add_argument("--reps", type=int, default=3)

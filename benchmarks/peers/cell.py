@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=None, help="timed reps per side and launch (default 24; quick 2)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--name", default=None, help="file stem (default <date>_peer-cell_<pair>_N<N>)")
     args = p.parse_args(argv)
     cfg = {"pair": args.pair, "seq_len": args.seq_len or (256 if args.quick else 4096),

@@ -353,7 +353,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="warm-up reps per pair and round (default 1; quick 0)")
     p.add_argument("--tol", type=float, default=1e-3, help="max |ours - peer| over out, dq, dk, dv")
     p.add_argument("--threads-per-rank", type=int, default=1)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory for the JSON/CSV results")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="directory for the JSON/CSV results")
     p.add_argument("--name", default=None, help="file stem (default <date>_<host kind>_peers[-quick])")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds for the rank processes (default: 300 + 200 per round; a round takes ~130 s here)")

@@ -17,6 +17,59 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def series(rows: list[dict]) -> dict[str, list[float]]:
+    """``{tag: values in step order}`` of the CSV this module writes (``tag, step, value`` rows)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        out.setdefault(row["tag"], []).append((int(row["step"]), float(row["value"])))
+    return {tag: [v for _, v in sorted(points)] for tag, points in out.items()}
+
+
+def trend(losses: list[float], window: int = 10) -> tuple[int, float, float]:
+    """``(n, mean of the first n, mean of the last n)``, as the demo prints it at the end of fit (``LogLocation``)."""
+    n = min(window, max(1, len(losses) // 2))
+    return n, sum(losses[:n]) / n, sum(losses[-n:]) / n
+
+
+def summary(data: list[dict], path) -> str:
+    """A committed demo run's numbers (for a README's generated block): loss trend, validation loss, accuracy."""
+    s = series(data)
+    train = s["Loss/train"]
+    n, first, last = trend(train)
+    out = (f"Over {len(train)} steps `Loss/train` falls from {train[0]:.2f} to {train[-1]:.2f} (mean of the first {n} "
+           f"steps {first:.4f} -> last {n} steps {last:.4f}); validation loss {s['Loss/val'][-1]:.3f}")
+    if "answer_acc/val" in s:
+        out += f", validation answer accuracy {s['answer_acc/val'][-1]:.4f} (chance 0.1)"
+    return out + "."
+
+
+def communication(text: str, path) -> str:
+    """What a demo config's sequence-parallel attention sends per rank per optimizer step (fp32, every attention
+    layer, forward + backward), from ``lightning_sp.comm.volume``: for a README's generated block."""
+    import yaml
+
+    from lightning_sp import SequenceParallelAttention
+    from lightning_sp.comm.volume import backward_elements, forward_elements
+    from lightning_sp.models import ProteinEncoder
+    from lightning_sp.ops.ring_attention import piece_count
+
+    cfg = yaml.safe_load(text)
+    strategy = cfg["trainer"]["strategy"]["init_args"]
+    model = ProteinEncoder(**cfg["model"]["init_args"])
+    layers = [m for m in model.modules() if isinstance(m, SequenceParallelAttention)]
+    n, p = cfg["data"]["init_args"]["context_len"], strategy["sequence_parallel_size"]
+    shape = dict(seq_len=n, world=p, num_heads=model.net.cfg.n_heads, num_kv_heads=model.net.cfg.kv_heads,
+                 head_dim=model.net.cfg.d_model // model.net.cfg.n_heads)
+    # kv_pieces="auto" on CPU without a memory budget: whole blocks (lightning_sp.choices)
+    pieces = 1 if layers[0].kv_pieces == "auto" else piece_count(layers[0].kv_pieces, n // p)
+    fwd = forward_elements(strategy["backend"], **shape)
+    bwd = backward_elements(strategy["backend"], **shape, kv_pieces=pieces)
+    mib = 4 * len(layers) / 2**20
+    return (f"{(fwd + bwd) * mib:.3f} MiB sent per rank per step: {2 * fwd * mib:.3f} MiB of K/V ring sends and "
+            f"{(fwd + bwd - 2 * fwd) * mib:.3f} MiB of dK/dV (`{strategy['backend']}`, P = {p}, N = {n}, "
+            f"{len(layers)} attention layers, fp32).")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="a TensorBoard run folder (with events.out.tfevents.*)")

@@ -15,7 +15,7 @@ benchmarks/**/README.md, paper_figures/README.md)::
 repository root, and the file is parsed by its suffix (``.json``: ``json.load``; ``.csv``: a list of
 ``csv.DictReader`` rows, values as strings; anything else: its text). The body becomes
 ``FUNCTION(data, path, **kwargs)`` (``path`` a ``pathlib.Path`` relative to the root, ``kwargs`` the
-``key=value`` words as strings), stripped of surrounding blank lines. The path may be omitted when the function
+``key=value`` words as strings; quote a value with spaces: ``label="grid 1"``), stripped of surrounding blank lines. The path may be omitted when the function
 reads what it needs itself (then it gets ``data=None, path=None``). Blocks do not nest.
 """
 
@@ -27,6 +27,7 @@ import difflib
 import importlib
 import json
 import re
+import shlex
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,7 +64,10 @@ def scanned_files(root: Path = ROOT) -> list[Path]:
 
 
 def parse_spec(spec: str, *, file: Path, line: int) -> Block:
-    words = spec.split()
+    try:
+        words = shlex.split(spec)
+    except ValueError as e:
+        raise GeneratedBlockError(f"{file}:{line}: cannot read the marker {spec!r}: {e}") from e
     if not words or words[0].count(":") != 1:
         raise GeneratedBlockError(f"{file}:{line}: the marker needs 'MODULE:FUNCTION [path] [key=value ...]', "
                                   f"got {spec!r}")

@@ -17,7 +17,7 @@ def keep_freed_memory() -> bool:
     afterwards (``run_on_ranks``' spawned ranks read ``MALLOC_KEEP_FREED`` from the environment at start).
     Returns whether it applied (Linux with glibc; elsewhere nothing changes).
 
-    Why (Note [Fresh pages] in ``experiments/cost_model/README.md``): by default glibc moves its mmap and trim
+    Why (Note [Fresh pages] in ``experiments/cost_model/NOTES.md``): by default glibc moves its mmap and trim
     thresholds with the history of frees, so whether a buffer of a few MiB lands on pages already touched or
     on fresh ones (a page fault per 4 KiB, ~2 us each on this VM) depends on what ran before. ``colossal``'s
     O(N^2/P) scores made the same call 60-123 ms from one process state to another; the cost model prices

@@ -16,7 +16,7 @@ first reproduce the file's ``model_predicted_ms`` from; the measured column neve
   issue 17's targets (no fewer (run, grid) pairs meeting both) and no worse than a point on either grid's mean or max.
 - ``colossal_rounds`` (session 27, ``COLOSSAL_ROUNDS_RULE``; kept): "with" prices ``colossal``'s rows by its table's
   median over the calibration's rounds (``calibrate.COLOSSAL_ROUNDS``), "without" by the table of round 0 alone (the
-  one pass timed until then; Note [Colossal table in rounds] in ``README.md``).
+  one pass timed until then; Note [Colossal table in rounds] in ``NOTES.md``).
 - ``stretch_against_table`` (session 27, ``AGAINST_TABLE_RULE``; kept, what main prices by): "with" prices each world's
   rows by the stretch they met against the calibration's own table (the rounds' median probe over what the kernel
   table prices the probe's call at alone, ``sharing_against_table``), "without" by the stretch at the grid's start
@@ -70,7 +70,7 @@ SHARING_AGAIN_RULE = {
         "each grid: the mean over the runs of max |error| is at most 1 point above the stretch at the grid's start",
     ],
     "committed results": "none this session: if kept, the next session prices by the stretch during the rows, runs "
-                         "experiments/cost_model/validate.sh once and commits that run",
+                         "scripts/cost_model_validate.sh once and commits that run",  # as written then
 }
 COLOSSAL_ROUNDS_RULE = {
     "written": "2026-11-25 02:17 UTC (session 27), committed before the five complete runs it judges; those five runs "

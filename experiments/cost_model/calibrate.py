@@ -278,7 +278,7 @@ def _colossal_local_time(n: int, d: int, reps: int) -> float:
 
 COLOSSAL_ROUNDS = 5
 """Rounds over the colossal points, as the kernel table's (Note [Kernel table in rounds]; Note [Colossal table in
-rounds] in ``experiments/cost_model/README.md``). Round 0 is the one pass timed until session 27."""
+rounds] in ``experiments/cost_model/NOTES.md``). Round 0 is the one pass timed until session 27."""
 
 
 def colossal_table(points, times) -> list[list]:
@@ -629,7 +629,7 @@ def stretch_during_rows(probes: dict[int, list[float]], alone_s: float) -> dict[
     ``SHARING_CALL``) over a time of that call alone. Two are recorded in each grid file:
     - ``sharing_during_rows``: over the grid's time alone (``measure_sharing``'s ``alone_s`` at the grid's start),
       the same measure as ``measure_sharing``'s taken in every round; judged paired against the stretch at the
-      grid's start, twice, by rules written before the runs: not kept (``experiments/cost_model/README.md``, "The
+      grid's start, twice, by rules written before the runs: not kept (``experiments/cost_model/HISTORY.md``, "The
       stretch during the rows");
     - ``sharing_against_table``: over what the calibration's kernel table prices the call at alone
       (``probe_call_priced_s``), so the machine running slower than at calibration is in it too (Note [The stretch

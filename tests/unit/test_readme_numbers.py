@@ -1,15 +1,14 @@
-"""The README's demo outputs and numbers are current (issue 19): each quoted number is recomputed here, and
-a test fails when one drifts.
+"""The demos' quoted outputs and numbers are current. The numbers the docs quote are generated blocks
+(``experiments.common.generated``) rendered from the committed runs and the demo config; this file ties those
+sources to the current code:
 
-- Communication per step: the README's MiB equal ``lightning_sp.comm.volume`` for the protein demo config
-  (degrees, heads, layers, ``kv_pieces`` read from the config and the model the config builds).
-- Loss trends, validation loss, answer accuracy: the README's numbers equal what the committed demo runs
-  (``paper_figures/demo_{protein,multimodal}_loss.csv``, written by ``experiments/common/demo_loss.py`` from the
-  runs' event files) contain, computed as ``LogLocation`` prints them.
-- Those runs are what the current code trains: both demo configs, unshrunk, trained 5 steps in one process
-  (the sequence-parallel run equals it, ``tests/distributed/test_demo_equivalence.py``), give the CSVs'
-  first 5 losses, and print the README's quoted lines (model size, TensorBoard location, the summary
-  format) and none of the noise issue 19 removed.
+- Communication per step: ``demo_loss.communication`` (what the docs quote) equals ``lightning_sp.comm.volume``
+  for the protein demo config (degrees, heads, layers, ``kv_pieces`` read from the config and the model it builds).
+- The committed runs (``paper_figures/demo_{protein,multimodal}_loss.csv``, written by ``experiments/common/
+  demo_loss.py`` from the runs' event files) are what the current code trains: both demo configs, unshrunk,
+  trained 5 steps in one process (the sequence-parallel run equals it, ``tests/distributed/test_demo_equivalence.py``),
+  give the CSVs' first 5 losses; each demo logs under its own TensorBoard root, prints the lines the docs quote
+  (model size, TensorBoard location, the summary format) and none of the noise of Lightning's defaults.
 """
 
 from __future__ import annotations
@@ -24,8 +23,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from experiments.common import demo_loss
+
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+"""Where a quoted output or example may stand: the README and the docs pages."""
 DEMOS = {  # README block marker -> (config, committed run data)
     "protein demo": (ROOT / "experiments/protein_demo/config.yaml", ROOT / "paper_figures/demo_protein_loss.csv"),
     "multimodal demo": (ROOT / "experiments/multimodal_demo/config.yaml",
@@ -36,25 +38,18 @@ LOSS_TOL = 2e-4  # sequence parallel vs one process over 5 steps, as in test_dem
 NOISE = ("LeafSpec", "💡 Tip", "Total FLOPs", "Epoch 0/-")
 
 
-def _output_block(marker: str) -> list[str]:
-    """The lines of the text block after ``<!-- output: <marker> ...-->`` in the README."""
-    match = re.search(rf"<!-- output: {re.escape(marker)}[^>]*-->\s*```text\n(.*?)```", README.read_text(), re.DOTALL)
-    assert match, f"README has no output block marked '{marker}'"
-    return match.group(1).splitlines()
-
-
-def _readme_number(pattern: str) -> str:
-    found = re.findall(pattern, README.read_text())  # patterns use \s+ where the README may wrap
-    assert len(found) == 1, f"README: expected one match of {pattern!r}, found {found}"
-    return found[0]
+def _marked_block(kind: str, marker: str, language: str) -> str | None:
+    """The code block after ``<!-- <kind>: <marker> ...-->`` in the README or a docs page (None where none quotes it)."""
+    for page in DOCS:
+        match = re.search(rf"<!-- {kind}: {re.escape(marker)}[^>]*-->\s*```{language}\n(.*?)```", page.read_text(), re.DOTALL)
+        if match:
+            return match.group(1)
+    return None
 
 
 def _series(path: Path) -> dict[str, list[float]]:
-    out: dict[str, list[tuple[int, float]]] = {}
     with path.open() as f:
-        for row in csv.DictReader(f):
-            out.setdefault(row["tag"], []).append((int(row["step"]), float(row["value"])))
-    return {tag: [v for _, v in sorted(rows)] for tag, rows in out.items()}
+        return demo_loss.series(list(csv.DictReader(f)))
 
 
 def _summary_line(losses: list[float], steps: int, window: int = 10) -> str:
@@ -86,29 +81,15 @@ def test_communication_per_step_is_the_formula_for_the_demo_config():
         bwd = backward_elements(strategy["backend"], **shape, kv_pieces=kv_pieces)
         return (fwd + bwd) * 4 * len(attention) / 2**20
 
-    quoted = float(_readme_number(r"([\d.]+) MiB sent per rank\s+per step"))
-    assert quoted == pytest.approx(mib(pieces), abs=5e-4), (quoted, mib(pieces))
+    config = DEMOS["protein demo"][0]
+    quoted = demo_loss.communication(config.read_text(), config.relative_to(ROOT))
+    total, kv, rest = (float(x) for x in re.search(
+        r"([\d.]+) MiB sent per rank per step: ([\d.]+) MiB of K/V ring sends and ([\d.]+) MiB of dK/dV", quoted).groups())
+    assert total == pytest.approx(mib(pieces), abs=5e-4), (quoted, mib(pieces))
     # negative control: K/V in 8 pieces (dK/dV straight back to its owner) would send 10.125
-    assert mib(piece_count(8, n // p)) == pytest.approx(10.125) and abs(mib(piece_count(8, n // p)) - quoted) > 0.5
-    parts = [float(x) for x in re.findall(r"([\d.]+) MiB of K/V ring\s+sends and ([\d.]+) MiB of dK/dV", README.read_text())[0]]
-    assert parts == pytest.approx([2 * fwd * 4 * len(attention) / 2**20, (mib(pieces) - 2 * fwd * 4 * len(attention) / 2**20)])
-
-
-@pytest.mark.parametrize("marker", sorted(DEMOS))
-def test_quoted_results_are_those_of_the_committed_run(marker):
-    config, data = DEMOS[marker]
-    series = _series(data)
-    steps = yaml.safe_load(config.read_text())["trainer"]["max_steps"]
-    assert len(series["Loss/train"]) == steps, f"{data} is not a full run of {config}"
-    (summary,) = [line for line in _output_block(marker) if line.startswith("Loss/train: mean of first")]
-    assert summary.startswith(_summary_line(series["Loss/train"], steps)), (summary, _summary_line(series["Loss/train"], steps))
-    name = marker.split()[0]
-    if name == "protein":
-        assert float(_readme_number(r"Loss falls from ([\d.]+)")) == pytest.approx(series["Loss/train"][0], abs=5e-3)
-    assert float(_readme_number(rf"{name} validation loss (?:of )?([\d.]+)")) == pytest.approx(series["Loss/val"][-1], abs=5e-3)
-    if "answer_acc/val" in series:
-        acc = float(_readme_number(r"val answer accuracy ([\d.]+)"))
-        assert acc == pytest.approx(series["answer_acc/val"][-1], abs=5e-4), (acc, series["answer_acc/val"][-1])
+    assert mib(piece_count(8, n // p)) == pytest.approx(10.125) and abs(mib(piece_count(8, n // p)) - total) > 0.5
+    assert [kv, rest] == pytest.approx([2 * fwd * 4 * len(attention) / 2**20, mib(pieces) - 2 * fwd * 4 * len(attention) / 2**20],
+                                       abs=5e-4)
 
 
 @pytest.mark.parametrize("marker", sorted(DEMOS))
@@ -119,15 +100,18 @@ def test_committed_run_is_what_the_current_code_trains(marker, tmp_path):
     local_config.write_text(config.read_text())
     args = [sys.executable, str(ROOT / "scripts" / "demo.py"), "--config", str(config.relative_to(ROOT)), "--",
             "--trainer.max_steps", str(STEPS), "--trainer.limit_val_batches", "0", "--trainer.strategy", "auto",
-            "--trainer.devices", "1", "--trainer.enable_progress_bar", "false",
-            "--trainer.logger.init_args.save_dir", "runs"]
+            "--trainer.devices", "1", "--trainer.enable_progress_bar", "false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    demo = config.parent.name  # each demo has its own TensorBoard root, so the two never share a chart
     (events,) = {p.parent for p in (tmp_path / "runs").rglob("events.out.tfevents.*")}
+    assert events == tmp_path / "runs" / demo / "version_0", events
+    assert f"  view them with:  tensorboard --logdir runs/{demo}  " in proc.stdout, proc.stdout[-2000:]
+    assert "throughput/mfu" not in acc_tags(events), "MFU logged on CPU, where no peak rate is known"
     acc = EventAccumulator(str(events))
     acc.Reload()
     now = [e.value for e in sorted(acc.Scalars("Loss/train"), key=lambda e: e.step)]
@@ -137,14 +121,14 @@ def test_committed_run_is_what_the_current_code_trains(marker, tmp_path):
         f" rerun the demo, redraw with experiments/common/demo_loss.py and update the README's quoted numbers")
     assert abs(now[0] - now[-1]) > 100 * LOSS_TOL, now  # negative control: the loss moves far more than the tolerance
 
-    # the README's quoted lines: verbatim where they do not depend on the run, as a template where they do
-    block = _output_block(marker)
+    # the docs' quoted lines, where they quote the output: verbatim where they do not depend on the run
     printed = proc.stdout.splitlines()
-    demo_line = next(line for line in block if line.startswith("demo: "))
-    assert any(line.startswith(demo_line + " ") for line in printed), (demo_line, printed[:3])
-    for line in block:
+    block = _marked_block("output", marker, "text")
+    for line in (block or "").splitlines():
+        if line.startswith("demo: "):
+            assert any(p.startswith(line + " ") for p in printed), (line, printed[:3])
         if line.startswith(("model: ", "TensorBoard event files: ", "  view them with:")):
-            assert line in printed, f"README line not printed by the current code: {line!r}\n{proc.stdout}"
+            assert line in printed, f"quoted line not printed by the current code: {line!r}\n{proc.stdout}"
     template = re.escape(_summary_line(now, STEPS)) + r" [\d.]+ s$"
     assert any(re.match(template, line) for line in printed), (template, printed[-5:])
     noisy = [word for word in NOISE if word in log]
@@ -155,9 +139,8 @@ def test_hf_training_example_defines_what_it_uses():
     """The README's Hugging Face Trainer example runs as written up to ``trainer.fit`` (shrunk, Trainer
     stubbed: its training is ``tests/distributed/test_hf_transformers.py``'s): ``loader`` exists and yields
     global batches of ``input_ids`` and ``labels``, the same on every rank (seeded)."""
-    match = re.search(r"<!-- test: hf training example[^>]*-->\s*```python\n(.*?)```", README.read_text(), re.DOTALL)
-    assert match, "README has no block marked 'hf training example'"
-    code = match.group(1)
+    code = _marked_block("test", "hf training example", "python")
+    assert code, "neither the README nor a docs page has a block marked 'hf training example'"
     for big, small in [("hidden_size=1024", "hidden_size=32"), ("intermediate_size=2816", "intermediate_size=64"),
                        ("num_hidden_layers=8", "num_hidden_layers=1"), ("num_attention_heads=16", "num_attention_heads=4"),
                        ("num_key_value_heads=4", "num_key_value_heads=2"), ("(64, 8192)", "(4, 16)")]:
@@ -180,7 +163,7 @@ def test_hf_training_example_defines_what_it_uses():
         original = L.Trainer
         L.Trainer = Trainer
         try:
-            exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+            exec(compile(code, "hf training example", "exec"), scope)  # noqa: S102 - the docs' own code
         finally:
             L.Trainer = original
         (kwargs, module, loader), = fitted[-1:]
@@ -189,3 +172,11 @@ def test_hf_training_example_defines_what_it_uses():
         runs.append(batch["input_ids"])
         assert type(module).__name__ == "HFSequenceParallelModule"
     assert runs[0].equal(runs[1]), "the ranks would shard different sequences"
+
+
+def acc_tags(events: Path) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    return set(acc.Tags()["scalars"])
