@@ -1,1 +1,1 @@
-"""Experiment folders of the research repo (issue 10); shared helpers in ``experiments.common``."""
+"""Experiment folders of the research repo; shared helpers in ``experiments.common``."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Attention benchmarks for lightning-sp, measured side by side in one run (issue 2, item 6).
+"""Attention benchmarks for lightning-sp, measured side by side in one run.
 
     .venv/bin/python -m benchmarks.attention.run                  # full run (~5-10 min on 2 CPU cores)
     .venv/bin/python -m benchmarks.attention.run --quick          # ~1 min smoke run
@@ -37,7 +37,7 @@ Sections (``--sections``, comma-separated; default all):
   allocated during the call and the tensors alive at that moment, grouped by the aten op that
   allocated them and its autograd node.
   Sees only the PyTorch allocator (not gloo's own buffers, which the RSS peak includes).
-- ``gpu``: points at ``benchmarks/gpu/run.py``, which holds the GPU measurements (issue 8).
+- ``gpu``: points at ``benchmarks/gpu/run.py``, which holds the GPU measurements.
 
 Results go to ``<out>/attention_<date>_<host kind>.json`` and ``.csv`` (device, torch version,
 date, exact command included).

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from experiments.common.launch import run_on_ranks
 
-# (P, N, H, H_kv, D, causal): the grid of issue 17's table
+# (P, N, H, H_kv, D, causal): the grid of the regret table
 GRID = [
     (2, 4096, 8, 8, 64, True), (2, 2048, 16, 4, 32, True), (2, 3000, 8, 2, 64, False),
     (4, 4096, 8, 8, 64, True), (4, 2048, 16, 2, 64, True), (4, 1536, 4, 4, 128, False),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What the cross-rank input check costs (issue 16, item 3), measured side by side in one run.
+"""What the cross-rank input check costs, measured side by side in one run.
 
     .venv/bin/python -m benchmarks.cross_rank_check.run                 # N=8192, P=4, fp32, CPU/gloo
     .venv/bin/python -m benchmarks.cross_rank_check.run --quick         # N=1024 smoke run

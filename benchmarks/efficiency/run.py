@@ -1,6 +1,5 @@
 #!/usr/bin/env python
-"""Per-rank efficiency of the context-parallel backends against one local kernel call (issue 17, item
-"Per-rank efficiency"), side by side in one run.
+"""Per-rank efficiency of the context-parallel backends against one local kernel call, side by side in one run.
 
     .venv/bin/python -m benchmarks.efficiency.run --seq-lens 4096 8192 --reps 5 --name efficiency-before
 
@@ -19,7 +18,7 @@ them equal up to the barrier itself); reported: median over reps after one warm-
 
 Definitions (``t`` = median fwd+bwd time):
 
-- ``share = P * t(causal_call) / t(backend)`` (issue 17's "P x one kernel call"): the causal work of the
+- ``share = P * t(causal_call) / t(backend)`` ("P x one kernel call"): the causal work of the
   whole sequence is ``N^2/2`` query-key pairs, ``N^2/(2P)`` per rank when balanced, exactly ``P`` causal
   calls on ``N/P`` tokens. 1.0 = the backend costs no more than its balanced share of kernel work.
 - ``own_work = t(the kernel calls the slowest rank must make at the least) / t(backend)``: for ``ring``

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Protein data at scale (issue 19): index build, full read and random access on a large FASTA.gz.
+"""Protein data at scale: index build, full read and random access on a large FASTA.gz.
 
     .venv/bin/python -m benchmarks.fasta.run                        # 1M records (~0.5 G residues), several minutes
     .venv/bin/python -m benchmarks.fasta.run --records 20000        # smoke run

@@ -6,7 +6,7 @@ never measures) and log it into TensorBoard (``runs/gpu/figures``).
 
 Left: per-rank schedule efficiency (one kernel call's time for the same useful work / one rank's fwd+bwd)
 against tokens per rank, one line per backend and P, causal solid and bidirectional dashed; the 0.95
-goal of issue 8 dotted. Right: peak memory of one training step of the protein encoder against the
+goal dotted. Right: peak memory of one training step of the protein encoder against the
 global length, one line per P (measured: filled markers; predicted for the full depth from two layer
 counts: open markers, dashed); OOM lengths marked on the axis. Rows from simulated ranks are labelled.
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 8's GPU measurements in one command: per-rank schedule efficiency, kernels, longest context,
+"""The GPU measurements in one command: per-rank schedule efficiency, kernels, longest context,
 model throughput (MFU). Written and smoke-tested on CPU (``--smoke``); **not yet run on a GPU**.
 
     PYTHONPATH=. python -m benchmarks.gpu.run                     # one GPU, the defaults (sized for one 10-minute call)
@@ -25,7 +25,7 @@ Sections (``--sections``):
 - ``kernels``: one local attention fwd+bwd per kernel (``sdpa``, ``efficient``, ``cudnn``,
   ``flash_attn`` when installed) at each ``--local-lens`` length, bf16, causal: TFLOP/s. This is what
   ``kernel="auto"`` should choose from. Exactness is ``make test-gpu``'s job.
-- ``schedule`` (issue 8, item 2): one rank's complete fwd+bwd for each backend at P = ``--worlds``,
+- ``schedule``: one rank's complete fwd+bwd for each backend at P = ``--worlds``,
   N_local = ``--local-lens``, causal and bidirectional, GQA (``--heads``/``--kv-heads``). It is set
   against one FULL-mask kernel call doing the same useful work: ``N_local`` queries against
   ``N/2`` keys (causal) or ``N`` keys (bidirectional), the same number of visible (query, key) pairs

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What ``import lightning_sp`` costs on top of ``import torch`` (issue 18), in fresh interpreters.
+"""What ``import lightning_sp`` costs on top of ``import torch``, in fresh interpreters.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.import_time.run --runs 9
 

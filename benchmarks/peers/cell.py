@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """One cell of ``benchmarks/peers/run.py`` alone: ours, ours without the cross-rank input check, and the peer, side
-by side, in fresh launches of the ranks (issue 17: what a ~1% difference in the peers' grid is made of).
+by side, in fresh launches of the ranks (what a ~1% difference in the peers' grid is made of).
 
     .venv/bin/python -m benchmarks.peers.cell --pair allgather_kv --seq-len 4096 --launches 3 --reps 24
     .venv/bin/python -m benchmarks.peers.cell --quick          # N=256, 1 launch, 2 reps: a smoke run

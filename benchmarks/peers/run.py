@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""lightning-sp against every peer that runs here, on time and memory at once (issue 17), side by side in one run.
+"""lightning-sp against every peer that runs here, on time and memory at once, side by side in one run.
 
     .venv/bin/python -m benchmarks.peers.run             # P=2, N=4096 and 8192, H=8, D=64, fp32 causal (~5 min on 2 cores; rings only ~4 min)
     .venv/bin/python -m benchmarks.peers.run --quick     # N=256, 1 rep: a smoke run (15-30 s)

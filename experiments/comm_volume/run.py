@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Communication volume per rank and layer, forward and backward, measured next to each formula
-(issue 10, item 2; ``experiments/comm_volume/README.md``).
+(``experiments/comm_volume/README.md``).
 
     .venv/bin/python -m experiments.comm_volume.run            # P = 2, 4, 8; N = 256..2048 (gloo, CPU)
     .venv/bin/python -m experiments.comm_volume.run --quick    # P = 2, 4; N = 64 (the smoke test)

@@ -7,17 +7,17 @@ A run directory holds a complete ``experiments/cost_model/validate.sh`` run: ``c
 ``cost_model_validation_grid{1,2}.json``. Both variants are priced from the grid's own profile, which this code must
 first reproduce the file's ``model_predicted_ms`` from; the measured column never changes. The studies (``STUDIES``):
 
-- ``sync_delay`` (session 25, ``RULE``; kept): "with" is the grid's profile, "without" the same with ``sync_delay_s``
+- ``sync_delay`` (2026-11-24, ``RULE``; kept): "with" is the grid's profile, "without" the same with ``sync_delay_s``
   empty (Note [Per-call terms] in ``lightning_sp/cost_model.py``).
-- ``sharing`` (session 26, ``SHARING_RULE``; not kept): "with" prices each world's rows by the stretch during its
+- ``sharing`` (2026-11-24, ``SHARING_RULE``; not kept): "with" prices each world's rows by the stretch during its
   rows (the rounds' probes, ``calibrate.stretch_during_rows``, recorded as ``sharing_during_rows``), "without" by the
   stretch measured once at the grid's start (``sharing_now``, what main priced by until ``stretch_against_table``).
-- ``sharing_again`` (session 26, ``SHARING_AGAIN_RULE``; not kept): the same two variants on five new runs, judged by
-  issue 17's targets (no fewer (run, grid) pairs meeting both) and no worse than a point on either grid's mean or max.
-- ``colossal_rounds`` (session 27, ``COLOSSAL_ROUNDS_RULE``; kept): "with" prices ``colossal``'s rows by its table's
+- ``sharing_again`` (2026-11-25, ``SHARING_AGAIN_RULE``; not kept): the same two variants on five new runs, judged by
+  the targets (no fewer (run, grid) pairs meeting both) and no worse than a point on either grid's mean or max.
+- ``colossal_rounds`` (2026-11-25, ``COLOSSAL_ROUNDS_RULE``; kept): "with" prices ``colossal``'s rows by its table's
   median over the calibration's rounds (``calibrate.COLOSSAL_ROUNDS``), "without" by the table of round 0 alone (the
   one pass timed until then; Note [Colossal table in rounds] in ``NOTES.md``).
-- ``stretch_against_table`` (session 27, ``AGAINST_TABLE_RULE``; kept, what main prices by): "with" prices each world's
+- ``stretch_against_table`` (2026-11-25, ``AGAINST_TABLE_RULE``; kept, what main prices by): "with" prices each world's
   rows by the stretch they met against the calibration's own table (the rounds' median probe over what the kernel
   table prices the probe's call at alone, ``sharing_against_table``), "without" by the stretch at the grid's start
   (``sharing_now``). The three stretch studies share ``_stretch_study``.
@@ -150,13 +150,13 @@ def _recorded_stretch(grid: dict, key: str, since: str) -> tuple[tuple[int, floa
 
 
 def _stretch_during_rows(grid: dict) -> tuple[tuple[int, float], ...]:
-    return _recorded_stretch(grid, "sharing_during_rows", "session 26")
+    return _recorded_stretch(grid, "sharing_during_rows", "2026-11-24")
 
 
 def stretch_against_table(grid: dict) -> tuple[tuple[int, float], ...]:
     """The grid file's stretch against the calibration's table (``sharing_against_table``), as
-    ``HardwareProfile.compute_sharing``: what the grids are priced by since session 27."""
-    return _recorded_stretch(grid, "sharing_against_table", "session 27")
+    ``HardwareProfile.compute_sharing``: what the grids are priced by since 2026-11-25."""
+    return _recorded_stretch(grid, "sharing_against_table", "2026-11-25")
 
 
 def _colossal_tables(calibration: dict) -> tuple[tuple, tuple]:

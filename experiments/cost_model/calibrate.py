@@ -278,7 +278,7 @@ def _colossal_local_time(n: int, d: int, reps: int) -> float:
 
 COLOSSAL_ROUNDS = 5
 """Rounds over the colossal points, as the kernel table's (Note [Kernel table in rounds]; Note [Colossal table in
-rounds] in ``experiments/cost_model/NOTES.md``). Round 0 is the one pass timed until session 27."""
+rounds] in ``experiments/cost_model/NOTES.md``). Round 0 is the one pass timed until 2026-11-25."""
 
 
 def colossal_table(points, times) -> list[list]:
@@ -314,10 +314,10 @@ def calibrate_colossal(reps: int = 3, points=COLOSSAL_POINTS, rounds: int = COLO
 
 def colossal_table_of_round(colossal: dict, r: int = 0) -> list[list]:
     """The ``colossal_table`` that round ``r`` alone gives (round 0: what one pass over the points, the calibration
-    until session 27, kept), from ``calibrate_colossal``'s record."""
+    until 2026-11-25, kept), from ``calibrate_colossal``'s record."""
     if "rounds" not in colossal:
         raise ValueError("this calibration timed the colossal table in one pass (no 'rounds'): the colossal rounds "
-                         "study needs a calibration from session 27 on")
+                         "study needs a calibration from 2026-11-25 on")
     return colossal_table([(n, d) for n, d, _ in colossal["rounds"]], [times[r] for _, _, times in colossal["rounds"]])
 
 

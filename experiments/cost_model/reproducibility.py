@@ -26,7 +26,7 @@ OUT_FILE = RESULTS / "cost_model_reproducibility.json"
 NEAR_MINUTES = 20.0
 """Pairs of runs at most this far apart: a complete validation run calibrates 2-10 minutes before its grid."""
 TARGET = (15.0, 35.0)
-"""Issue 17's mean / max |error| target, %."""
+"""The mean / max |error| target, %."""
 
 
 def row_key(row: dict) -> str:

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """The cost model (``lightning_sp/cost_model.py``): calibrate its terms with microbenchmarks of the
 primitives on this CPU, validate against measured gloo step times on two grids, predict the papers'
-setups (issue 10, item 5; issue 17).
+setups.
 
     .venv/bin/python -m experiments.cost_model.run --part calibrate   # primitives -> cost_model_calibration.json
-    .venv/bin/python -m experiments.cost_model.run --part grid1       # the CPU grid of issue 10 (34 rows)
+    .venv/bin/python -m experiments.cost_model.run --part grid1       # the CPU grid (34 rows)
     .venv/bin/python -m experiments.cost_model.run --part grid2       # shapes never used in calibration (24 rows)
     .venv/bin/python -m experiments.cost_model.run --part papers      # the papers' setups (model output only)
     .venv/bin/python -m experiments.cost_model.run --quick            # smoke: all four, tiny
@@ -50,7 +50,7 @@ from lightning_sp.cost_model import AttentionShape, HardwareProfile, predict_att
 PARTS = ("calibrate", "grid1", "grid2", "papers")
 WORLDS = (2, 4, 8)
 
-# grid 1: issue 10's CPU grid (H = 8, H_kv = 4, D = 32, causal, kv_pieces = 8 as it was measured)
+# grid 1: the CPU grid (H = 8, H_kv = 4, D = 32, causal, kv_pieces = 8 as it was measured)
 GRID1_SHAPE = (8, 4, 32, True, 8)
 
 

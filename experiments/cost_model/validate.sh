@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The cost model's calibration and validation (issue 17), each part one short exclusive timing run:
+# The cost model's calibration and validation, each part one short exclusive timing run:
 #   experiments/cost_model/validate.sh [OUT]     (default OUT: experiments/cost_model/results)
 # On a shared machine, set LOCK to a command prefix that makes each part run alone (it runs as $LOCK env ...).
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""``benchmarks/gpu/run.py --smoke``: every section of issue 8's GPU benchmark runs end to end on CPU with
+"""``benchmarks/gpu/run.py --smoke``: every section of the GPU benchmark runs end to end on CPU with
 tiny shapes (simulated ranks through the fake process group, the Trainer + monitor for MFU) and writes a
 results file that labels simulated rows, which ``benchmarks/gpu/plot.py`` draws; the GPU numbers themselves
 need a GPU."""

@@ -58,11 +58,12 @@ def test_output_dir_defaults_to_runs():
     assert output_dir(argparse.Namespace(out=Path("/tmp/y"), publish=False), "x") == Path("/tmp/y")
 
 
-WRITERS = sorted([*ROOT.glob("scripts/*_experiment.py"), *ROOT.glob("scripts/plot_*.py"),
+WRITERS = sorted([*ROOT.glob("experiments/*/run.py"), *ROOT.glob("experiments/*/plot.py"),
                   *ROOT.glob("experiments/*/measure.py")])
+assert len(WRITERS) >= 14, WRITERS  # every study's run and plot
 
 
-@pytest.mark.parametrize("script", WRITERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", WRITERS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_argument_defaults_to_paper_figures(script):
     """An ``add_argument(..., default=...)`` whose default names ``paper_figures`` / ``PAPER_FIGURES`` would
     make a plain rerun overwrite committed files; every script must say ``--publish`` for that."""

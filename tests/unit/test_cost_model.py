@@ -288,7 +288,7 @@ def test_calibrated_layer_latency_reproduces_the_stubbed_measurement():
 def test_kernel_table_is_the_median_over_rounds_so_a_slow_spell_misses_it(monkeypatch):
     """``calibrate_local`` times the kernel table in rounds over all points (the order rotated) and keeps each point's
     median: a slow spell of the machine covering half of one round does not reach the table. Control: in one round,
-    the same spell lands on the points it covers (session 23 saw whole D blocks of the table 30-60% slow in two
+    the same spell lands on the points it covers (one run of 2026-11-24 saw whole D blocks of the table 30-60% slow in two
     calibrations out of five)."""
     from experiments.cost_model import calibrate
 
@@ -322,7 +322,7 @@ def test_kernel_table_is_the_median_over_rounds_so_a_slow_spell_misses_it(monkey
 def test_colossal_table_is_the_median_over_rounds_and_round_0_is_the_one_pass(monkeypatch):
     """``calibrate_colossal`` times its points in rounds (each once per round, the order rotated) and keeps each point's
     median, so a slow spell over part of one round misses the table (Note [Colossal table in rounds]); round 0 alone
-    (``colossal_table_of_round``) is what the one pass timed until session 27 kept, spell included. A calibration
+    (``colossal_table_of_round``) is what the one pass timed until 2026-11-25 kept, spell included. A calibration
     without rounds is refused by the study that needs them."""
     from experiments.cost_model import calibrate
 

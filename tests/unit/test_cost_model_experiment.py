@@ -382,7 +382,7 @@ def test_colossal_rounds_study_prices_colossal_by_the_median_over_rounds_and_by_
         for r, m in zip(rows, with_ms)]}
     (tmp_path / "cost_model_validation_grid1.json").write_text(json.dumps(priced))
     assert ablation.ablate_run(tmp_path, "colossal_rounds")["grid1"]["rows"] == got["rows"]
-    del colossal["rounds"]  # a calibration of the code before session 27
+    del colossal["rounds"]  # a calibration of the code before 2026-11-25
     (tmp_path / "cost_model_calibration.json").write_text(json.dumps(
         {"profile": hw.to_dict(), "links": {"2": {"barrier_s": barrier}}, "local": {"colossal": colossal}}))
     with pytest.raises(ValueError, match="one pass"):
@@ -469,7 +469,7 @@ def test_each_study_results_file_holds_what_its_rule_makes_of_its_runs():
     assert len(files) >= 4
     for path in files:
         data = json.loads(path.read_text())
-        study = data.get("study", "sync_delay")  # session 25's file predates the key
+        study = data.get("study", "sync_delay")  # the first study's file predates the key
         for run in data["runs"]:
             for g in ablation.GRIDS:
                 rows = run[g]["rows"]
