@@ -1,8 +1,8 @@
 """Write README.md's table of Hugging Face model families that are exact or refused under sequence parallelism.
 
-    PYTHONPATH=. python scripts/hf_support_table.py            # run the sweep (2 gloo ranks, CPU), print the table
-    PYTHONPATH=. python scripts/hf_support_table.py --write    # ... and replace the README block
-    PYTHONPATH=. python scripts/hf_support_table.py --check    # ... exit 1 if the README block differs
+    python scripts/hf_support_table.py            # run the sweep (2 gloo ranks, CPU), print the table
+    python scripts/hf_support_table.py --write    # ... and replace the README block
+    python scripts/hf_support_table.py --check    # ... exit 1 if the README block differs
 
 The sweep is ``tests.hf_tiny.SWEEP`` (the same one ``tests/distributed/test_hf_registry_sweep.py`` runs,
 which also fails when the README's table differs from what it measures).
@@ -25,6 +25,11 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if README.md's table differs")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import tests.hf_tiny  # noqa: F401  (the sweep lives with the tests)
+    except ModuleNotFoundError:  # run by path from anywhere: start again with the repository importable
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]], env)
     from tests.distributed.harness import run_on_ranks
     from tests.hf_tiny import TABLE_BEGIN, TABLE_END, support_table, sweep_worker
 
