@@ -98,9 +98,11 @@ def run_metadata(script: str | Path, argv: Iterable[str] | None, *, kind: str = 
     if kind not in ("measured", "model"):
         raise ValueError(f"kind must be 'measured' or 'model', got {kind!r}")
     args = list(sys.argv[1:] if argv is None else argv)
-    rel = Path(script).resolve()
-    rel = rel.relative_to(ROOT) if rel.is_relative_to(ROOT) else rel
-    return {"command": " ".join([".venv/bin/python", str(rel), *args]),
+    path = Path(script).resolve()
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    # a study's or benchmark's module runs as `python -m experiments.<study>.run`; a script by its path
+    entry = ["-m", ".".join(rel.with_suffix("").parts)] if rel.parts[0] in ("experiments", "benchmarks") else [str(rel)]
+    return {"command": " ".join([".venv/bin/python", *entry, *args]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "hardware": hardware(), "git_commit": git_commit(), "git_dirty": git_dirty(),
             "kind": kind, **extra,

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> Path:
         rows = list(pool.map(one, range(len(arms))))  # in arm order whatever finishes first
     path = write_results(NAME, meta, rows, out)
     print(f"wrote {path} and .csv", flush=True)
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_context_experiment.py"), "--results", str(path)], check=True)
+    subprocess.run([sys.executable, "-m", "experiments.context_matters.plot", "--results", str(path)], check=True, cwd=ROOT)
     return path
 
 

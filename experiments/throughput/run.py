@@ -129,7 +129,7 @@ def _write(a: argparse.Namespace, cfg: dict, argv, rows: list[dict], t_start: fl
                                    attention_seq_lens=cfg["attention_seq_lens"], warmup=cfg["warmup"], reps=cfg["reps"]))
     cores = os.cpu_count() or 1
     meta = run_metadata(
-        ROOT / "scripts" / "throughput_experiment.py", argv, kind="measured",
+        __file__, argv, kind="measured",
         what=("per-rank tokens/s and model TFLOP/s of one training step (fwd, loss, bwd, gradient reduction, AdamW) "
               "vs sequence length, every backend and Megatron TP+SP; attention fwd+bwd per rank as a share of "
               "P x one local kernel call on N/P tokens"),
@@ -175,11 +175,8 @@ def main(argv: list[str] | None = None) -> Path:
     log_scalars(rows, a.log_dir)
     print(f"wrote {path} and .csv in {time.perf_counter() - t_start:.0f} s; TensorBoard: tensorboard --logdir {a.log_dir}")
     if not a.no_plot:  # in this process (the plot script only reads the file): saves a Python start-up
-        import importlib.util
+        from experiments.throughput import plot
 
-        spec = importlib.util.spec_from_file_location("plot_throughput", ROOT / "scripts" / "plot_throughput.py")
-        plot = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(plot)
         plot.main(["--results", str(path), "--log-dir", str(a.log_dir)])
     return path
 

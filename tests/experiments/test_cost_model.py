@@ -28,7 +28,7 @@ def test_cost_model_quick(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
     val = json.loads((tmp_path / "cost_model_validation.json").read_text())
-    assert val["kind"] == "measured" and "cost_model_experiment.py --quick" in val["command"]
+    assert val["kind"] == "measured" and "-m experiments.cost_model.run --quick" in val["command"]
     rows = val["results"]
     assert {r["backend"] for r in rows} == {"ulysses", "zigzag_ring", "allgather_kv"}
     for r in rows:
