@@ -1,5 +1,6 @@
-"""A small analytic model of one attention layer (and one transformer layer) per sequence-parallel
-backend: compute + communication with each backend's overlap rule, and per-rank activation memory.
+"""A small analytic model of one attention layer per sequence-parallel backend: compute + communication with
+each backend's overlap rule, and per-rank activation memory. (Whole transformer layers and training steps, for the
+papers' numbers, are built on it in ``experiments/cost_model/papers.py``.)
 
     hw = preset("a100-80gb")                                           # or a profile calibrated on CPU
     shape = AttentionShape(seq_len=65536, num_heads=32, num_kv_heads=8, head_dim=128)

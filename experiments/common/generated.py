@@ -123,6 +123,27 @@ def regenerate(text: str, file: Path, root: Path = ROOT) -> str:
     return "".join(pieces) + text[last:]
 
 
+def markdown_tables(text: str) -> list[str]:
+    """The Markdown tables of ``text`` (runs of lines starting with ``|``), in order."""
+    tables, current = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            tables.append("\n".join(current))
+            current = []
+    return tables
+
+
+def table(text: str, path: Path, index: str = "0") -> str:
+    """A render function for any block: table number ``index`` (0-based) of a Markdown file a figure script wrote
+    (``paper_figures/<study>.md``), so a README quotes the table the results file was drawn into."""
+    tables = markdown_tables(text)
+    if not -len(tables) <= int(index) < len(tables):
+        raise GeneratedBlockError(f"{path} has {len(tables)} table(s); there is no table {index}")
+    return tables[int(index)]
+
+
 def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true",
