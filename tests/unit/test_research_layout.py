@@ -71,3 +71,24 @@ def test_no_sys_path_edits():
 
 def test_scripts_holds_only_entry_points():
     assert {p.name for p in (ROOT / "scripts").iterdir() if p.is_file()} <= ENTRY_POINTS
+
+
+def test_run_by_name_finds_every_study_and_benchmark_and_names_the_choices(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = str(ROOT / "scripts" / "run.py")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # from anywhere, nothing on the path
+    listed = subprocess.run([sys.executable, script, "--list"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=60)
+    names = {line.split()[0] for line in listed.stdout.splitlines()}
+    studies = {p.parent.name for package in PACKAGES for p in (ROOT / package).glob("*/run.py")}
+    assert listed.returncode == 0 and studies <= names and len(studies) >= 18, listed.stdout
+    wrong = subprocess.run([sys.executable, script, "longest_sequnce"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert wrong.returncode != 0 and "longest_sequence" in wrong.stderr, wrong.stderr
+    # a module runs with its arguments, from a folder outside the repository
+    helped = subprocess.run([sys.executable, script, "peers.cell", "--help"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert helped.returncode == 0 and "--pair" in helped.stdout, helped.stderr[-2000:]
