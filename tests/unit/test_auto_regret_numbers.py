@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from tests.docs_text import documentation_text
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks/results/2026-11-28_cpu-amd-epyc-2c_auto-regret-session28.json"
@@ -45,7 +46,7 @@ def test_regret_tables_quote_the_results_file():
     assert len(expected) == 6
     regrets = [float(r[7]) for r in expected]
     summary = f"mean {sum(regrets) / len(regrets):.3f}, worst {max(regrets):.3f}"
-    readme = (ROOT / "README.md").read_text()
+    readme = documentation_text()
     bench = (ROOT / "benchmarks/README.md").read_text()
     assert _quoted_rows(readme, "<!-- auto regret table") == expected
     assert f"**{summary}**" in readme

@@ -13,6 +13,7 @@ import torch
 
 from tests.script_import import load_script
 
+from tests.docs_text import documentation_text  # noqa: I001 - README and docs pages
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,7 +42,7 @@ def test_agreement_passes_close_sides_and_stops_disagreeing_ones():
 
 def test_quoted_ratios_are_the_committed_results():
     """The README row names its results file (a rerun on another date updates the name with the numbers)."""
-    readme = (ROOT / "README.md").read_text()
+    readme = documentation_text()
     row = next(line for line in readme.splitlines() if "scripts/bench_peers.py" in line)
     results = re.search(r"`(benchmarks/results/[^`]+_peers\.json)`", row)
     assert results, "the README's bench_peers row names no results file"
@@ -171,7 +172,7 @@ def test_run11_rerun_is_quoted_as_its_file_holds_it():
     benchmarks/README.md's run-11 subsection with the file's ratios and verdicts, and the README quotes both ratios."""
     data = json.loads((ROOT / "benchmarks/results/2026-11-28_cpu-amd-epyc-2c_run11-rerun-4096_peers.json").read_text())
     section = (ROOT / "benchmarks" / "README.md").read_text().split("### Run 11,")[1].split("\n### ")[0]
-    readme_row = next(line for line in (ROOT / "README.md").read_text().splitlines() if "scripts/bench_peers.py" in line)
+    readme_row = next(line for line in documentation_text().splitlines() if "scripts/bench_peers.py" in line)
     assert [(r["pair"], r["seq_len"]) for r in data["results"]] == [("ulysses", 4096), ("allgather_kv", 4096)]
     for r in data["results"]:
         cells = (rf"\| {r['pair']} \| [^|]+ \| 4096 \| {r['time_ratio']:.3f} \| {r['time_ratio_best']:.3f} \| "

@@ -8,6 +8,7 @@ import pytest
 
 from tests.script_import import load_script
 
+from tests.docs_text import documentation_text  # noqa: I001 - README and docs pages
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -49,7 +50,7 @@ def test_quoted_errors_are_the_committed_results():
     import re
 
     grids = {g: _grid(g) for g in ("grid1", "grid2")}
-    main = (ROOT / "README.md").read_text()
+    main = documentation_text()
     row = next(line for line in main.splitlines() if line.startswith("| [cost_model]"))
     latest = re.search(r"mean &#124;error&#124; ([\d.]+)%, max ([\d.]+)% in the committed run", row)
     unseen = re.search(r"second grid of unseen shapes \(([\d.]+)%, ([\d.]+)%", row)
@@ -174,7 +175,7 @@ def test_reproducibility_results_and_readme_are_recomputed_from_the_kept_runs():
         *(round(x, 1) for x in near["range_of_means_pct"]), near["meeting_mean"], near["meeting_both"]]
     shape = [r["model_level_removed_mean_abs_pct"] for r in summary["per_run"]]
     assert f"the model's error is {min(shape):.1f}-{max(shape):.1f}% mean per run" in readme
-    main_row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| [cost_model]"))
+    main_row = next(line for line in documentation_text().splitlines() if line.startswith("| [cost_model]"))
     lo, hi = near["range_of_means_pct"]
     assert (f"miss by {lo:.1f}-{hi:.1f}% mean &#124;error&#124; (median {near['median_of_means_pct']:.1f}% over "
             f"{near['pairs']} pairs" in main_row)
@@ -547,7 +548,7 @@ def test_new_machine_run_is_quoted_as_its_files_hold_it():
     section = (ROOT / "experiments" / "cost_model" / "README.md").read_text().split("### A new machine")[1]
     section = section.split("\n### ")[0]
     bench = (ROOT / "benchmarks" / "README.md").read_text().split("## 10. Issue 17's targets")[1]
-    main_row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| [cost_model]"))
+    main_row = next(line for line in documentation_text().splitlines() if line.startswith("| [cost_model]"))
     for name, label in (("grid1", "grid 1"), ("grid2", "grid 2")):
         grid = _grid(name, NEW_MACHINE)
         quoted = re.search(rf"^- {label}: (\d+) rows, \*\*mean \|error\| ([\d.]+)%, max ([\d.]+)%\*\*", section, re.M)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from tests.docs_text import documentation_text
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -25,7 +26,7 @@ def test_kv_pieces_default_cost_is_the_files_range():
     ratios = [r["ratio_median"] for r in rows]
     quoted = f"{min(ratios):.3f}-{max(ratios):.3f}x"
     assert f"**{quoted}**" in SECTION_10
-    assert f"the default\nmeasured {quoted} the time of `kv_pieces=1`" in (ROOT / "README.md").read_text()
+    assert f"the default\nmeasured {quoted} the time of `kv_pieces=1`" in documentation_text()
     assert max(ratios) <= 1.03  # issue 17's bound, as measured
     ulysses = [f"{r['ratio_median']:.3f}" for r in rows if r["backend"] == "ulysses"]
     assert f"`ulysses` ({ulysses[0]} / {ulysses[1]} at N = 4096 / 8192)" in SECTION_10
@@ -52,13 +53,13 @@ def test_regret_and_first_call_in_section_10_are_the_files():
     first = [r["first_call_s"] for r in data]
     assert f"**{sum(regrets) / len(regrets):.3f} / {max(regrets):.3f}**; first call {min(first):.1f}-{max(first):.1f} s" \
         in SECTION_10
-    assert f"(measured {min(first):.1f}-{max(first):.1f} s on the CPU grid below" in (ROOT / "README.md").read_text()
+    assert f"(measured {min(first):.1f}-{max(first):.1f} s on the CPU grid below" in documentation_text()
 
 
 def test_peer_cell_ratios_are_the_files():
     """The allgather_kv / ulysses cells timed alone (``scripts/bench_peer_cell.py``), as section 8's run 12 and the
     README's peers row quote them."""
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join(documentation_text().split())
     run12 = " ".join(BENCH.split("### Run 12,")[1].split("\n### ")[0].replace("**", "").split())
     for pair in ("allgather_kv", "ulysses"):
         rows = json.loads((RESULTS / f"2026-11-28_peer-cell_{pair}_N4096.json").read_text())["rows"]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.docs_text import documentation_text
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -38,13 +39,13 @@ NOISE = ("LeafSpec", "💡 Tip", "Total FLOPs", "Epoch 0/-")
 
 def _output_block(marker: str) -> list[str]:
     """The lines of the text block after ``<!-- output: <marker> ...-->`` in the README."""
-    match = re.search(rf"<!-- output: {re.escape(marker)}[^>]*-->\s*```text\n(.*?)```", README.read_text(), re.DOTALL)
+    match = re.search(rf"<!-- output: {re.escape(marker)}[^>]*-->\s*```text\n(.*?)```", documentation_text(), re.DOTALL)
     assert match, f"README has no output block marked '{marker}'"
     return match.group(1).splitlines()
 
 
 def _readme_number(pattern: str) -> str:
-    found = re.findall(pattern, README.read_text())  # patterns use \s+ where the README may wrap
+    found = re.findall(pattern, documentation_text())  # patterns use \s+ where the README may wrap
     assert len(found) == 1, f"README: expected one match of {pattern!r}, found {found}"
     return found[0]
 
@@ -90,7 +91,7 @@ def test_communication_per_step_is_the_formula_for_the_demo_config():
     assert quoted == pytest.approx(mib(pieces), abs=5e-4), (quoted, mib(pieces))
     # negative control: K/V in 8 pieces (dK/dV straight back to its owner) would send 10.125
     assert mib(piece_count(8, n // p)) == pytest.approx(10.125) and abs(mib(piece_count(8, n // p)) - quoted) > 0.5
-    parts = [float(x) for x in re.findall(r"([\d.]+) MiB of K/V ring\s+sends and ([\d.]+) MiB of dK/dV", README.read_text())[0]]
+    parts = [float(x) for x in re.findall(r"([\d.]+) MiB of K/V ring\s+sends and ([\d.]+) MiB of dK/dV", documentation_text())[0]]
     assert parts == pytest.approx([2 * fwd * 4 * len(attention) / 2**20, (mib(pieces) - 2 * fwd * 4 * len(attention) / 2**20)])
 
 
@@ -155,7 +156,7 @@ def test_hf_training_example_defines_what_it_uses():
     """The README's Hugging Face Trainer example runs as written up to ``trainer.fit`` (shrunk, Trainer
     stubbed: its training is ``tests/distributed/test_hf_transformers.py``'s): ``loader`` exists and yields
     global batches of ``input_ids`` and ``labels``, the same on every rank (seeded)."""
-    match = re.search(r"<!-- test: hf training example[^>]*-->\s*```python\n(.*?)```", README.read_text(), re.DOTALL)
+    match = re.search(r"<!-- test: hf training example[^>]*-->\s*```python\n(.*?)```", documentation_text(), re.DOTALL)
     assert match, "README has no block marked 'hf training example'"
     code = match.group(1)
     for big, small in [("hidden_size=1024", "hidden_size=32"), ("intermediate_size=2816", "intermediate_size=64"),
