@@ -48,8 +48,9 @@ def example_configs(root: Path = REPO_ROOT) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.glob(CONFIG_PATTERN))
 
 
-def usage() -> str:
-    """What ``lightning-sp --help`` prints: the subcommands and the example configs."""
+def usage(root: Path = REPO_ROOT) -> str:
+    """What ``lightning-sp --help`` prints: the subcommands and the example configs of the checkout at ``root``
+    (an installed wheel has none: then where to find them)."""
     lines = [
         "usage: lightning-sp [-c CONFIG] {fit,validate,test,predict} [--config CONFIG] [OPTIONS]",
         "",
@@ -67,7 +68,7 @@ def usage() -> str:
         "  --trainer.strategy.help lightning_sp.SequenceParallelStrategy   one class's arguments",
         "",
     ]
-    configs = example_configs()
+    configs = example_configs(root)
     if configs:
         lines += ["example configs (run from the repository root):",
                   *(f"  lightning-sp fit --config {c}" for c in configs)]

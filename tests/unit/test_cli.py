@@ -79,6 +79,9 @@ def test_help_names_every_example_config_and_does_not_import_lightning(tmp_path)
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert "lightning imported: False" in out.stdout, out.stdout + out.stderr
+    # installed from a wheel (no experiments/ beside the package): it says where the configs are
+    assert example_configs(tmp_path) == []
+    assert "experiments/<name>/config.yaml in the source repository" in usage(tmp_path)
 
 
 def test_help_lists_lightnings_subcommands_and_the_cli_classes_load_lazily():
