@@ -65,3 +65,27 @@ def test_make_test_installs_the_docs_extra_and_make_docs_builds_strictly(tmp_pat
     docs = subprocess.run([shutil.which("make"), "-n", "docs", f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert "mkdocs build --strict" in docs.stdout, docs.stdout + docs.stderr
+
+
+def test_the_readmes_wheel_builds_under_the_name_it_quotes(tmp_path):
+    """The README's install-anywhere path: ``pip wheel --no-deps -w dist .`` gives the file the README installs,
+    with the console script. Built from a copy of the package (no build files in the checkout), offline."""
+    import re
+    import sys
+    import zipfile
+
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "lightning_sp", src / "lightning_sp", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                           str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    quoted = set(re.findall(r"dist/(lightning_sp-[^\s\"\[]+\.whl)", (ROOT / "README.md").read_text()))
+    assert quoted == {wheel.name}, (quoted, wheel.name)
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+        assert "lightning-sp = lightning_sp.cli:main" in zf.read(entry_points).decode()
+    assert "lightning_sp/cli.py" in names and not any(n.startswith(("tests/", "experiments/")) for n in names)
