@@ -62,11 +62,70 @@ def _sharder_attribute(name: str) -> property:
 
 
 class SequenceParallelStrategy(DDPStrategy):
-    """Sequence (context) parallelism x data parallelism (and tensor parallelism) for a Lightning ``Trainer``:
-    ``sequence_parallel_size`` ranks share one sequence (``None``: every rank a ``tp`` group leaves), each
-    batch is sharded along dim 1 of its ``sequence_keys``, and modules built with ``backend=None`` run
-    ``backend``. Every argument is documented in the README's "Arguments" section; ``**kwargs`` go to
-    ``DDPStrategy``.
+    """Sequence (context) parallelism x data parallelism (and tensor parallelism) for a Lightning ``Trainer``.
+
+    ``sequence_parallel_size`` ranks share one sequence and the rest of the world trains data parallel
+    (``dp = world / (sp * tp)``). Before ``training_step`` sees a batch, each tensor under ``sequence_keys`` is
+    sharded along dim 1 with the backend's layout (``[B, N, ...] -> [B, N_pad / sp, ...]``), padded at the end
+    when ``sp`` does not divide ``N``; every ``SequenceParallelAttention`` built with ``backend=None`` is bound to
+    this rank's groups and runs ``backend``. Gradients equal single-device training on the same global batch
+    when the loss is ``sequence_parallel_cross_entropy(..., group=strategy.sp_group)``. Registered with
+    Lightning as ``"sequence_parallel"`` (``Trainer(strategy="sequence_parallel")``: sp = every rank).
+
+    After setup, ``context`` (groups, backend, byte counters), ``sp_group``, ``dp_group``, ``layout`` and
+    ``parallel_dims`` are available; before setup they raise an error saying when they become available.
+
+    Args:
+        sequence_parallel_size: Ranks that share one sequence; must divide ``num_nodes * devices`` (with
+            ``tensor_parallel_size``: ``sp * tp`` must). ``None``: every rank a tensor-parallel group leaves.
+        backend: Attention backend for modules built with ``backend=None``: ``"ulysses"``, ``"ring"``,
+            ``"zigzag_ring"``, ``"allgather_kv"``, ``"usp"``, ``"colossal"``, ``"local"`` or ``"auto"`` (the
+            fastest exact backend, measured once per shape on this machine and cached, or priced by the cost
+            model; see ``auto_policy``).
+        ulysses_degree: ``backend="usp"`` only: the inner Ulysses degree, a divisor of ``sp``. ``None``: the
+            largest divisor that leaves a ring of at least 2 (at most the ranks per node).
+        data_parallel: ``"ddp"`` (replicated parameters, ``DistributedDataParallel`` over the world) or
+            ``"fsdp"`` (FSDP2 ``fully_shard`` over all ``dp x sp`` ranks: parameters, gradients and optimizer
+            state sharded).
+        sequence_keys: Keys of a dict batch (or integer positions of a tuple batch) sharded along dim 1. With
+            ``sp > 1`` a batch holding none of them raises (every rank would train on the whole sequence).
+            Tuple batches get no ``position_ids`` (a one-time warning says so).
+        label_keys: Sequence keys padded with ``ignore_index`` instead of ``pad_value``.
+        position_ids_key: Key under which this rank's global positions ``[B, S_local]`` are added to a dict
+            batch when the key is among ``sequence_keys`` but absent from the batch; ``None`` disables it.
+        ignore_index: Label padding value; must match the loss's ``ignore_index``.
+        pad_value: Padding value of the other sequence tensors.
+        kernel: Local attention kernel for modules built with ``kernel="auto"``: ``"auto"``, ``"sdpa"``,
+            ``"efficient"``, ``"cudnn"``, ``"flash_attn"`` or ``"torch"``.
+        fsdp_shard_modules: With ``data_parallel="fsdp"``: module classes (e.g. your transformer block) that
+            each get their own ``fully_shard`` unit.
+        checkpoint_attention: Selective activation checkpointing: recompute only the attention (and its
+            communication) in backward. For full checkpointing of the project's models pass
+            ``activation_checkpointing=True`` to the model instead.
+        shuffle: ``True``: Lightning's behaviour, the injected ``DistributedSampler`` shuffles the training
+            data (seed ``PL_GLOBAL_SEED``) even if the ``DataLoader`` does not; ``False``: dataset order, for a
+            step-for-step comparison with an unshuffled single-device run.
+        process_group_timeout: Seconds (or a ``timedelta``) a collective or a group creation may wait before
+            the run fails with an error naming the rank, its coordinates and the step. Keep it short to turn a
+            dead or stalled rank into an error.
+        tensor_parallel_size: Megatron tensor + sequence parallelism over the innermost ``tp`` mesh axis (the
+            model's ``lightning_sp.tensor_parallel`` layers); ``dp = world / (sp * tp)``.
+        distributed_checkpoint: ``True``: a sharded ``torch.distributed.checkpoint`` directory (each rank
+            writes only the chunks it holds); ``False``: Lightning's single file; ``None``: sharded with FSDP or
+            ``tensor_parallel_size > 1``, else a single file. Both resume under any layout; a single file cannot
+            hold a tensor-parallel model (``False`` with ``tensor_parallel_size > 1`` raises).
+        hardware: The cost-model profile ``backend="auto"`` prices the backends with: a preset name of
+            ``lightning_sp.cost_model`` (e.g. ``"h100-80gb"``; an unknown name lists them) or a calibrated
+            ``HardwareProfile``. ``None``: the default profile for the device. A profile makes ``auto`` choose
+            by the model's prediction unless ``auto_policy="measure"``.
+        memory_budget: Bytes one attention forward + backward may peak at per rank: modules with
+            ``kv_pieces="auto"`` (the default) split K/V into the fewest pieces that fit it. ``None``: whole
+            blocks on CPU, a quarter of the free memory on CUDA.
+        auto_policy: For ``backend="auto"``: ``"measure"`` (time the candidates once per shape on this
+            machine, cached) or ``"model"`` (the cost model's prediction). ``None``: ``$LIGHTNING_SP_AUTO``,
+            else ``"model"`` when ``hardware`` is set, else ``"measure"``.
+        **kwargs: Passed to Lightning's ``DDPStrategy`` (``start_method``, ``process_group_backend``,
+            ``find_unused_parameters``, ``static_graph``, ...).
     """
 
     strategy_name = "sequence_parallel"

@@ -35,7 +35,7 @@ def main() -> int:
 
     table = support_table(run_on_ranks(sweep_worker, 2, timeout_s=900)[0])
     print(table)
-    readme = ROOT / "README.md"
+    readme = ROOT / "docs" / "guides" / "huggingface.md"
     text = readme.read_text()
     pattern = re.compile(re.escape(TABLE_BEGIN) + r"\n.*?\n" + re.escape(TABLE_END), re.S)
     block = f"{TABLE_BEGIN}\n{table}\n{TABLE_END}"

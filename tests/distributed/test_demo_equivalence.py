@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.docs_text import documentation_text
 
 pytestmark = pytest.mark.distributed
 
@@ -46,7 +47,7 @@ def _train_losses(config: Path, extra: list[str], log_dir: Path, *, parallel: bo
     if parallel:
         assert "SequenceParallelStrategy: world=4 dp=1 sp=4" in log
         if "--trainer.strategy.init_args.backend" not in extra:  # the README quotes the demo's banner
-            banner = next(line for line in README.read_text().splitlines() if line.startswith("SequenceParallelStrategy: world="))
+            banner = next(line for line in documentation_text().splitlines() if line.startswith("SequenceParallelStrategy: world="))
             assert banner in log.splitlines(), (banner, log[-3000:])
     # issue 19: no rank prints Lightning's LeafSpec deprecation or product tips, no FLOPs-less summary
     noisy = [word for word in ("LeafSpec", "💡 Tip", "Total FLOPs") if word in log]

@@ -15,6 +15,7 @@ import torch
 
 from tests.distributed.harness import run_on_ranks
 from tests.reference import dense_attention
+from tests.docs_text import documentation_text
 
 pytestmark = pytest.mark.distributed
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -22,8 +23,8 @@ BACKENDS = ["ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal",
 
 
 def readme_block(marker: str) -> str:
-    """The python code block that follows ``<!-- test: <marker> ...-->`` in the README."""
-    text = README.read_text()
+    """The python code block that follows ``<!-- test: <marker> ...-->`` in the README or a docs page."""
+    text = documentation_text()
     match = re.search(rf"<!-- test: {re.escape(marker)}[^>]*-->\s*```python\n(.*?)```", text, re.DOTALL)
     assert match, f"README has no block marked '{marker}'"
     return match.group(1)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from tests.docs_text import HF_GUIDE
 
 ROOT = Path(__file__).resolve().parents[2]
 UNPINNED = {"torch", "lightning-sp"}  # torch: the Makefile's TORCH_SPEC picks the CPU or CUDA build
@@ -91,7 +92,7 @@ def test_this_environment_is_the_one_the_constraints_describe():
 def test_readme_support_table_names_the_pinned_transformers():
     from tests.hf_tiny import TABLE_BEGIN, TABLE_VERSION
 
-    readme = (ROOT / "README.md").read_text()
+    readme = HF_GUIDE.read_text()
     block = readme[readme.index(TABLE_BEGIN):]
     swept = TABLE_VERSION.search(block)
     assert swept, "README's HF support table does not name the transformers it was swept with"

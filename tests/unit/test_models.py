@@ -106,20 +106,20 @@ def test_multimodal_loss_falls():
 def test_demo_configs_instantiate(name, model_cls, vocab, tmp_path):
     from pathlib import Path
 
-    from lightning_sp.cli import main
+    from lightning_sp.cli import build_cli
     from lightning_sp.strategy import SequenceParallelStrategy
 
     cfg = Path(__file__).resolve().parents[2] / "experiments" / name / "config.yaml"
-    cli = main(["--config", str(cfg), "--trainer.logger.init_args.save_dir", str(tmp_path)], run=False)
+    cli = build_cli(["--config", str(cfg), "--trainer.logger.init_args.save_dir", str(tmp_path)], run=False)
     assert isinstance(cli.model, model_cls) and cli.model.config.vocab_size == vocab  # linked from the data module
     assert isinstance(cli.trainer.strategy, SequenceParallelStrategy) and cli.trainer.num_devices == 4
 
 
 def test_cli_rejects_bad_config(tmp_path, capsys):
-    from lightning_sp.cli import main
+    from lightning_sp.cli import build_cli
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  class_path: lightning_sp.models.ProteinEncoder\n  init_args:\n    d_model: 30\n    n_heads: 4\n"
                    "data:\n  class_path: lightning_sp.data.ProteinDataModule\n")
     with pytest.raises(ValueError, match="divisible by n_heads"):
-        main(["--config", str(bad), "--trainer.logger", "false"], run=False)
+        build_cli(["--config", str(bad), "--trainer.logger", "false"], run=False)
