@@ -41,6 +41,8 @@ def test_usp_ulysses_degree_must_divide_sp():
         (dict(sequence_parallel_size=2, sequence_keys="input_ids"), r"sequence_keys must be a sequence of keys.*\('input_ids',\)"),
         (dict(sequence_parallel_size=2, timeout=timedelta(seconds=5)), r"pass `process_group_timeout=`"),
         (dict(sequence_parallel_size=2, process_group_timeout=0), r"process_group_timeout must be positive"),
+        (dict(sequence_parallel_size=2, shuffle="yes"), r"shuffle must be None \(follow the training DataLoader\)"),
+        (dict(sequence_parallel_size=2, gather_predictions=None), r"gather_predictions True or False"),
     ],
 )
 def test_bad_arguments(kwargs, match):
