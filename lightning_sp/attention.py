@@ -241,8 +241,9 @@ class SequenceParallelAttention(nn.Module):
         kernel: local kernel, ``"auto"``, ``"torch"``, ``"sdpa"`` or ``"flash_attn"``.
         dropout_p, window_size: not supported; anything but the defaults raises.
         validate_inputs: ``True`` (default) or ``"always"`` (the same): at every call every rank of the
-            group joins one tiny all-gather (a row of 20 numbers: shapes, dtype, lengths, a hash of the
-            documents, what ``auto`` chose) before anything can raise, so bad input on any rank, or
+            group joins one tiny all-gather (a row of 27 numbers: shapes, dtype, lengths, a hash of the
+            documents, what ``auto`` chose, a few sums of ``q``, ``k``, ``v`` that tell a memory held whole on
+            every rank from shards: Note [Cross-attention over a replicated memory]) before anything can raise, so bad input on any rank, or
             inputs that differ across ranks at any step, raise on every rank at once, naming the ranks
             and their values (Note [Cross-rank checks are decided together] in ``comm/agree.py``).
             ``False``: no check and no collective, for inputs identical by construction (benchmarks):
