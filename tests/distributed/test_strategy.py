@@ -491,6 +491,22 @@ def _predict_cases(rank: int) -> dict:
                 err = float((logits - want[i]).abs().max()) if logits.shape == want[i].shape else math.inf
                 per_sample[i] = (tuple(logits.shape), err, bool(torch.equal(ids_row, data[i]["input_ids"])))
         results[name] = per_sample
+
+    # predict after fit on the same trainer under FSDP2 (its root unshards only through forward redirection)
+    cfg = _c("fsdp/zigzag_ring/sp2xdp2", "zigzag_ring", 2, dp="fsdp")
+    train = _dataset(8)
+    model = _make_model(True)
+    trainer = _fit(cfg, model, train, steps=1)
+    batches = trainer.predict(model, DataLoader(data, batch_size=1, shuffle=False))
+    trained = _reference(True, train, _first_steps(cfg, len(train), 1))
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            p.copy_(trained[n])
+        want = reference(ids, torch.arange(SEQ_LEN).expand_as(ids))
+    results["after-fit/" + cfg["name"]] = {
+        i: (tuple(b["logits"][0].shape), float((b["logits"][0] - want[i]).abs().max())
+            if b["logits"][0].shape == want[i].shape else math.inf, True)
+        for b in batches for i in b["idx"].tolist()}
     return results
 
 
@@ -632,6 +648,10 @@ def test_predict_returns_whole_sequences_in_order(results):
                     shape, wrong_order_err = outcome
                     assert shape == (16 // sp, VOCAB), (rank, name, i, outcome)
                     assert wrong_order_err > 1e-3, (rank, name, i, outcome)
+        after_fit = pred["after-fit/fsdp/zigzag_ring/sp2xdp2"]
+        assert sorted(after_fit) == [i for i in range(6) if i % 2 == rank // 2], (rank, sorted(after_fit))
+        for i, (shape, err, _) in after_fit.items():
+            assert shape == (SEQ_LEN, VOCAB) and err < TOL, (rank, "after fit, fsdp", i, shape, err)
 
 
 def test_bf16_mixed_trains_close_to_fp64(results):
