@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
@@ -220,7 +220,13 @@ class SequenceParallelStrategy(DDPStrategy):
         this wraps it on this trainer until teardown."""
         connector = getattr(trainer, "_data_connector", None)
         prepare = getattr(type(connector), "_prepare_dataloader", None)
-        if prepare is None or self._undo_shuffle_following is not None:
+        if self._undo_shuffle_following is not None:
+            return
+        if prepare is None:  # a Lightning without the hook: say so rather than shuffle unasked
+            if self.shuffle is None:
+                rank_zero_warn("SequenceParallelStrategy(shuffle=None) cannot see the training DataLoader's "
+                               "shuffling in this Lightning version: its distributed sampler shuffles; pass "
+                               "shuffle=False to read the data in the loader's order")
             return
         from lightning.pytorch.trainer.states import RunningStage
         from lightning.pytorch.utilities.data import _is_dataloader_shuffled
