@@ -25,7 +25,7 @@ from lightning_sp import choices
 from lightning_sp.comm.agree import describe_disagreement, gather_rows, global_ranks, stable_hash
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.context import SequenceParallelContext
-from lightning_sp.layout import SequenceLayout, global_seq_len_of, padded_length
+from lightning_sp.layout import Run, SequenceLayout, global_seq_len_of, padded_length
 from lightning_sp.ops import backends
 from lightning_sp.ops.kernels import KERNELS, make_kernel, prefers_heads_major
 
@@ -38,6 +38,11 @@ gives the lowest peak measured (at P = 4, <= 0.35 of one process's for every bac
 benchmarks/README.md, section 4)."""
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+KV_LAYOUTS = ("sharded", "replicated")
+"""``forward(..., kv_layout=)``: ``"sharded"`` (default), ``k``/``v`` are this rank's shards of ``q``'s own
+sequence (self-attention); ``"replicated"``, ``k``/``v`` are a memory held whole on every rank
+(cross-attention; Note [Cross-attention over a replicated memory])."""
 
 
 def _compiler_disabled(fn):
@@ -194,6 +199,31 @@ def make_usp_groups(group, ulysses_degree: int):
     return mine_u, mine_r
 
 
+# Note [Cross-attention over a replicated memory]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Queries are shards of the sequence; the memory (an encoder's output, image tokens) is whole on every rank:
+#
+#     rank r:  q_r [B, S_local, H, D]  x  memory k, v [B, M, H_kv, D]  ->  out_r = softmax(q_r k^T) v
+#
+# Each query attends over all M memory tokens and nothing else, so a rank needs nothing from its peers:
+# forward(..., kv_layout="replicated") is one local kernel call, whatever the backend. Backward: rank r's
+# dK/dV are the part of its own queries, dK = sum_r dK_r. The attention does not sum them: the weights that
+# computed the memory on every rank then hold partial gradients like every other weight, and the reduction
+# that combines those (Note [Gradient reduction over dp x sp] in data_parallel.py: a mean over dp x sp of
+# rank gradients scaled by P through the replicated loss) combines these the same way; summing in the
+# attention as well would count each part P times. A memory gathered from shards with gather_sequence sums
+# the parts in gather_sequence's backward.
+#
+# The default kv_layout="sharded" reads k, v as shards of q's sequence. A whole memory of another length
+# fails the shape check (error 12). One of exactly the shard's length would be read as P copies of itself
+# (silently wrong once causal masks or padding weight the copies differently), so the cross-rank check
+# also gathers a few sums of each rank's q, k, v (_fingerprints: O(S_local * H * D), one host sync): k and v
+# equal on every rank and varying along the sequence while q differs raises, naming kv_layout="replicated";
+# with kv_layout="replicated", sums that differ across ranks (beyond bf16 noise) raise. Shards that happen
+# to be equal (a sequence periodic in the layout's order) would be refused: validate_inputs=False skips the
+# check.
+
+
 class SequenceParallelAttention(nn.Module):
     """Exact (no approximation) softmax attention over the whole global sequence.
 
@@ -211,8 +241,9 @@ class SequenceParallelAttention(nn.Module):
         kernel: local kernel, ``"auto"``, ``"torch"``, ``"sdpa"`` or ``"flash_attn"``.
         dropout_p, window_size: not supported; anything but the defaults raises.
         validate_inputs: ``True`` (default) or ``"always"`` (the same): at every call every rank of the
-            group joins one tiny all-gather (a row of 20 numbers: shapes, dtype, lengths, a hash of the
-            documents, what ``auto`` chose) before anything can raise, so bad input on any rank, or
+            group joins one tiny all-gather (a row of 27 numbers: shapes, dtype, lengths, a hash of the
+            documents, what ``auto`` chose, a few sums of ``q``, ``k``, ``v`` that tell a memory held whole on
+            every rank from shards: Note [Cross-attention over a replicated memory]) before anything can raise, so bad input on any rank, or
             inputs that differ across ranks at any step, raise on every rank at once, naming the ranks
             and their values (Note [Cross-rank checks are decided together] in ``comm/agree.py``).
             ``False``: no check and no collective, for inputs identical by construction (benchmarks):
@@ -362,16 +393,29 @@ class SequenceParallelAttention(nn.Module):
         peers run in their ``forward``: they raise naming this rank instead of waiting for the timeout."""
         world = self._group_size()
         if world > 1 and self.validate_inputs:
-            gather_rows((_CALLER_ERROR,) + (0,) * (len(_SIGNATURE_NAMES) - 1), self.process_group, device=q.device)
+            gather_rows((_CALLER_ERROR,) + (0,) * (_ROW_LENGTH - 1), self.process_group, device=q.device)
         raise error
 
     # -- forward -------------------------------------------------------------------------------
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens=None, seq_len: int | None = None,
-        softmax_scale: float | None = None, **unsupported,
+        softmax_scale: float | None = None, kv_layout: str = "sharded", **unsupported,
     ) -> torch.Tensor:
         """``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``[B, S_local, H, D]``.
+
+        ``kv_layout="replicated"``: cross-attention. ``k, v [B, M, H_kv, D]`` are a memory of any length
+        ``M`` (encoder output, image tokens), the same on every rank; each rank's queries attend over the
+        whole memory, with no communication (Note [Cross-attention over a replicated memory]). Not
+        causal, no ``cu_seqlens``. ``k.grad``/``v.grad`` on each rank are that rank's part (its queries');
+        their sum over the group is the gradient of the memory: weights that compute the memory on every
+        rank get partial gradients like every other weight, which ``SequenceParallelStrategy``'s
+        data-parallel reduction combines exactly; standalone, sum them over the group as the other
+        weights' gradients, or build the memory with ``gather_sequence`` (its backward sums them).
+        With the default ``"sharded"``, ``k``/``v`` must be shards of ``q``'s own sequence: a length that
+        differs from ``q``'s raises naming ``kv_layout="replicated"``, and so does (with
+        ``validate_inputs``) a ``k`` identical on every rank while ``q`` differs (a replicated memory of
+        the shard's length, which would otherwise be read as ``P`` copies of itself).
 
         ``cu_seqlens``: int cumulative lengths ``[0, l1, ..., N]`` of the *global* packed sequence
         (``B == 1``), the same on every rank; it must end at the global length ``N``. ``seq_len``: the
@@ -392,19 +436,21 @@ class SequenceParallelAttention(nn.Module):
             )
         world = self._group_size()
         if world == 1:
-            return self._local_forward(q, k, v, cu_seqlens, seq_len, softmax_scale)
-        return self._parallel_forward(q, k, v, cu_seqlens, seq_len, softmax_scale, world)
+            return self._local_forward(q, k, v, cu_seqlens, seq_len, softmax_scale, kv_layout)
+        return self._parallel_forward(q, k, v, cu_seqlens, seq_len, softmax_scale, world, kv_layout)
 
-    def _local_forward(self, q, k, v, cu_seqlens, seq_len, softmax_scale) -> torch.Tensor:
+    def _local_forward(self, q, k, v, cu_seqlens, seq_len, softmax_scale, kv_layout="sharded") -> torch.Tensor:
         """No group (or ``backend="local"``): attention over these tokens only, no collectives. Only an
         explicit ``seq_len`` marks padding here (a strategy's global length is not about these tokens)."""
-        error = _local_input_error(q, k, v, cu_seqlens)
+        error = _local_input_error(q, k, v, cu_seqlens, kv_layout, self.causal)
         if error is not None:
             raise ValueError(error[1])
         n = q.size(1)
         if seq_len is not None and not 0 < seq_len <= n:
             raise ValueError(f"seq_len={seq_len} must be in [1, {n}] for local attention over {n} tokens")
         scale = _resolve_scale(softmax_scale, self.softmax_scale, q.size(-1))
+        if kv_layout == "replicated":
+            return self._replicated_kv_attention(q, k, v, scale)
         kernel_name = self.kernel if self.kernel != "auto" else self.context.kernel
         if torch.compiler.is_compiling() and kernel_name in ("auto", "sdpa"):
             return _compiled_local_attention(q, k, v, cu_seqlens, seq_len, scale, self.causal)
@@ -417,15 +463,16 @@ class SequenceParallelAttention(nn.Module):
             return backends.local_attention(q, k, v, call)
 
     @_compiler_disabled  # one graph break per call: collectives, host-side plans and checks
-    def _parallel_forward(self, q, k, v, cu_seqlens, seq_len, softmax_scale, world) -> torch.Tensor:
+    def _parallel_forward(self, q, k, v, cu_seqlens, seq_len, softmax_scale, world, kv_layout="sharded") -> torch.Tensor:
         group, ctx = self.process_group, self.context
         backend = self.resolved_backend()
+        replicated = kv_layout == "replicated"
         # Every local problem becomes an error code, raised only after the cross-rank check that every
         # rank joins at every call (Note [Cross-rank checks are decided together] in comm/agree.py)
-        error = _local_input_error(q, k, v, cu_seqlens)
+        error = _local_input_error(q, k, v, cu_seqlens, kv_layout, self.causal)
         bounds = ctx.cu_bounds(cu_seqlens) if cu_seqlens is not None and error is None else None
-        try:
-            seq_len = self._global_seq_len(seq_len, q, k, v)
+        try:  # a replicated memory is no shard: only q's sequence has a global length
+            seq_len = self._global_seq_len(seq_len, q, q, q) if replicated else self._global_seq_len(seq_len, q, k, v)
         except ValueError as e:
             error, seq_len = error or (8, str(e)), None
         if error is None and bounds is not None:
@@ -434,10 +481,12 @@ class SequenceParallelAttention(nn.Module):
         layout = self.layout
         if self.validate_inputs:
             signature = _signature(q, k, error, self.causal, backend, self._decision_inputs(backend), layout, bounds,
-                                   seq_len, scale, self.kv_pieces)
-            _check_across_ranks(signature, error, group, q)
+                                   seq_len, scale, self.kv_pieces, kv_layout=kv_layout)
+            _check_across_ranks(signature, error, group, q, fingerprints=_fingerprints(q, k, v, error))
         elif error is not None:
             raise ValueError(error[1])
+        if replicated:  # Note [Cross-attention over a replicated memory]: no collective, whatever the backend
+            return self._replicated_kv_attention(q, k, v, scale)
         auto_u = None
         if backend == "auto":  # after the check: measuring the candidates runs collectives on agreed shapes
             backend, auto_u = self._resolve_auto(q, k, v, cu_seqlens, seq_len, world, scale, layout)
@@ -469,6 +518,16 @@ class SequenceParallelAttention(nn.Module):
             kv_pieces=self._kv_pieces(backend, q, k, world, auto_u),
             heads_major=self._memory_budget() is None,  # Note [Head-major blocks]: copies no budget predicts
         )
+
+    def _replicated_kv_attention(self, q, k, v, scale) -> torch.Tensor:
+        """``q [B, S_local, H, D]`` over the whole memory ``k, v [B, M, H_kv, D]``: one local kernel call,
+        no mask (Note [Cross-attention over a replicated memory])."""
+        call = backends.AttentionCall(kernel=self._make_kernel(q), scale=scale, causal=False,
+                                      layout=SequenceLayout("contiguous"), padded_len=q.size(1), doc_bounds=None,
+                                      stats=None)
+        queries, memory = [Run(0, 0, q.size(1))], [Run(0, 0, k.size(1))]
+        with torch.autocast(q.device.type, enabled=False):
+            return backends.block_attention(q, k, v, call.spec(queries, [memory]))
 
     def _dispatch(self, backend, auto_u, q, k, v, call, group, world) -> torch.Tensor:
         with torch.autocast(q.device.type, enabled=False):
@@ -669,12 +728,17 @@ _LOCAL_ERRORS = ("", "q, k, v are not 4-D [B, S_local, H, D]", "q, k, v dtypes d
                  "k and v shapes differ", "q and k differ in batch, sequence or head dim",
                  "num_heads not a multiple of num_kv_heads", "bad cu_seqlens",
                  "q, k, v sharded from sequences of different lengths", "(unused: auto decides after the check)",
-                 "rejected by its caller (e.g. the transformers integration) before attention")
+                 "rejected by its caller (e.g. the transformers integration) before attention",
+                 "kv_layout not one of 'sharded', 'replicated'",
+                 "q and k lengths differ with kv_layout='sharded' (cross-attention needs kv_layout='replicated')",
+                 "kv_layout='replicated' (cross-attention) with causal=True or cu_seqlens")
 _CALLER_ERROR = 10  # SequenceParallelAttention.raise_on_every_rank
 
 
-def _local_input_error(q, k, v, cu_seqlens) -> tuple[int, str] | None:
+def _local_input_error(q, k, v, cu_seqlens, kv_layout="sharded", causal=False) -> tuple[int, str] | None:
     """``(code, message)`` for inputs that cannot be attended, ``None`` when they are fine."""
+    if kv_layout not in KV_LAYOUTS:
+        return 11, f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return 1, f"q, k, v must be [B, S_local, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if not (q.dtype == k.dtype == v.dtype):
@@ -683,8 +747,22 @@ def _local_input_error(q, k, v, cu_seqlens) -> tuple[int, str] | None:
         return 3, f"attention needs a floating dtype (fp16/bf16/fp32/fp64); got {q.dtype}"
     if k.shape != v.shape:
         return 4, f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}"
-    if (q.size(0), q.size(1), q.size(3)) != (k.size(0), k.size(1), k.size(3)):
-        return 5, f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, sequence or head dim"
+    if (q.size(0), q.size(3)) != (k.size(0), k.size(3)):
+        return 5, f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head dim"
+    if kv_layout == "sharded" and q.size(1) != k.size(1):
+        return 12, (
+            f"k and v hold {k.size(1)} positions but q holds {q.size(1)} (q {tuple(q.shape)}, k {tuple(k.shape)}): "
+            f"with kv_layout='sharded' (the default) k and v are the shards of q's own sequence (self-attention). "
+            f"For cross-attention over a memory (an encoder's output, image tokens) held whole on every rank, "
+            f"pass kv_layout='replicated': each rank's queries then attend over the whole memory"
+        )
+    if kv_layout == "replicated" and (causal or cu_seqlens is not None):
+        what = "causal=True" if causal else "cu_seqlens"
+        return 13, (
+            f"kv_layout='replicated' (cross-attention over a memory held whole on every rank) does not take "
+            f"{what}: a causal mask and documents relate positions of one sequence, and the memory is another. "
+            f"Build the cross-attention module with causal=False and call it without cu_seqlens"
+        )
     if q.size(2) % k.size(2):
         return 6, f"num_heads={q.size(2)} must be a multiple of num_kv_heads={k.size(2)} (GQA/MQA)"
     if cu_seqlens is not None:
@@ -717,7 +795,8 @@ def _doc_bounds(bounds: tuple[int, ...] | None, seq_len: int, padded_len: int) -
     return list(bounds) + ([padded_len] if seq_len < padded_len else [])
 
 
-def _signature(q, k, error, causal, backend, decision_inputs, layout, bounds, seq_len, scale, kv_pieces) -> tuple:
+def _signature(q, k, error, causal, backend, decision_inputs, layout, bounds, seq_len, scale, kv_pieces, *,
+               kv_layout="sharded") -> tuple:
     """What every rank of the group must agree on, as numbers (one all-gather compares them)."""
     shape = lambda t: (list(t.shape) + [-1] * 4)[:4] if t.dim() <= 4 else [-2] * 4  # noqa: E731
     return (
@@ -725,12 +804,20 @@ def _signature(q, k, error, causal, backend, decision_inputs, layout, bounds, se
         backends.BACKENDS.index(backend), decision_inputs, layout.ulysses_degree,
         -1 if bounds is None else len(bounds), -1 if bounds is None else stable_hash(bounds),
         -1 if seq_len is None else seq_len, scale, 0 if kv_pieces == "auto" else kv_pieces,
+        KV_LAYOUTS.index(kv_layout) if kv_layout in KV_LAYOUTS else -1,
     )
 
 
 _SIGNATURE_NAMES = ("error", "B", "S_local", "H", "D", "kB", "kS", "H_kv", "kD", "dtype", "causal", "backend",
                     "hash(auto_policy, hardware, ranks_per_node, memory_budget)", "ulysses_degree", "len(cu_seqlens)",
-                    "hash(cu_seqlens)", "seq_len", "softmax_scale", "kv_pieces (0: auto)")
+                    "hash(cu_seqlens)", "seq_len", "softmax_scale", "kv_pieces (0: auto)", "kv_layout")
+_FINGERPRINT_NAMES = ("sum(q)", "sum(k)", "sum(k by position)", "sum|k per position|", "k varies along the sequence",
+                      "sum(v)", "sum|v per position|")
+"""Numbers of the inputs' values, gathered with the signature but judged apart from it (Note [Cross-attention
+over a replicated memory])."""
+_ROW_LENGTH = len(_SIGNATURE_NAMES) + len(_FINGERPRINT_NAMES)
+_REPLICATED_RTOL = 1e-5
+"""How far a replicated memory's sums may differ across ranks (a few ulps of bf16 noise, never other data)."""
 _DTYPE_NAMES = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}
 _SIGNATURE_WORDS = {
     "dtype": lambda c: _DTYPE_NAMES.get(c, "unsupported"),
@@ -738,10 +825,29 @@ _SIGNATURE_WORDS = {
 }
 
 
-def _check_across_ranks(signature: tuple, error, group, q) -> None:
+def _fingerprints(q, k, v, error) -> tuple[float, ...]:
+    """``_FINGERPRINT_NAMES`` of this rank's inputs (zeros when they cannot be read): sums over the shard,
+    ``O(S_local * H * D)``, read back in one host sync."""
+    if error is not None:
+        return (0.0,) * len(_FINGERPRINT_NAMES)
+    with torch.no_grad():
+        k_rows = k.sum(dim=(0, 2, 3), dtype=torch.float64)  # [S_k] one number per position
+        v_rows = v.sum(dim=(0, 2, 3), dtype=torch.float64)
+        weights = torch.arange(1, k_rows.numel() + 1, dtype=torch.float64, device=k_rows.device)
+        values = torch.stack([
+            q.sum(dtype=torch.float64), k_rows.sum(), (k_rows * weights).sum(), k_rows.abs().sum(),
+            (k_rows.amax() != k_rows.amin()).to(torch.float64), v_rows.sum(), v_rows.abs().sum(),
+        ])
+    return tuple(values.tolist())
+
+
+def _check_across_ranks(signature: tuple, error, group, q, fingerprints: tuple | None = None) -> None:
     """One small all-gather that every rank joins at every call, then every rank raises if any rank's
-    inputs are bad or differ (Note [Cross-rank checks are decided together])."""
-    rows = gather_rows(signature, group, device=q.device)
+    inputs are bad or differ (Note [Cross-rank checks are decided together]), or if a memory passed as
+    shards is replicated, or one passed as replicated is not (Note [Cross-attention over a replicated memory])."""
+    fingerprints = fingerprints if fingerprints is not None else (0.0,) * len(_FINGERPRINT_NAMES)
+    n = len(signature)
+    rows = gather_rows(tuple(signature) + tuple(fingerprints), group, device=q.device)
     if error is not None:
         raise ValueError(error[1])
     ranks = global_ranks(group)
@@ -749,7 +855,37 @@ def _check_across_ranks(signature: tuple, error, group, q) -> None:
     if failed:
         raise ValueError(f"other ranks of the sequence-parallel group rejected their attention inputs "
                          f"(each raises the details; global rank: problem): {failed}")
-    differ = describe_disagreement(rows, _SIGNATURE_NAMES, ranks, show=_SIGNATURE_WORDS)
+    differ = describe_disagreement([row[:n] for row in rows], _SIGNATURE_NAMES[:n], ranks, show=_SIGNATURE_WORDS)
     if differ is not None:
         raise ValueError(f"ranks of the sequence-parallel group called attention with different inputs (global "
                          f"ranks; every rank raises this):\n{differ}")
+    if n == len(_SIGNATURE_NAMES):
+        _check_memory_layout(rows, n, ranks, kv_layout=KV_LAYOUTS[rows[0][n - 1]], kv_len=rows[0][6])
+
+
+def _check_memory_layout(rows, n: int, ranks, *, kv_layout: str, kv_len: int) -> None:
+    """Every rank raises together when k/v cannot be what ``kv_layout`` says, judged from the gathered
+    fingerprints (Note [Cross-attention over a replicated memory])."""
+    fp = [dict(zip(_FINGERPRINT_NAMES, row[n:])) for row in rows]
+    if kv_layout == "replicated":
+        scale = max(max(f["sum|k per position|"], f["sum|v per position|"]) for f in fp)
+        differ = [ranks[r] for r, f in enumerate(fp) if any(
+            abs(f[name] - fp[0][name]) > _REPLICATED_RTOL * scale for name in ("sum(k)", "sum(k by position)", "sum(v)"))]
+        if differ:
+            raise ValueError(
+                f"kv_layout='replicated' needs the same k and v (the whole memory) on every rank of the "
+                f"sequence-parallel group, but global ranks {differ} hold other values than rank {ranks[0]} (every "
+                f"rank raises this). Give every rank the whole memory (gather_sequence gathers a memory held in "
+                f"shards); for k and v that are shards of q's own sequence, use kv_layout='sharded'")
+        return
+    same_memory = all(f["k varies along the sequence"] == 1 for f in fp) and all(
+        f[name] == fp[0][name] for f in fp for name in ("sum(k)", "sum(k by position)", "sum(v)"))
+    queries_differ = any(f["sum(q)"] != fp[0]["sum(q)"] for f in fp)
+    if same_memory and queries_differ:
+        raise ValueError(
+            f"k and v are identical on every rank of the sequence-parallel group (global ranks {list(ranks)}) while "
+            f"q differs: this looks like cross-attention over a memory of {kv_len} positions held whole on every "
+            f"rank, which kv_layout='sharded' (the default) would read as {len(rows)} copies of it (every rank "
+            f"raises this). Pass kv_layout='replicated': each rank's queries then attend over the whole memory, "
+            f"exactly. If k and v really are shards of q's sequence that happen to be equal, pass "
+            f"validate_inputs=False")

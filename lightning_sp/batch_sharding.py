@@ -58,6 +58,9 @@ class BatchSharder:
         self.pad_value = pad_value
         self._warned_tuple_positions = False
         self._padding_reported: set[tuple[int, int]] = set()
+        self._reported_gather = False
+        self.last_shard: tuple[int, int] | None = None
+        """``(N, S_local)`` of the last batch ``shard_batch`` sharded (``None``: the last was not sharded here)."""
 
     @property
     def context(self) -> SequenceParallelContext:
@@ -78,6 +81,7 @@ class BatchSharder:
 
         group, layout = self.context.group, self.layout
         sharding = self.parallel_dims.sp > 1
+        self.last_shard = None
         items, lengths, error = self.sequence_tensors(batch)
         self.agree_on_batch(batch, items, lengths, error)
         if not lengths:
@@ -118,8 +122,43 @@ class BatchSharder:
                 as_list[k] = t
             out = type(batch)(as_list) if not hasattr(batch, "_fields") else type(batch)(*as_list)
         self.context.global_seq_len = seq_len
+        if sharded:
+            self.last_shard = (seq_len, next(iter(sharded.values())).size(1))
         self._report_padding(seq_len)
         return out
+
+    def gather_outputs(self, outputs: Any) -> Any:
+        """``outputs`` (a ``predict_step``'s: tensors, or dicts/lists/tuples of them) with every tensor
+        ``[B, S_local, ...]`` cut like the last batch ``shard_batch`` sharded (dim 1 of ``S_local`` positions)
+        gathered along dim 1 with the layout and cut to the global length: ``[B, N, ...]``, the sequence in
+        its original order without padding, on every rank of the group (``gather_sequence``). Other tensors
+        and values are returned as they are; nothing is gathered after a batch that was not sharded here.
+        Every rank of the group must return outputs of the same structure and shapes (as one program does)."""
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        from lightning_sp.layout import gather_sequence
+
+        if self.last_shard is None or self.parallel_dims.sp == 1:
+            return outputs
+        seq_len, shard_len = self.last_shard
+        group, layout = self.context.group, self.layout
+        gathered: list[tuple[int, ...]] = []
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() < 2 or t.size(1) != shard_len:
+                return t
+            gathered.append(tuple(t.shape))
+            return gather_sequence(t, group, dim=1, layout=layout, seq_len=seq_len, stats=self.context.comm)
+
+        outputs = apply_to_collection(outputs, torch.Tensor, gather)
+        if gathered and not self._reported_gather:
+            self._reported_gather = True
+            rank_zero_info(
+                f"SequenceParallelStrategy: predictions are whole sequences in their original order: the outputs "
+                f"{gathered} (dim 1 = this rank's {shard_len} positions) are gathered over sp={self.parallel_dims.sp} "
+                f"ranks ({self.layout} layout) to [B, {seq_len}, ...] without padding, on every rank; "
+                f"SequenceParallelStrategy(gather_predictions=False) returns each rank's shard instead")
+        return outputs
 
     def sequence_tensors(self, batch: Any) -> tuple[list, dict, tuple[int, str] | None]:
         """``(items, lengths, error)``: the ``(key, tensor)`` pairs under ``sequence_keys``, the length (dim 1)
@@ -146,6 +185,7 @@ class BatchSharder:
     def agree_only(self, batch: Any) -> None:
         """``agree_on_batch`` without sharding, for a module that shards its own batches (its ``shard_inputs``
         judges what it cannot shard): the ranks still compare their batches every step."""
+        self.last_shard = None
         items, lengths, _ = self.sequence_tensors(batch)
         self.agree_on_batch(batch, items, lengths, None)
 

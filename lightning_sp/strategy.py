@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
@@ -145,7 +145,8 @@ class SequenceParallelStrategy(DDPStrategy):
         kernel: str = "auto",
         fsdp_shard_modules: Iterable[type[nn.Module]] = (),
         checkpoint_attention: bool = False,
-        shuffle: bool = True,
+        shuffle: bool | None = None,
+        gather_predictions: bool = True,
         process_group_timeout: float | timedelta = timedelta(minutes=30),
         tensor_parallel_size: int = 1,
         distributed_checkpoint: bool | None = None,
@@ -160,6 +161,10 @@ class SequenceParallelStrategy(DDPStrategy):
         check_strategy_degrees(sequence_parallel_size, backend=backend, ulysses_degree=ulysses_degree,
                                tensor_parallel_size=tensor_parallel_size)
         check_data_parallel(data_parallel)
+        if shuffle not in (None, True, False) or gather_predictions not in (True, False):
+            raise ValueError(f"shuffle must be None (follow the training DataLoader), True or False, and "
+                             f"gather_predictions True or False; got shuffle={shuffle!r}, "
+                             f"gather_predictions={gather_predictions!r}")
         if isinstance(hardware, str):
             from lightning_sp.cost_model import preset
 
@@ -178,6 +183,8 @@ class SequenceParallelStrategy(DDPStrategy):
         self._context_options = dict(hardware=hardware, memory_budget=memory_budget, auto_policy=auto_policy)
         self._fsdp_shard_modules = tuple(fsdp_shard_modules)
         self.checkpoint_attention, self.shuffle = checkpoint_attention, shuffle
+        self.gather_predictions = gather_predictions
+        self._undo_shuffle_following: Any = None
         # set in Trainer setup (`_build_groups`, `_bind_model`), cleared in teardown
         self._dims: ParallelDims | None = None
         self._mesh: ParallelMesh | None = None
@@ -258,9 +265,38 @@ class SequenceParallelStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)
         sampler = getattr(dataloader, "sampler", None)
-        if not self.shuffle and isinstance(sampler, DistributedSampler):
+        if self.shuffle is False and isinstance(sampler, DistributedSampler):
             sampler.shuffle = False  # read at every __iter__
         return dataloader
+
+    def _follow_loader_shuffling(self, trainer: "pl.Trainer") -> None:
+        """Note [The training sampler follows the loader]: Lightning gives every distributed training loader a
+        ``DistributedSampler(shuffle=True)``, also a ``DataLoader(shuffle=False)``'s, so a run over ranks would read
+        the samples in another order than the same loader in one process. With ``shuffle=None`` the sampler it
+        injects shuffles exactly when the user's loader does (Lightning's ``_is_dataloader_shuffled``: a
+        ``RandomSampler``; a custom sampler keeps its own order); ``True``/``False`` decide instead. Lightning
+        decides in its data connector's ``_prepare_dataloader``, the one place that still sees the user's loader:
+        this wraps it on this trainer until teardown."""
+        connector = getattr(trainer, "_data_connector", None)
+        prepare = getattr(type(connector), "_prepare_dataloader", None)
+        if self._undo_shuffle_following is not None:
+            return
+        if prepare is None:  # a Lightning without the hook: say so rather than shuffle unasked
+            if self.shuffle is None:
+                rank_zero_warn("SequenceParallelStrategy(shuffle=None) cannot see the training DataLoader's "
+                               "shuffling in this Lightning version: its distributed sampler shuffles; pass "
+                               "shuffle=False to read the data in the loader's order")
+            return
+        from lightning.pytorch.trainer.states import RunningStage
+        from lightning.pytorch.utilities.data import _is_dataloader_shuffled
+
+        def prepare_following(dataloader: object, shuffle: bool, mode: Any) -> object:
+            if mode == RunningStage.TRAINING:
+                shuffle = _is_dataloader_shuffled(dataloader) if self.shuffle is None else bool(self.shuffle)
+            return prepare(connector, dataloader, shuffle, mode)
+
+        connector._prepare_dataloader = prepare_following
+        self._undo_shuffle_following = lambda: connector.__dict__.pop("_prepare_dataloader", None)
 
     # ---------------------------------------------------------------------------------- groups
     @override
@@ -296,6 +332,7 @@ class SequenceParallelStrategy(DDPStrategy):
         from lightning.pytorch.trainer.states import TrainerFn
 
         assert self.lightning_module is not None
+        self._follow_loader_shuffling(trainer)  # before any loader is built (configure_optimizers may build one)
         self._bind_model(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)
@@ -367,6 +404,16 @@ class SequenceParallelStrategy(DDPStrategy):
             with self.precision_plugin.val_step_context():
                 return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
         return super().validation_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        # whole sequences in their original order, as one process predicts (``gather_predictions``)
+        if self._data_parallel == "fsdp" and self._is_fsdp_root():
+            with self.precision_plugin.predict_step_context():
+                out = self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+        else:
+            out = super().predict_step(*args, **kwargs)
+        return self._sharder.gather_outputs(out) if self.gather_predictions else out
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -444,6 +491,9 @@ class SequenceParallelStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
+        if self._undo_shuffle_following is not None:
+            self._undo_shuffle_following()
+            self._undo_shuffle_following = None
         destroy_groups(self._owned_groups)
         self._owned_groups.clear()
         self._context = self._dp_group = self._mesh = self._tp_context = self._tp_grads = None

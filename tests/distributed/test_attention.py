@@ -138,7 +138,107 @@ def _worker(rank, world):
         analytic = forward_elements(backend, seq_len=n, world=world, num_heads=h, num_kv_heads=h_kv, head_dim=8,
                                     ulysses_degree=attn.layout.ulysses_degree)
         volumes[(backend, heads)] = (measured, analytic)
-    return {"cases": results, "volumes": volumes, "layouts": layouts, "unsorted": unsorted}
+    return {"cases": results, "volumes": volumes, "layouts": layouts, "unsorted": unsorted,
+            "cross": _cross_attention_cases(group, world)}
+
+
+# --------------------------------------------------------------------------- cross-attention
+MEMORY = 23  # a memory length that is neither N nor a shard's length
+
+
+def _dense_cross_attention(q, k, v):
+    """``q [B, N, H, D]`` over the whole memory ``k, v [B, M, H_kv, D]``, float64, no mask."""
+    rep = q.size(2) // k.size(2)
+    k, v = k.double().repeat_interleave(rep, dim=2), v.double().repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k) / q.size(-1) ** 0.5
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
+
+
+def _cross_case(group, backend, heads, memory_len, kernel, seed, *, kv_layout="replicated", validate=True):
+    """Queries of the N-token sequence sharded with ``backend``'s layout, a ``memory_len``-token memory whole on
+    every rank: out and dq gathered, dk/dv summed over the group (the memory's gradient) and this rank's own,
+    each against dense float64 cross-attention. Returns ``{name: max error}`` or ``{"error": message}``."""
+    import torch.distributed as dist
+
+    h, h_kv = HEADS[heads]
+    g = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(2, N, h, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, memory_len, h_kv, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    attn = SequenceParallelAttention(backend=backend, group=group, kernel=kernel, validate_inputs=validate)
+    q_local, dout_local = (shard_sequence(t, group, layout=attn.layout) for t in (q, dout))
+    q_local.requires_grad_()
+    k_mem, v_mem = (t.clone().requires_grad_() for t in (k, v))
+    try:
+        out = attn(q_local, k_mem, v_mem, kv_layout=kv_layout)
+    except ValueError as err:
+        return {"error": str(err)}
+    out.backward(dout_local)
+    dk_sum, dv_sum = k_mem.grad.clone(), v_mem.grad.clone()
+    dist.all_reduce(dk_sum, group=group)
+    dist.all_reduce(dv_sum, group=group)
+    got = {"out": gather_sequence(out.detach(), group, layout=attn.layout, seq_len=N),
+           "dq": gather_sequence(q_local.grad, group, layout=attn.layout, seq_len=N), "dk": dk_sum, "dv": dv_sum,
+           "dk_own": k_mem.grad, "dv_own": v_mem.grad}
+    qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = _dense_cross_attention(qd, kd, vd)
+    dq, dk, dv = torch.autograd.grad(ref, (qd, kd, vd), dout)
+    want = {"out": ref.detach(), "dq": dq, "dk": dk, "dv": dv, "dk_own": dk, "dv_own": dv}
+    return {name: float((got[name] - want[name]).abs().max()) for name in got}
+
+
+def _cross_attention_cases(group, world):
+    """Cross-attention (Note [Cross-attention over a replicated memory]) under every backend's query layout, with
+    a memory of another length and one of exactly the shard's length; the detections; a memory held in shards
+    and gathered."""
+    import torch.distributed as dist
+
+    from lightning_sp.layout import padded_length
+
+    rank = dist.get_rank()
+    exact, refused = {}, {}
+    for i, (backend, heads) in enumerate(itertools.product(BACKENDS, ("mha", "gqa"))):
+        layout = SequenceParallelAttention(backend=backend, group=group).layout
+        shard_len = padded_length(N, world, layout) // world
+        for memory_len in (MEMORY, shard_len):
+            exact[(backend, heads, memory_len == shard_len, "auto")] = _cross_case(group, backend, heads, memory_len,
+                                                                                  "auto", seed=100 + i)
+        if heads != "mha":
+            continue
+        # the bug this mode fixes: the whole memory of the shard's length passed as if it were shards
+        exact[(backend, heads, "as-shards", "auto")] = _cross_case(group, backend, heads, shard_len, "auto",
+                                                                   seed=100 + i, kv_layout="sharded", validate=False)
+        refused[(backend, heads, "shard length")] = _cross_case(group, backend, heads, shard_len, "auto",
+                                                                seed=100 + i, kv_layout="sharded")
+        refused[(backend, heads, "other length")] = _cross_case(group, backend, heads, MEMORY, "auto",
+                                                                seed=100 + i, kv_layout="sharded")
+    for backend in ("zigzag_ring", "usp"):
+        exact[(backend, "gqa", False, "torch")] = _cross_case(group, backend, "gqa", MEMORY, "torch", seed=7)
+
+    # a "replicated" memory that differs across ranks (each rank passed its own shard of it), and causal
+    g = torch.Generator().manual_seed(50 + rank)
+    q, k, v = (torch.randn(1, 4, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    for name, module in (("memory differs", SequenceParallelAttention(backend="ring", group=group)),
+                         ("causal", SequenceParallelAttention(causal=True, backend="ring", group=group))):
+        try:
+            module(q, k, v, kv_layout="replicated", seq_len=4 * world)
+            refused[name] = {}
+        except ValueError as err:
+            refused[name] = {"error": str(err)}
+
+    # a memory held in shards (contiguous, padded) and gathered: gather_sequence's backward sums the ranks' parts
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(1, N, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, MEMORY, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    attn = SequenceParallelAttention(backend="zigzag_ring", group=group)
+    q_local, dout_local = (shard_sequence(t, group, layout=attn.layout) for t in (q, dout))
+    k_shard, v_shard = (shard_sequence(t, group).requires_grad_() for t in (k, v))
+    k_mem, v_mem = (gather_sequence(t, group, seq_len=MEMORY) for t in (k_shard, v_shard))
+    attn(q_local, k_mem, v_mem, kv_layout="replicated").backward(dout_local)
+    kd, vd = k.clone().requires_grad_(), v.clone().requires_grad_()
+    dk, dv = torch.autograd.grad(_dense_cross_attention(q, kd, vd), (kd, vd), dout)
+    gathered = {"dk": float((gather_sequence(k_shard.grad, group, seq_len=MEMORY) - dk).abs().max()),
+                "dv": float((gather_sequence(v_shard.grad, group, seq_len=MEMORY) - dv).abs().max())}
+    return {"exact": exact, "refused": refused, "gathered": gathered}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -180,3 +280,38 @@ def test_ulysses_and_usp_exact_under_every_layout(grid_results):
         assert rank_result["unsorted"]  # the control ran
         for case, errors in rank_result["unsorted"].items():
             assert errors[0] > 1e-3, f"world={world} {case}: attention on unsorted tokens went unnoticed ({errors})"
+
+
+def test_cross_attention_over_a_replicated_memory_is_exact(grid_results):
+    """kv_layout="replicated": out and dq equal dense float64 cross-attention, the memory's dK/dV summed over the
+    ranks equal its gradient, for a memory of another length and of exactly the shard's, under every backend's
+    query layout, both kernels. Controls: each rank's own dK/dV is only its queries' part (the sum is needed),
+    and the same memory passed as shards (the silent error this mode replaces) is off."""
+    world, per_rank = grid_results
+    for rank, res in enumerate(per_rank):
+        for case, errors in res["cross"]["exact"].items():
+            assert "error" not in errors, (world, rank, case, errors)
+            if case[2] == "as-shards":
+                assert max(errors["out"], errors["dk"], errors["dv"]) > 1e-3, (world, rank, case, errors)
+                continue
+            worst = max(errors[name] for name in ("out", "dq", "dk", "dv"))
+            assert worst < 1e-10, (world, rank, case, errors)
+            assert min(errors["dk_own"], errors["dv_own"]) > 1e-3, (world, rank, case, errors)
+        assert max(res["cross"]["gathered"].values()) < 1e-10, (world, rank, res["cross"]["gathered"])
+
+
+def test_cross_attention_passed_as_shards_is_refused_on_every_rank(grid_results):
+    """The default kv_layout="sharded" with a whole memory: a length other than q's, and one equal to the
+    shard's (found by the cross-rank check's sums), raise on every rank naming cross-attention and
+    kv_layout='replicated'; a "replicated" memory that differs across ranks, and causal cross-attention, raise."""
+    world, per_rank = grid_results
+    for rank, res in enumerate(per_rank):
+        refused = res["cross"]["refused"]
+        for case, outcome in refused.items():
+            message = outcome.get("error")
+            assert message is not None, (world, rank, case, "not refused")
+            if case[-1] in ("shard length", "other length"):
+                assert "cross-attention" in message and "kv_layout='replicated'" in message, (case, message)
+        assert "looks like cross-attention" in refused[("ring", "mha", "shard length")]["error"]
+        assert "needs the same k and v" in refused["memory differs"]["error"]
+        assert "does not take causal=True" in refused["causal"]["error"]

@@ -90,7 +90,9 @@ def _install_stand_in_if_missing() -> bool:
 
 
 # --------------------------------------------------------------------------- model and data
-def _make_model(causal: bool):
+def _make_model(causal: bool, memory: bool = False, sum_memory_grads: bool = False):
+    """``memory``: a cross-attention block over ``memory_ids`` embedded on every rank (``kv_layout="replicated"``).
+    ``sum_memory_grads`` (a negative control): the memory's dK/dV are also summed over the sp group in backward."""
     import lightning as L
 
     from lightning_sp.attention import SequenceParallelAttention
@@ -110,12 +112,27 @@ def _make_model(causal: bool):
             self.proj = nn.Linear(HIDDEN, HIDDEN)
             self.head = nn.Linear(HIDDEN, VOCAB)
             self.val_ce, self.val_acc = TokenCrossEntropy(), TokenAccuracy()
+            if memory:  # cross-attention: queries from the sequence, keys/values from a memory whole on every rank
+                self.mem_emb = nn.Embedding(VOCAB, HIDDEN)
+                self.mem_kv = nn.Linear(HIDDEN, 2 * HIDDEN)
+                self.cross_q = nn.Linear(HIDDEN, HIDDEN)
+                self.cross_attn = SequenceParallelAttention(causal=False)
+                self.cross_proj = nn.Linear(HIDDEN, HIDDEN)
 
-        def forward(self, input_ids, position_ids):  # [B, S] -> [B, S, V]
+        def forward(self, input_ids, position_ids, memory_ids=None):  # [B, S] (, [B, M]) -> [B, S, V]
             b, s = input_ids.shape
             x = self.emb(input_ids) + self.pos(position_ids)  # [B, S, h]
             q, k, v = self.qkv(x).view(b, s, 3, HEADS, HIDDEN // HEADS).unbind(2)  # 3 x [B, S, H, D]
             x = x + self.proj(self.attn(q, k, v).reshape(b, s, HIDDEN))
+            if memory:
+                m = memory_ids.size(1)
+                k, v = self.mem_kv(self.mem_emb(memory_ids)).view(b, m, 2, HEADS, HIDDEN // HEADS).unbind(2)  # [B, M, H, D]
+                strategy = self._trainer.strategy if self._trainer is not None else None
+                if sum_memory_grads and isinstance(strategy, SequenceParallelStrategy):
+                    for t in (k, v):
+                        t.register_hook(lambda g, group=strategy.sp_group: _summed(g, group))
+                cq = self.cross_q(x).view(b, s, HEADS, HIDDEN // HEADS)
+                x = x + self.cross_proj(self.cross_attn(cq, k, v, kv_layout="replicated").reshape(b, s, HIDDEN))
             return self.head(x)
 
         def _unpack(self, batch):
@@ -135,7 +152,7 @@ def _make_model(causal: bool):
 
         def training_step(self, batch, batch_idx):
             ids, labels, pos, sp = self._unpack(batch)
-            logits = self(ids, pos)
+            logits = self(ids, pos, batch["memory_ids"]) if memory else self(ids, pos)
             if sp is not None:
                 return sequence_parallel_cross_entropy(logits, labels, group=sp.sp_group)
             return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
@@ -148,6 +165,10 @@ def _make_model(causal: bool):
             self.log("val_ce", self.val_ce, on_epoch=True)
             self.log("val_acc", self.val_acc, on_epoch=True)
 
+        def predict_step(self, batch, batch_idx):
+            ids, _, pos, _ = self._unpack(batch)
+            return {"logits": self(ids, pos), "input_ids": ids, "idx": batch["idx"]}
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
@@ -155,12 +176,25 @@ def _make_model(causal: bool):
     return TinyLM()
 
 
-def _dataset(num_samples: int) -> list[dict[str, torch.Tensor]]:
+def _summed(grad, group):
+    grad = grad.clone()
+    torch.distributed.all_reduce(grad, group=group)
+    return grad
+
+
+def _dataset(num_samples: int, memory_len: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """Samples with their index (``idx``) and, with ``memory_len``, a memory (``memory_ids``, not a sequence key:
+    whole on every rank)."""
     g = torch.Generator().manual_seed(99)
-    return [
-        {"input_ids": torch.randint(VOCAB, (SEQ_LEN,), generator=g), "labels": torch.randint(VOCAB, (SEQ_LEN,), generator=g)}
-        for _ in range(num_samples)
+    data = [
+        {"input_ids": torch.randint(VOCAB, (SEQ_LEN,), generator=g), "labels": torch.randint(VOCAB, (SEQ_LEN,), generator=g),
+         "idx": torch.tensor(i)}
+        for i in range(num_samples)
     ]
+    if memory_len is not None:
+        for d in data:
+            d["memory_ids"] = torch.randint(VOCAB, (memory_len,), generator=g)
+    return data
 
 
 def _schedule(cfg: dict, num_samples: int, epoch: int) -> list[list[int]]:
@@ -169,14 +203,26 @@ def _schedule(cfg: dict, num_samples: int, epoch: int) -> list[list[int]]:
     from torch.utils.data import DistributedSampler
 
     dp, per_step = WORLD // cfg["sp"], cfg["b"] * cfg.get("accum", 1)
+    loader_order = _loader_order(cfg, num_samples)
     per_rank = []
     for r in range(dp):
-        shuffle = cfg.get("strategy_kwargs", {}).get("shuffle", True)
+        shuffle = _shuffles(cfg)
         sampler = DistributedSampler(range(num_samples), num_replicas=dp, rank=r, shuffle=shuffle, seed=0)
         sampler.set_epoch(epoch)
-        per_rank.append(list(sampler))
+        per_rank.append([loader_order[i] for i in sampler])
     steps = len(per_rank[0]) // per_step
     return [[i for r in range(dp) for i in per_rank[r][t * per_step:(t + 1) * per_step]] for t in range(steps)]
+
+
+def _loader_order(cfg: dict, num_samples: int) -> list[int]:
+    """The order the user's loader reads the samples in, unshuffled: a custom sampler's (``reversed``) or the dataset's."""
+    return list(range(num_samples))[::-1] if cfg.get("loader_sampler") == "reversed" else list(range(num_samples))
+
+
+def _shuffles(cfg: dict) -> bool:
+    """The strategy's ``shuffle`` if given, else the loader's (Note [The training sampler follows the loader])."""
+    shuffle = cfg.get("strategy_kwargs", {}).get("shuffle")
+    return cfg.get("loader_shuffle", False) if shuffle is None else shuffle
 
 
 def _first_steps(cfg: dict, num_samples: int, steps: int) -> list[list[int]]:
@@ -189,16 +235,17 @@ def _first_steps(cfg: dict, num_samples: int, steps: int) -> list[list[int]]:
     return out[:steps]
 
 
-def _reference(causal: bool, data, schedule: list[list[int]], dtype=torch.float64, *, val_data=None):
+def _reference(causal: bool, data, schedule: list[list[int]], dtype=torch.float64, *, val_data=None, memory=False):
     """Plain PyTorch, one process, full sequence, one optimizer step per entry of ``schedule``;
     returns the parameters, and with ``val_data`` also ``(cross-entropy, accuracy)`` on it."""
-    model = _make_model(causal).to(dtype)
+    model = _make_model(causal, memory=memory).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for idx in schedule:
         ids = torch.stack([data[i]["input_ids"] for i in idx])  # [G, N]
         labels = torch.stack([data[i]["labels"] for i in idx])
         pos = torch.arange(SEQ_LEN).expand_as(ids)
-        loss = F.cross_entropy(model(ids, pos).flatten(0, 1), labels.flatten())
+        extra = (torch.stack([data[i]["memory_ids"] for i in idx]),) if memory else ()  # [G, M]
+        loss = F.cross_entropy(model(ids, pos, *extra).flatten(0, 1), labels.flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -240,7 +287,9 @@ def _fit(cfg: dict, model, data, *, epochs=None, steps=None, ckpt_in=None, ckpt_
         val_check_interval=steps if val_data is not None else None, limit_val_batches=None if val_data is not None else 0,
     )
     val = DataLoader(val_data, batch_size=cfg["b"], shuffle=False) if val_data is not None else None
-    trainer.fit(model, DataLoader(data, batch_size=cfg["b"], shuffle=False), val, ckpt_path=ckpt_in)
+    sampler = list(range(len(data)))[::-1] if cfg.get("loader_sampler") == "reversed" else None  # a custom sampler
+    train = DataLoader(data, batch_size=cfg["b"], shuffle=cfg.get("loader_shuffle", False), sampler=sampler)
+    trainer.fit(model, train, val, ckpt_path=ckpt_in)
     if ckpt_out is not None:
         trainer.save_checkpoint(ckpt_out)
     return trainer
@@ -261,14 +310,20 @@ EQUAL_CASES = [
     _c("ring/ddp/bidirectional", "ring", 4, causal=False),
     _c("zigzag_ring/ddp", "zigzag_ring", 4),
     _c("usp/ddp", "usp", 4, ulysses=2, monitor=True),
-    _c("ring/ddp/sp2xdp2", "ring", 2),
-    _c("ring/ddp/sp2xdp2/no-shuffle", "ring", 2, strategy_kwargs={"shuffle": False}),
+    _c("ring/ddp/sp2xdp2/shuffled-loader", "ring", 2, loader_shuffle=True),
+    _c("ring/ddp/sp2xdp2/custom-sampler", "ring", 2, loader_sampler="reversed"),
+    _c("ring/ddp/sp2xdp2/no-shuffle-over-shuffled-loader", "ring", 2, loader_shuffle=True,
+       strategy_kwargs={"shuffle": False}),
     _c("zigzag_ring/fsdp/sp2xdp2", "zigzag_ring", 2, dp="fsdp", val=True),
     _c("ulysses/fsdp", "ulysses", 4, dp="fsdp"),
     _c("ring/fsdp/per-module-units", "ring", 4, dp="fsdp", strategy_kwargs={"fsdp_shard_modules": (nn.Linear,)}),
     _c("usp/fsdp/bidirectional", "usp", 4, ulysses=2, dp="fsdp", causal=False),
     _c("zigzag_ring/ddp/checkpoint_attention", "zigzag_ring", 4, strategy_kwargs={"checkpoint_attention": True}),
-    _c("zigzag_ring/ddp/accumulate2", "zigzag_ring", 2, accum=2),
+    _c("zigzag_ring/ddp/accumulate2/shuffle-over-unshuffled-loader", "zigzag_ring", 2, accum=2,
+       strategy_kwargs={"shuffle": True}),
+    # cross-attention over a memory whole on every rank: its length is the shard's (16/4), then another
+    _c("cross/zigzag_ring/ddp/memory=shard", "zigzag_ring", 4, memory=4),
+    _c("cross/ulysses/fsdp/sp2xdp2/memory=7", "ulysses", 2, dp="fsdp", memory=7),
     _c("ulysses/fsdp/accumulate2", "ulysses", 4, dp="fsdp", accum=2),
 ]
 # save after one epoch under the first config, resume for a second epoch under the second
@@ -278,6 +333,8 @@ RESUME_CASES = [
 ]
 # negative control: padded labels filled with 0 instead of ignore_index are counted by the loss
 CONTROL = _c("control/padding-labels-not-ignored", "zigzag_ring", 4, strategy_kwargs={"ignore_index": 0})
+# negative control: the memory's dK/dV summed over the sp group in backward as well (P-fold memory gradients)
+CROSS_CONTROL = _c("control/memory-grads-summed-in-attention", "zigzag_ring", 4, memory=4, sum_memory_grads=True)
 BF16 = _c("bf16-mixed/ring/sp2xdp2", "ring", 2, precision="bf16-mixed")
 
 STEPS = 3
@@ -294,22 +351,25 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
     stand_in = _install_stand_in_if_missing()
     from lightning_sp.callbacks import SequenceParallelMonitor
 
-    out: dict = {"stand_in": stand_in, "diff": {}, "moved": {}, "monitor": {}}
-    data = _dataset(8)
-    for cfg in EQUAL_CASES + [CONTROL]:
+    out: dict = {"stand_in": stand_in, "diff": {}, "moved": {}, "monitor": {}, "order": {}}
+    for cfg in EQUAL_CASES + [CONTROL, CROSS_CONTROL]:
+        data = _dataset(8, memory_len=cfg.get("memory"))
         monitor = [SequenceParallelMonitor(peak_flops=PEAK_FLOPS)] if cfg.get("monitor") else []
+        order = _sample_order()
         logger = False
         if monitor:
             from lightning.pytorch.loggers import TensorBoardLogger
 
             logger = TensorBoardLogger(save_dir=tmpdir, name="tb", version=0)
-        model = _make_model(cfg["causal"])
+        model = _make_model(cfg["causal"], memory="memory" in cfg, sum_memory_grads=cfg.get("sum_memory_grads", False))
         init = _full_params(model)
         train = [(d["input_ids"], d["labels"]) for d in data] if cfg.get("tuples") else data
         val_data = data[:4] if cfg.get("val") else None
-        trainer = _fit(cfg, model, train, steps=STEPS, callbacks=monitor, val_data=val_data, logger=logger)
+        trainer = _fit(cfg, model, train, steps=STEPS, callbacks=monitor + [order], val_data=val_data, logger=logger)
+        out["order"][cfg["name"]] = order.seen
         got = _full_params(trainer.lightning_module)
-        ref = _reference(cfg["causal"], data, _first_steps(cfg, len(data), STEPS), val_data=val_data)
+        ref = _reference(cfg["causal"], data, _first_steps(cfg, len(data), STEPS), val_data=val_data,
+                         memory="memory" in cfg)
         if val_data is not None:
             ref, (ce, acc) = ref
             out.setdefault("val", {})[cfg["name"]] = (
@@ -326,6 +386,8 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
                 events.Reload()
                 out["tb_tags"] = {t: len(events.Scalars(t)) for t in events.Tags()["scalars"]}
 
+    out["predict"] = _predict_cases(rank)
+    data = _dataset(8)
     small = _dataset(4)  # 2 optimizer steps per epoch at global batch 2
     for name, first, second in RESUME_CASES:
         path = os.path.join(tmpdir, name.replace("/", "_").replace(" ", "_") + ".ckpt")
@@ -370,6 +432,82 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
 
     out["metrics"] = _metrics_case(rank)
     return out
+
+
+def _sample_order():
+    """A Lightning callback that records the ``idx`` of every training batch this rank sees (``.seen``)."""
+    import lightning as L
+
+    class SampleOrder(L.Callback):
+        def __init__(self):
+            self.seen: list[list[int]] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if isinstance(batch, dict):
+                self.seen.append(batch["idx"].tolist())
+
+    return SampleOrder()
+
+
+PREDICT_CASES = [  # (name, backend, sp, ulysses_degree, gather_predictions)
+    ("zigzag_ring/sp4", "zigzag_ring", 4, None, True),
+    ("usp/sp4/u2", "usp", 4, 2, True),
+    ("ring/sp2xdp2", "ring", 2, None, True),
+    ("zigzag_ring/sp4/shards", "zigzag_ring", 4, None, False),
+]
+
+
+def _predict_cases(rank: int) -> dict:
+    """``trainer.predict`` on 4 ranks (13 tokens: padded under every layout) against the one-process logits of
+    the same model: per sample, ``(max error, shape)``; the shards case also gathers its shards in contiguous
+    order (a negative control: the zigzag order matters)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_sp.layout import gather_sequence
+    from lightning_sp.strategy import SequenceParallelStrategy
+
+    data = _dataset(6)
+    reference = _make_model(True).to(torch.float64)
+    with torch.no_grad():
+        ids = torch.stack([d["input_ids"] for d in data])
+        want = reference(ids, torch.arange(SEQ_LEN).expand_as(ids))  # [6, N, V]
+    results = {}
+    for name, backend, sp, u, gather in PREDICT_CASES:
+        os.environ["WORLD_SIZE"] = str(WORLD)
+        strategy = SequenceParallelStrategy(sp, backend=backend, ulysses_degree=u, gather_predictions=gather,
+                                            process_group_timeout=60)
+        trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, precision="64-true", logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        batches = trainer.predict(_make_model(True), DataLoader(data, batch_size=2, shuffle=False))
+        per_sample = {}
+        for batch in batches:
+            for row, i in enumerate(batch["idx"].tolist()):
+                logits, ids_row = batch["logits"][row], batch["input_ids"][row]
+                if not gather:  # each rank's zigzag shard; gathered in the wrong (contiguous) order
+                    wrong = gather_sequence(batch["logits"], torch.distributed.group.WORLD, seq_len=SEQ_LEN)[row]
+                    per_sample[i] = (tuple(logits.shape), float((wrong - want[i]).abs().max()))
+                    continue
+                err = float((logits - want[i]).abs().max()) if logits.shape == want[i].shape else math.inf
+                per_sample[i] = (tuple(logits.shape), err, bool(torch.equal(ids_row, data[i]["input_ids"])))
+        results[name] = per_sample
+
+    # predict after fit on the same trainer under FSDP2 (its root unshards only through forward redirection)
+    cfg = _c("fsdp/zigzag_ring/sp2xdp2", "zigzag_ring", 2, dp="fsdp")
+    train = _dataset(8)
+    model = _make_model(True)
+    trainer = _fit(cfg, model, train, steps=1)
+    batches = trainer.predict(model, DataLoader(data, batch_size=1, shuffle=False))
+    trained = _reference(True, train, _first_steps(cfg, len(train), 1))
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            p.copy_(trained[n])
+        want = reference(ids, torch.arange(SEQ_LEN).expand_as(ids))
+    results["after-fit/" + cfg["name"]] = {
+        i: (tuple(b["logits"][0].shape), float((b["logits"][0] - want[i]).abs().max())
+            if b["logits"][0].shape == want[i].shape else math.inf, True)
+        for b in batches for i in b["idx"].tolist()}
+    return results
 
 
 def _metrics_case(rank: int) -> dict:
@@ -452,6 +590,68 @@ def test_tensor_parallel_reduce_without_tp_changes_nothing(results):
 def test_negative_control_differs(results):
     # same run with padded labels counted: must be far outside the tolerance used above
     assert results[0]["diff"][CONTROL["name"]] > 1e-6
+
+
+def test_memory_gradients_are_reduced_once(results):
+    """Cross-attention over a memory whole on every rank (kv_layout="replicated"): the weights that compute the
+    memory train as in one process (the cross cases above) because the data-parallel reduction combines the
+    ranks' partial dK/dV; summing them in the attention's backward as well is far off (the control)."""
+    for res in results:
+        assert res["diff"][CROSS_CONTROL["name"]] > 1e-4, res["diff"][CROSS_CONTROL["name"]]
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in EQUAL_CASES if not c.get("tuples")])
+def test_training_reads_samples_in_the_loaders_order(results, name):
+    """A DataLoader(shuffle=False) is read in its order, as one process reads it (global step t sees samples
+    t*G .. t*G+G-1); a shuffled loader, or shuffle=True, is shuffled: the same on every rank of an sp group,
+    different across dp replicas (Note [The training sampler follows the loader])."""
+    from lightning_sp.topology import ParallelDims
+
+    cfg = next(c for c in EQUAL_CASES if c["name"] == name)
+    dims = ParallelDims(world_size=WORLD, sequence_parallel_size=cfg["sp"])
+    per_replica = {}
+    for rank, res in enumerate(results):
+        seen = res["order"][name]
+        assert len(seen) == STEPS * cfg.get("accum", 1), seen
+        assert per_replica.setdefault(dims.dp_rank(rank), seen) == seen, f"{name}: ranks of one sp group differ"
+    batch = cfg["b"]
+    flat = {d: [i for b in seen for i in b] for d, seen in per_replica.items()}
+    per_step = batch * cfg.get("accum", 1)
+    steps = [sorted(i for d in sorted(flat) for i in flat[d][t * per_step:(t + 1) * per_step]) for t in range(STEPS)]
+    global_batch = per_step * dims.dp
+    loader_order = _loader_order(cfg, 8)  # one process reads its loader in this order
+    in_order = [sorted(loader_order[(t * global_batch + j) % 8] for j in range(global_batch)) for t in range(STEPS)]
+    if _shuffles(cfg):
+        assert steps != in_order, f"{name}: a shuffling run read the samples in order"
+        if dims.dp > 1:
+            assert flat[0] != flat[1], f"{name}: both replicas read the same samples"
+    else:
+        assert steps == in_order, f"{name}: read {steps}, one process reads {in_order}"
+
+
+def test_predict_returns_whole_sequences_in_order(results):
+    """trainer.predict on 4 ranks (zigzag sp4, usp sp4 x ulysses 2, ring sp2 x dp2; 13 tokens, padded under each)
+    returns every sample's logits [N, V] and input_ids in the original order, without padding, equal to the
+    one-process logits; gather_predictions=False returns each rank's [S_local, V] shard, whose contiguous
+    gather is wrong (the control: the order matters)."""
+    for rank, res in enumerate(results):
+        pred = res["predict"]
+        for name, _, sp, _, gather in PREDICT_CASES:
+            dp_rank, dp = rank // sp, WORLD // sp
+            mine = [i for i in range(6) if i % dp == dp_rank]  # Lightning's predict sampler over dp replicas
+            assert sorted(pred[name]) == mine, (rank, name, sorted(pred[name]))
+            for i, outcome in pred[name].items():
+                if gather:
+                    shape, err, ids_equal = outcome
+                    assert shape == (SEQ_LEN, VOCAB) and err < TOL and ids_equal, (rank, name, i, outcome)
+                else:
+                    shape, wrong_order_err = outcome
+                    assert shape == (16 // sp, VOCAB), (rank, name, i, outcome)
+                    assert wrong_order_err > 1e-3, (rank, name, i, outcome)
+        after_fit = pred["after-fit/fsdp/zigzag_ring/sp2xdp2"]
+        assert sorted(after_fit) == [i for i in range(6) if i % 2 == rank // 2], (rank, sorted(after_fit))
+        for i, (shape, err, _) in after_fit.items():
+            assert shape == (SEQ_LEN, VOCAB) and err < TOL, (rank, "after fit, fsdp", i, shape, err)
 
 
 def test_bf16_mixed_trains_close_to_fp64(results):

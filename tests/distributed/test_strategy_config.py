@@ -41,6 +41,8 @@ def test_usp_ulysses_degree_must_divide_sp():
         (dict(sequence_parallel_size=2, sequence_keys="input_ids"), r"sequence_keys must be a sequence of keys.*\('input_ids',\)"),
         (dict(sequence_parallel_size=2, timeout=timedelta(seconds=5)), r"pass `process_group_timeout=`"),
         (dict(sequence_parallel_size=2, process_group_timeout=0), r"process_group_timeout must be positive"),
+        (dict(sequence_parallel_size=2, shuffle="yes"), r"shuffle must be None \(follow the training DataLoader\)"),
+        (dict(sequence_parallel_size=2, gather_predictions=None), r"gather_predictions True or False"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -121,3 +123,18 @@ def test_devices_must_be_torchruns_ranks_per_node(monkeypatch):
 def test_unknown_hardware_preset_lists_the_presets():
     with pytest.raises(ValueError, match=r"unknown hardware preset 'h1000'.*h100-80gb"):
         SequenceParallelStrategy(2, hardware="h1000")
+
+
+def test_shuffle_following_is_installed_until_teardown_and_said_when_impossible():
+    """Note [The training sampler follows the loader]: the wrap sits on this trainer's data connector only while the
+    strategy is set up; a Lightning without the hook gets a warning, not a silent shuffle."""
+    import types
+
+    strategy = SequenceParallelStrategy(2, backend="ring")
+    trainer = _trainer(strategy)
+    strategy._follow_loader_shuffling(trainer)
+    assert "_prepare_dataloader" in vars(trainer._data_connector)
+    strategy._undo_shuffle_following()
+    assert "_prepare_dataloader" not in vars(trainer._data_connector)
+    with pytest.warns(UserWarning, match=r"shuffle=None\) cannot see the training DataLoader's shuffling"):
+        SequenceParallelStrategy(2, backend="ring")._follow_loader_shuffling(types.SimpleNamespace())
