@@ -70,7 +70,8 @@ Note [The loss of model(**shard)]
     out of HF's hands and the forward hook sets ``output.loss`` to the cross-entropy of the logits
     against them with no further shift, summed over the sequence-parallel group and divided by the
     global count of labelled tokens (or by ``num_items_in_batch`` when given, as HF's ``Trainer`` does
-    for gradient accumulation): the same value on every rank, equal to the unsharded ``model(**batch).loss``;
+    for gradient accumulation, if the model's own loss is HF's ``loss_function``: ESM's and RoBERTa's
+    ignore it): the same value on every rank, equal to the unsharded ``model(**batch).loss``;
     its backward sums over the group, so averaging gradients over all ranks gives the unsharded gradient
     (as ``sequence_parallel_cross_entropy``, which it equals when ``num_items_in_batch`` is not given).
 """
@@ -182,6 +183,9 @@ class _State:
     """``token_mixers_outside_attention(model)``, found once by ``apply_sequence_parallel``."""
     passes_kwargs: bool = True
     """The model's ``forward`` takes ``**kwargs`` (transformers hands them down to the attention)."""
+    loss_takes_num_items: bool = True
+    """The model's loss is HF's ``loss_function`` (which divides by ``num_items_in_batch``), not a mean of
+    its own (ESM's and RoBERTa's ``CrossEntropyLoss()`` ignore ``num_items_in_batch``)."""
 
     def running_info(self) -> ShardInfo | None:
         """The ShardInfo of the forward running now (``None`` between forwards or for an unsharded call)."""
@@ -713,6 +717,7 @@ def _pre_forward(state: _State):
             labels = shift_labels if shift_labels is not None else labels  # HF's precedence
             if labels is not None:
                 num_items = kwargs.pop("num_items_in_batch", None)
+                num_items = num_items if state.loss_takes_num_items else None  # as the model itself does
             if state.passes_kwargs:
                 kwargs[SHARD_INFO_KEY] = info  # down to the attention, and into checkpointed layers' partials
         checkpointed = _is_checkpointing(module) and module.training and torch.is_grad_enabled()
@@ -785,6 +790,15 @@ def _sequence_parallel_group(model: nn.Module):
 def _runs_sharded(model: nn.Module) -> bool:
     """Whether the model's attention runs over more than one rank (a structural fact, the same on every rank)."""
     return _sequence_parallel_group(model) is not None
+
+
+def _loss_takes_num_items(model: nn.Module) -> bool:
+    """Whether the model's forward computes its loss with HF's ``self.loss_function`` (read from its source;
+    ``True``, HF's default, when the source cannot be read)."""
+    try:
+        return "self.loss_function" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return True
 
 
 _PEFT_DEPTH = 4  # PeftModel -> tuner (LoraModel, ...) -> transformers model, with room to spare
@@ -885,6 +899,7 @@ def apply_sequence_parallel(
                        model.register_forward_hook(_post_forward(state), with_kwargs=True, always_call=True))
     state.passes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD
                               for p in inspect.signature(model.forward).parameters.values())
+    state.loss_takes_num_items = _loss_takes_num_items(model)
     state.fixes = []
     for fix in _FIXES:
         if fix.applies(model):
