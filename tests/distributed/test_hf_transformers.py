@@ -21,6 +21,8 @@ alive with backward in reverse order (control: one ShardInfo slot shared by the 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -467,8 +469,8 @@ def _peft_cases(world: int) -> dict:
     group = dist.group.WORLD
     out: dict = {}
 
-    def compare(wrapped, name, batch):
-        ref = clone(wrapped)
+    def compare(wrapped, name, batch, ref=None):
+        ref = clone(wrapped) if ref is None else ref
         ref_loss = ref(**batch).loss
         ref_loss.backward()
         model = apply_sequence_parallel(wrapped, group=group, backend="zigzag_ring")
@@ -485,6 +487,9 @@ def _peft_cases(world: int) -> dict:
         for name in ("llama", "esm"):
             targets = ("q_proj", "v_proj") if name == "llama" else ("query", "value")
             out[name] = compare(lora_like(tiny_model(name), targets=targets), name, tiny_batch(name, N_REAL_PADDED, pad_to=N))
+        # apply_sequence_parallel before the adapters are added (the order get_peft_model users may pick)
+        sharded_first = lora_like(apply_sequence_parallel(tiny_model("llama"), group=group, backend="zigzag_ring"))
+        out["applied_first"] = compare(sharded_first, "llama", tiny_batch("llama", N), ref=lora_like(tiny_model("llama")))
     try:
         apply_sequence_parallel(lora_like(tiny_model("llama"), prompt_learning=True), group=group, backend="ring")
         out["prompt_learning_refused"] = ""
@@ -502,6 +507,109 @@ def _peft_cases(world: int) -> dict:
     return out
 
 
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "huggingface-finetuning.md"
+GUIDE_BLOCKS = ("ft trainer-style", "ft accumulation", "ft checkpointing", "ft peft", "ft padding")
+
+
+def guide_block(marker: str) -> str:
+    """The python code block that follows ``<!-- test: <marker> ...-->`` in the fine-tuning guide."""
+    match = re.search(rf"<!-- test: {re.escape(marker)}[^>]*-->\s*```python\n(.*?)```", GUIDE.read_text(), re.DOTALL)
+    assert match, f"{GUIDE.name} has no block marked '{marker}'"
+    return match.group(1)
+
+
+def _stand_in_peft():
+    """A ``peft`` module of ``LoraConfig`` / ``get_peft_model`` over ``tests.hf_tiny.lora_like``, for the guide's
+    block where the real package is not installed."""
+    import types
+
+    from tests.hf_tiny import lora_like
+
+    module = types.ModuleType("peft")
+
+    class LoraConfig:
+        def __init__(self, r=8, target_modules=()):
+            self.r, self.target_modules = r, tuple(target_modules)
+
+    module.LoraConfig = LoraConfig
+    module.get_peft_model = lambda model, config: lora_like(model, targets=config.target_modules)
+    return module
+
+
+def _guide_recipes(world: int) -> dict:
+    """Each block of docs/guides/huggingface-finetuning.md, executed as written, vs the unsharded model:
+    ``{block: max(|loss - ref|, max |grad - ref|)}``."""
+    import sys
+
+    import torch.distributed as dist
+
+    from lightning_sp.integrations.transformers import apply_sequence_parallel, shard_inputs
+    from tests.hf_tiny import KeepFloat64, clone, reference, tiny_batch, tiny_model
+
+    group = dist.group.WORLD
+    base = tiny_model("llama")
+    batch = tiny_batch("llama", N_REAL_PADDED, pad_to=N)
+    out: dict = {}
+
+    def run(marker: str, scope: dict) -> dict:
+        scope.update(torch=torch, sp_group=group, shard_inputs=shard_inputs, apply_sequence_parallel=apply_sequence_parallel)
+        exec(compile(guide_block(marker), GUIDE.name, "exec"), scope)  # noqa: S102 - the guide's own code
+        return scope
+
+    def diff(loss, ref_loss, model, ref) -> float:
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        return max(abs(float(loss.detach() - ref_loss.detach())), _dict_diff(_global_grads(model, group), ref_grads))
+
+    with KeepFloat64():
+        ref = clone(base)
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        scope = run("ft trainer-style", {"model": clone(base), "batch": batch})
+        out["ft trainer-style"] = diff(scope["out"].loss, ref_loss, scope["model"], ref)
+
+        micro_batches = [batch, tiny_batch("llama", N, seed=3)]
+        ref = clone(base)
+        num_items = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
+        ref_losses = [ref(**b, num_items_in_batch=num_items).loss for b in micro_batches]
+        sum(ref_losses).backward()
+        model = apply_sequence_parallel(clone(base), group=group, backend="zigzag_ring")
+        scope = run("ft accumulation", {"model": model, "micro_batches": micro_batches})
+        out["ft accumulation"] = diff(scope["loss"], ref_losses[-1], model, ref)
+
+        padded_ref = clone(base)
+        scope = run("ft padding", {"model": apply_sequence_parallel(clone(base), group=group, backend="zigzag_ring")})
+        padded_ref_loss = padded_ref(**scope["batch"]).loss
+        padded_ref_loss.backward()
+        out["ft padding"] = diff(scope["loss"], padded_ref_loss, scope["model"], padded_ref)
+
+        real_peft = sys.modules.get("peft")
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            sys.modules["peft"] = _stand_in_peft()
+        try:
+            torch.manual_seed(5)
+            ref = sys.modules["peft"].get_peft_model(clone(base), sys.modules["peft"].LoraConfig(
+                r=8, target_modules=["q_proj", "v_proj"]))
+            ref_loss = ref(**batch).loss
+            ref_loss.backward()
+            torch.manual_seed(5)
+            scope = run("ft peft", {"model": clone(base), "batch": batch})
+            out["ft peft"] = diff(scope["loss"], ref_loss, scope["model"], ref)
+        finally:
+            if real_peft is None:
+                sys.modules.pop("peft", None)
+
+    # gradient checkpointing recomputes outside KeepFloat64's reach: float64 reference loss of its own
+    ref = clone(base)
+    _, ref_loss = reference(ref, "llama", batch)
+    ref_loss.backward()
+    model = apply_sequence_parallel(clone(base), group=group, backend="zigzag_ring")
+    scope = run("ft checkpointing", {"model": model, "batch": batch, "eval_batch": _other_batch("llama")})
+    out["ft checkpointing"] = diff(scope["loss"], ref_loss, model, ref)
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     from tests.hf_tiny import KeepFloat64
 
@@ -509,7 +617,8 @@ def _worker(rank: int, world: int) -> dict:
     with KeepFloat64():  # HF's own float32 roundings stay float64 in the reference and the sharded runs alike
         grid = _exactness_grid(world)
     res = {"grid": grid, "misc": _unbound_and_misuse(world), "readme": _readme_recipe(world),
-           "checkpointing": _checkpointing_cases(world), "labels": _labels_cases(world), "peft": _peft_cases(world)}
+           "checkpointing": _checkpointing_cases(world), "labels": _labels_cases(world), "peft": _peft_cases(world),
+           "guide": _guide_recipes(world)}
     if world == 2:
         res["roberta"] = _roberta_cumsum_positions(world)
         res["trainer"] = _train_with_trainer(world)
@@ -656,10 +765,18 @@ def test_peft_model_accepted_and_exact(results):
     world, per_rank = results
     for rank, res in enumerate(per_rank):
         peft = res["peft"]
-        for name in ("llama", "esm"):
+        for name in ("llama", "esm", "applied_first"):
             d = peft[name]
             assert d["moved"] > 1e-3, f"adapter gradients too small to compare: {d}"
             assert d["loss"] < TOL and d["grads"] < TOL, f"P={world} rank {rank} {name}: {d}"
         if peft["real_peft"] is not None:  # peft installed: the real get_peft_model(LoRA) too
             assert peft["real_peft"]["loss"] < TOL and peft["real_peft"]["grads"] < TOL, peft["real_peft"]
         assert "prompt learning" in peft["prompt_learning_refused"]
+
+
+def test_finetuning_guide_recipes_exact(results):
+    world, per_rank = results
+    for rank, res in enumerate(per_rank):
+        assert set(res["guide"]) == set(GUIDE_BLOCKS)
+        for block, diff in res["guide"].items():
+            assert diff < TOL, f"P={world} rank {rank}: the guide's {block!r} differs by {diff:.3e}"
