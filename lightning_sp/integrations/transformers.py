@@ -5,6 +5,7 @@
     labels = shard.pop("labels")                                         # [B, S_local], shifted globally
     logits = model(**shard).logits                                       # [B, S_local, V]
     loss = sequence_parallel_cross_entropy(logits, labels, group=sp_group)
+    # or, labels left in the shard (as HF's Trainer calls it): loss = model(**shard).loss, the same value
 
 Needs ``transformers >= 5`` (the ``hf`` extra). See Note [Hugging Face under sequence parallelism] for
 what is done and why; what cannot be done exactly raises ``NotImplementedError`` naming the alternative.
@@ -164,8 +165,6 @@ class _Forward:
     info: ShardInfo | None
     checkpointed: bool
     """HF gradient checkpointing will recompute this forward's layers in backward."""
-    call_kwargs: dict
-    """The keyword arguments the pre-hook handed to the forward: the forward hook pops only its own entry."""
     labels: torch.Tensor | None = None
     """``[B', S_local]`` labels of a sharded forward, taken from HF's loss (Note [The loss of model(**shard)])."""
     num_items_in_batch: Any = None
@@ -698,34 +697,32 @@ def is_causal_lm(model: nn.Module) -> bool:
     return bool(layers) and all(bool(layer.is_causal) for layer in layers)
 
 
-def _pre_forward(state: _State):
+def _pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     """The model's forward pre-hook: this forward's ShardInfo handed down with it, its labels taken from
-    HF's loss (Notes [Per-forward shard info], [The loss of model(**shard)])."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict):
-        kwargs = dict(kwargs)
-        info = kwargs.pop(SHARD_INFO_KEY, None)
-        if info is not None and not isinstance(info, ShardInfo):
-            raise TypeError(f"{SHARD_INFO_KEY}= must be the ShardInfo shard_inputs made, got {type(info).__name__}")
-        if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
-            _reject_unsupported(module, 0.0, {"output_attentions": True})
-        if state.token_mixers and _runs_sharded(module):
-            _refuse_token_mixers(module, state.token_mixers)
-        labels = num_items = None
-        if info is not None:
-            labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
-            labels = shift_labels if shift_labels is not None else labels  # HF's precedence
-            if labels is not None:
-                num_items = kwargs.pop("num_items_in_batch", None)
-                num_items = num_items if state.loss_takes_num_items else None  # as the model itself does
-            if state.passes_kwargs:
-                kwargs[SHARD_INFO_KEY] = info  # down to the attention, and into checkpointed layers' partials
-        checkpointed = _is_checkpointing(module) and module.training and torch.is_grad_enabled()
-        state.forwards.append(_Forward(info=info, checkpointed=checkpointed, call_kwargs=kwargs, labels=labels,
-                                       num_items_in_batch=num_items))
-        return args, kwargs
-
-    return hook
+    HF's loss (Notes [Per-forward shard info], [The loss of model(**shard)]). The state is read from the
+    module, so a deep copy of the model (an EMA or SWA copy) keeps to its own."""
+    state: _State = getattr(module, _STATE_ATTR)
+    running = _Forward(info=None, checkpointed=False)
+    state.forwards.append(running)  # first: the always-called forward hook pops it even if this hook raises
+    kwargs = dict(kwargs)
+    info = kwargs.pop(SHARD_INFO_KEY, None)
+    if info is not None and not isinstance(info, ShardInfo):
+        raise TypeError(f"{SHARD_INFO_KEY}= must be the ShardInfo shard_inputs made, got {type(info).__name__}")
+    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
+        _reject_unsupported(module, 0.0, {"output_attentions": True})
+    if state.token_mixers and _runs_sharded(module):
+        _refuse_token_mixers(module, state.token_mixers)
+    if info is not None:
+        labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+        running.labels = shift_labels if shift_labels is not None else labels  # HF's precedence
+        if running.labels is not None:
+            num_items = kwargs.pop("num_items_in_batch", None)
+            running.num_items_in_batch = num_items if state.loss_takes_num_items else None  # as the model does
+        if state.passes_kwargs:
+            kwargs[SHARD_INFO_KEY] = info  # down to the attention, and into checkpointed layers' partials
+    running.info = info
+    running.checkpointed = _is_checkpointing(module) and module.training and torch.is_grad_enabled()
+    return args, kwargs
 
 
 def _is_checkpointing(model: nn.Module) -> bool:
@@ -734,19 +731,16 @@ def _is_checkpointing(model: nn.Module) -> bool:
     return bool(getattr(model, name, False))
 
 
-def _post_forward(state: _State):
-    """The model's forward hook, called even when the forward raises: ends this forward's entry and
-    sets ``loss`` for a sharded forward given labels (Note [The loss of model(**shard)])."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        if not state.forwards or state.forwards[-1].call_kwargs is not kwargs:
-            return None  # the pre-hook raised before this forward began
-        running = state.forwards.pop()
-        if running.labels is None or output is None:
-            return None
-        return _with_loss(module, output, running)
-
-    return hook
+def _post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    """The model's forward hook, called even when the forward (or the pre-hook) raises: ends this
+    forward's entry and sets ``loss`` for a sharded forward given labels (Note [The loss of model(**shard)])."""
+    state: _State = getattr(module, _STATE_ATTR)
+    if not state.forwards:
+        return None
+    running = state.forwards.pop()
+    if running.labels is None or output is None:
+        return None
+    return _with_loss(module, output, running)
 
 
 def _with_loss(model: nn.Module, output: Any, running: _Forward) -> Any:
@@ -895,8 +889,8 @@ def apply_sequence_parallel(
         _refuse_token_mixers(model, state.token_mixers)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if not state.hooks:
-        state.hooks = (model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True),
-                       model.register_forward_hook(_post_forward(state), with_kwargs=True, always_call=True))
+        state.hooks = (model.register_forward_pre_hook(_pre_forward, with_kwargs=True),
+                       model.register_forward_hook(_post_forward, with_kwargs=True, always_call=True))
     state.passes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD
                               for p in inspect.signature(model.forward).parameters.values())
     state.loss_takes_num_items = _loss_takes_num_items(model)

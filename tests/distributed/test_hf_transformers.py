@@ -407,6 +407,7 @@ def _checkpointing_cases(world: int) -> dict:
         out["no_kwargs_refused"] = ""
     except NotImplementedError as err:
         out["no_kwargs_refused"] = str(err)
+    out["running_after_refusal"] = len(model._lightning_sp_state.forwards)  # the refused forward left no entry
     return out
 
 
@@ -416,8 +417,8 @@ def _labels_cases(world: int) -> dict:
     HF's own loss on the shard (labels shifted again inside it, the shard's own mean)."""
     import torch.distributed as dist
 
-    from lightning_sp.integrations.transformers import apply_sequence_parallel, shard_inputs
-    from tests.hf_tiny import KeepFloat64, clone, tiny_batch, tiny_model
+    from lightning_sp.integrations.transformers import _STATE_ATTR, _State, apply_sequence_parallel, shard_inputs
+    from tests.hf_tiny import KeepFloat64, clone, tiny_batch, tiny_model, tiny_rows
 
     group = dist.group.WORLD
     out: dict = {}
@@ -449,6 +450,38 @@ def _labels_cases(world: int) -> dict:
                             logits=logits, labels=shard["labels"], vocab_size=model.config.vocab_size, **extra)
                     dist.all_reduce(hf_loss, group=group)
                     out[(name, padded, num_items)]["control"] = abs(float(hf_loss / world - ref_loss.detach()))
+        # no group (local attention, as under plain DDP): shard_inputs' labels are shifted all the same
+        base = tiny_model("llama")
+        batch = tiny_batch("llama", N_REAL_PADDED, pad_to=N)
+        ref = clone(base)
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        model = apply_sequence_parallel(clone(base))
+        shard = shard_inputs(batch, model)
+        loss = model(**shard).loss
+        loss.backward()
+        with torch.no_grad():
+            hf_loss = type(model).loss_function.fget(model)(
+                logits=model(**{k: v for k, v in shard.items() if k != "labels"}).logits, labels=shard["labels"],
+                vocab_size=model.config.vocab_size)
+        out["local"] = {"loss": abs(float(loss.detach() - ref_loss.detach())), "tuple": 0.0, "control": abs(float(hf_loss - ref_loss)),
+                        "grads": _dict_diff(_ref_grads(model), _ref_grads(ref))}
+        # a deep copy of an applied model (an EMA / SWA copy; unbound: a process group cannot be copied) keeps
+        # to its own state: ESM's embeddings read the running forward's token-dropout ratio of each packed row
+        base = tiny_model("esm")
+        batch = tiny_rows("esm", ROW_LENGTHS, pad_to=N)
+        ref = clone(base)
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        model = clone(apply_sequence_parallel(clone(base)))
+        loss = model(**shard_inputs(batch, model)).loss
+        loss.backward()
+        out["deep_copy"] = max(abs(float(loss.detach() - ref_loss.detach())), _dict_diff(_ref_grads(model), _ref_grads(ref)))
+        for module in model.modules():  # control: embeddings reading a state no hook of this copy writes
+            if type(module).__name__ == "EsmEmbeddings":
+                setattr(module, _STATE_ATTR, _State())
+        with torch.no_grad():
+            out["deep_copy_control"] = abs(float(model(**shard_inputs(batch, model)).loss - ref_loss))
         model = apply_sequence_parallel(clone(tiny_model("llama")), group=group, backend="zigzag_ring")
         try:
             model(**shard_inputs(tiny_batch("llama", N), model) | {"labels": tiny_batch("llama", N)["labels"]})
@@ -742,6 +775,7 @@ def test_checkpointing_refused_where_kwargs_do_not_reach_attention(results):
     for res in per_rank:
         message = res["checkpointing"]["no_kwargs_refused"]
         assert "NemotronAttention gets no keyword arguments" in message and "gradient_checkpointing_disable" in message
+        assert res["checkpointing"]["running_after_refusal"] == 0
 
 
 def test_model_call_with_shard_labels_exact(results):
@@ -758,6 +792,10 @@ def test_model_call_with_shard_labels_exact(results):
                     case = f"P={world} rank {rank} {name} padded={padded} num_items={num_items}"
                     assert max(d["loss"], d["grads"], d["tuple"]) < TOL, f"{case}: {d}"
                     assert _misses(d["control"]), f"{case}: control only {d['control']:.3e}"
+        d = lab["local"]
+        assert max(d["loss"], d["grads"]) < TOL and _misses(d["control"]), f"rank {rank} without a group: {d}"
+        assert lab["deep_copy"] < TOL, f"rank {rank}: a deep copy of the applied ESM differs by {lab['deep_copy']:.3e}"
+        assert _misses(lab["deep_copy_control"]), lab["deep_copy_control"]
         assert "pass model(**shard) the labels shard_inputs returned" in lab["global_labels_refused"]
 
 
