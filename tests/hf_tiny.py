@@ -366,3 +366,67 @@ def support_table(results: dict) -> str:
                 reasons.append(refusal_reason(r["refused"]))
         lines.append(f"| `{case_id}` | `{res['class']}` | " + " | ".join(cells) + " | " + "; ".join(reasons) + " |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ a PEFT stand-in
+
+class LoraLinear(torch.nn.Module):
+    """``base(x) + scale * B(A(x))`` with ``base`` frozen, as PEFT's LoRA ``Linear`` (``B`` starts non-zero
+    here, so the adapter changes the output and its gradients are not trivially zero)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 2, scale: float = 0.5):
+        super().__init__()
+        self.base_layer, self.scale = base, scale
+        base.requires_grad_(False)
+        self.lora_A = torch.nn.Linear(base.in_features, rank, bias=False, dtype=base.weight.dtype)
+        self.lora_B = torch.nn.Linear(rank, base.out_features, bias=False, dtype=base.weight.dtype)
+        torch.nn.init.normal_(self.lora_B.weight, std=0.1)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.scale * self.lora_B(self.lora_A(x))
+
+
+class _PeftConfigLike:
+    def __init__(self, is_prompt_learning: bool):
+        self.is_prompt_learning = is_prompt_learning
+
+
+class TunerLike(torch.nn.Module):
+    """PEFT's ``LoraModel``: holds the transformers model with adapters injected (``.model``, ``peft_config``)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.peft_config = {"default": _PeftConfigLike(False)}
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+class PeftModelLike(torch.nn.Module):
+    """What apply_sequence_parallel sees of ``peft.PeftModel``: ``base_model`` (the tuner), ``get_base_model()``,
+    ``active_peft_config.is_prompt_learning``, and a forward that hands everything to the tuner."""
+
+    def __init__(self, model, *, prompt_learning: bool = False):
+        super().__init__()
+        self.base_model = TunerLike(model)
+        self.active_peft_config = _PeftConfigLike(prompt_learning)
+
+    def get_base_model(self):
+        return self.base_model if self.active_peft_config.is_prompt_learning else self.base_model.model
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, **kwargs):
+        return self.base_model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                               labels=labels, **kwargs)
+
+
+def lora_like(model, *, targets=("q_proj", "v_proj"), prompt_learning: bool = False) -> PeftModelLike:
+    """``model`` with LoRA-style adapters on ``targets`` (the rest frozen), wrapped like ``get_peft_model``."""
+    model.requires_grad_(False)
+    for module in list(model.modules()):
+        for name in targets:
+            child = getattr(module, name, None)
+            if isinstance(child, torch.nn.Linear):
+                torch.manual_seed(len(name))
+                setattr(module, name, LoraLinear(child))
+    return PeftModelLike(model, prompt_learning=prompt_learning)

@@ -30,8 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-from lightning_sp.integrations.transformers import SHARD_INFO_KEY, _sp_modules, apply_sequence_parallel, shard_inputs
-from lightning_sp.layout import group_size_and_rank
+from lightning_sp.integrations.transformers import (
+    SHARD_INFO_KEY,
+    _sequence_parallel_group,
+    apply_sequence_parallel,
+    shard_inputs,
+)
 from lightning_sp.loss import sequence_parallel_cross_entropy
 
 TASKS = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM"}
@@ -52,11 +56,7 @@ def build_hf_model(*, model_type: str, task: str, config: dict | None = None, vo
 
 def sequence_parallel_group(model: nn.Module):
     """The sp group the model's attention runs over, or ``None`` when it runs locally (unbound, or sp of 1)."""
-    sps = _sp_modules(model)
-    if not sps or sps[0].resolved_backend() == "local":
-        return None
-    group = sps[0].process_group
-    return group if group_size_and_rank(group)[0] > 1 else None
+    return _sequence_parallel_group(model)
 
 
 class HFSequenceParallelModule(L.LightningModule):

@@ -5,6 +5,7 @@
     labels = shard.pop("labels")                                         # [B, S_local], shifted globally
     logits = model(**shard).logits                                       # [B, S_local, V]
     loss = sequence_parallel_cross_entropy(logits, labels, group=sp_group)
+    # or, labels left in the shard (as HF's Trainer calls it): loss = model(**shard).loss, the same value
 
 Needs ``transformers >= 5`` (the ``hf`` extra). See Note [Hugging Face under sequence parallelism] for
 what is done and why; what cannot be done exactly raises ``NotImplementedError`` naming the alternative.
@@ -40,11 +41,40 @@ Note [Hugging Face under sequence parallelism]
     convolutions / SSMs mix tokens per shard     refused, naming the module (``token_mixers_...``)
     ==========================================  ==================================================
 
-    Per-batch facts (``ShardInfo``) travel in the shard dict under ``"sequence_parallel"``; a forward
-    pre-hook on the model pops them and keeps them on a state object the layers share, for the
-    attention function and the embedding fixes to read. With HF gradient checkpointing the recompute
-    in backward reads the last forward's facts, so forward and backward must alternate (as in any
-    training loop).
+    Per-batch facts (``ShardInfo``) travel in the shard dict under ``"sequence_parallel"`` and stay with
+    the forward they belong to: Note [Per-forward shard info]. Labels passed to ``model(**shard)`` are
+    the ones ``shard_inputs`` made (already shifted over the global sequence): the loss is the token
+    mean over the whole global batch, Note [The loss of model(**shard)]. A PEFT model (LoRA, DoRA, ...)
+    is unwrapped to the transformers model under it.
+
+Note [Per-forward shard info]
+    Gradient checkpointing recomputes a layer's forward in backward, possibly after other forwards of
+    the same model ran (a ``no_grad`` forward for reference log-probs, an evaluation, a second micro-batch
+    alive at once). So no forward's facts are kept in state the whole model shares:
+
+    - the model's forward pre-hook pops the ``ShardInfo`` and hands it back to the forward as a keyword
+      argument; transformers passes a forward's keyword arguments down to ``AttentionInterface``
+      functions (as it does for flash-attention's ``cu_seq_lens_q``), and its checkpointed layers are
+      ``partial(forward, **kwargs)``: the recompute gets the ShardInfo of the forward it recomputes;
+    - modules that get no keyword arguments (ESM's embeddings, length-dependent rotary) read the
+      ShardInfo of the forward that is running: a stack of running forwards, pushed by the pre-hook and
+      popped by an always-called forward hook, empty between forwards;
+    - a model that does not pass its keyword arguments down (its attention gets no ShardInfo, only the
+      running forward's) is refused under gradient checkpointing at the forward, and an attention call
+      with no ShardInfo outside any forward (a recompute of such a model) raises: never another
+      forward's facts.
+
+Note [The loss of model(**shard)]
+    HF's causal-LM loss shifts labels inside what it is given, i.e. inside each shard, and takes the
+    mean over the shard's tokens. ``shard_inputs`` already shifted them over the global row (masked LMs:
+    no shift). So when a sharded forward gets ``labels`` (or ``shift_labels``), the pre-hook takes them
+    out of HF's hands and the forward hook sets ``output.loss`` to the cross-entropy of the logits
+    against them with no further shift, summed over the sequence-parallel group and divided by the
+    global count of labelled tokens (or by ``num_items_in_batch`` when given, as HF's ``Trainer`` does
+    for gradient accumulation, if the model's own loss is HF's ``loss_function``: ESM's and RoBERTa's
+    ignore it): the same value on every rank, equal to the unsharded ``model(**batch).loss``;
+    its backward sums over the group, so averaging gradients over all ranks gives the unsharded gradient
+    (as ``sequence_parallel_cross_entropy``, which it equals when ``num_items_in_batch`` is not given).
 """
 
 from __future__ import annotations
@@ -59,7 +89,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_sp.attention import SequenceParallelAttention
+from lightning_sp.comm.collectives import all_reduce_sum
 from lightning_sp.layout import group_size_and_rank, padded_length, shard_sequence
+from lightning_sp.loss import cross_entropy_sum
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -121,17 +153,42 @@ class ShardInfo:
     chunk_cu_seqlens: torch.Tensor | None = None
     """int32 global document boundaries of chunked-attention layers (Llama-4): ``cu_seqlens`` (or
     ``[0, N]``) split further wherever a row's column is a multiple of ``config.attention_chunk_size``."""
+    ignore_index: int = -100
+    """The label value that predicts nothing (``shard_inputs(ignore_index=...)``): the loss of
+    ``model(**shard)`` ignores it (Note [The loss of model(**shard)])."""
+
+
+@dataclass(kw_only=True)
+class _Forward:
+    """One running forward of the model, from its pre-hook to its forward hook (Note [Per-forward shard info])."""
+
+    info: ShardInfo | None
+    checkpointed: bool
+    """HF gradient checkpointing will recompute this forward's layers in backward."""
+    labels: torch.Tensor | None = None
+    """``[B', S_local]`` labels of a sharded forward, taken from HF's loss (Note [The loss of model(**shard)])."""
+    num_items_in_batch: Any = None
 
 
 @dataclass(kw_only=True)
 class _State:
-    """Shared by the model and all its attention layers and fixed modules (not a module-level global)."""
+    """What the model, its attention layers and fixed modules share (not a module-level global): what
+    ``apply_sequence_parallel`` found, and the forwards running now (none between forwards)."""
 
-    info: ShardInfo | None = None
-    hook: Any = None
+    forwards: list[_Forward] = field(default_factory=list)
+    hooks: tuple = ()
     fixes: list[str] = field(default_factory=list)
     token_mixers: list[str] = field(default_factory=list)
     """``token_mixers_outside_attention(model)``, found once by ``apply_sequence_parallel``."""
+    passes_kwargs: bool = True
+    """The model's ``forward`` takes ``**kwargs`` (transformers hands them down to the attention)."""
+    loss_takes_num_items: bool = True
+    """The model's loss is HF's ``loss_function`` (which divides by ``num_items_in_batch``), not a mean of
+    its own (ESM's and RoBERTa's ``CrossEntropyLoss()`` ignore ``num_items_in_batch``)."""
+
+    def running_info(self) -> ShardInfo | None:
+        """The ShardInfo of the forward running now (``None`` between forwards or for an unsharded call)."""
+        return self.forwards[-1].info if self.forwards else None
 
 
 # ------------------------------------------------------------------------------------ the attention
@@ -174,10 +231,31 @@ def _longest_document(info_seq_len: int, cu_seqlens: torch.Tensor | None) -> int
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
 
-def _checked_arguments(module: nn.Module, sp: SequenceParallelAttention, state: "_State", query: torch.Tensor,
+def _shard_info_of_call(module: nn.Module, state: _State, kwargs: dict) -> ShardInfo | None:
+    """The ShardInfo of the forward this attention call belongs to (Note [Per-forward shard info]):
+    the one handed down with the call, else the running forward's; never another forward's."""
+    info = kwargs.pop(SHARD_INFO_KEY, None)
+    if info is not None:
+        if not isinstance(info, ShardInfo):
+            raise TypeError(f"{SHARD_INFO_KEY}= must be the ShardInfo shard_inputs made, got {type(info).__name__}")
+        return info
+    running = state.forwards[-1] if state.forwards else None
+    if running is not None and running.info is not None and running.checkpointed:
+        raise NotImplementedError(
+            f"{type(module).__name__} gets no keyword arguments from its model's forward, so under gradient "
+            "checkpointing the recompute in backward could not know which batch's shard it recomputes (another "
+            "forward may have run in between); turn gradient checkpointing off for this model "
+            "(model.gradient_checkpointing_disable()), or use a model class whose forward passes **kwargs to its "
+            "attention layers (transformers' Llama, Qwen, Mistral, ESM, ... do)"
+        )
+    return running.info if running is not None else None
+
+
+def _checked_arguments(module: nn.Module, sp: SequenceParallelAttention, state: _State, query: torch.Tensor,
                        key: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
-                       kwargs: dict) -> tuple[int, torch.Tensor | None]:
-    """``(seq_len, cu_seqlens)`` of this call; raises what the exact backends cannot do."""
+                       kwargs: dict) -> tuple[int, torch.Tensor | None, ShardInfo | None]:
+    """``(seq_len, cu_seqlens, info)`` of this call; raises what the exact backends cannot do."""
+    info = _shard_info_of_call(module, state, kwargs)
     _reject_unsupported(module, dropout, kwargs)
     if key.size(2) != query.size(2):
         raise NotImplementedError(
@@ -193,13 +271,16 @@ def _checked_arguments(module: nn.Module, sp: SequenceParallelAttention, state: 
     world, _ = group_size_and_rank(sp.process_group)
     if sp.resolved_backend() == "local":
         world = 1
-    info = state.info
     s_local = query.size(2)
     if info is None:
         if world > 1:
             raise ValueError(
                 "the model runs sequence parallel but got no ShardInfo: build its inputs with "
                 "shard_inputs(global_batch, model) and call model(**shard), so the attention knows the global length"
+                + ("" if state.forwards else " (this call came outside any forward of the model: a recompute in "
+                   "backward by activation checkpointing of a model whose forward does not pass **kwargs down to "
+                   "its attention layers cannot know its batch; checkpoint with transformers' "
+                   "model.gradient_checkpointing_enable() on a model that does, or turn checkpointing off)")
             )
         seq_len = s_local
         if attention_mask is not None:  # unsharded call with a padding mask: right padding only
@@ -238,7 +319,7 @@ def _checked_arguments(module: nn.Module, sp: SequenceParallelAttention, state: 
             "tokens and is not supported by the exact backends; use sequences (documents) of at most that length, "
             "or set config.sliding_window = None (and use_sliding_window = False) to attend over the whole sequence"
         )
-    return seq_len, cu_seqlens
+    return seq_len, cu_seqlens, info
 
 
 def sequence_parallel_attention(
@@ -266,11 +347,11 @@ def sequence_parallel_attention(
             "did not give it a SequenceParallelAttention; call apply_sequence_parallel(model) on the whole model"
         )
     try:  # a rejection on one rank must not leave its peers waiting in their attention's collectives
-        seq_len, cu_seqlens = _checked_arguments(module, sp, state, query, key, attention_mask, dropout, kwargs)
-    except (ValueError, NotImplementedError) as err:
+        seq_len, cu_seqlens, info = _checked_arguments(module, sp, state, query, key, attention_mask, dropout, kwargs)
+    except (ValueError, NotImplementedError, TypeError) as err:
         sp.raise_on_every_rank(err, query)
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
-        query = _global_attention_temperature(module, query, state.info)  # Llama-4 NoPE layers: global positions
+        query = _global_attention_temperature(module, query, info)  # Llama-4 NoPE layers: global positions
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):  # as autocast runs HF's sdpa: q, k, v in the autocast dtype
         dtype = torch.get_autocast_dtype(device_type)  # (rotary often leaves q, k in float32 and v in bf16)
@@ -423,7 +504,7 @@ def _esm_token_dropout_forward(self, input_ids=None, attention_mask=None, positi
     HF rescales by ``(1 - 0.15 * 0.8) / (1 - ratio)`` with ``ratio = n_mask / length`` of the row it sees;
     under sequence parallelism that is the local shard. Same float32 arithmetic, global ratio."""
     state: _State = getattr(self, _STATE_ATTR)
-    info = state.info
+    info = state.running_info()  # embeddings get no keyword arguments (Note [Per-forward shard info])
     original = type(self).forward
     if info is None or info.token_dropout_ratio is None or not self.token_dropout or input_ids is None:
         return original(self, input_ids, attention_mask, position_ids, inputs_embeds)
@@ -480,7 +561,7 @@ def _global_length_rope_forward(self, x, position_ids, layer_type=None):
     state: _State = getattr(self, _STATE_ATTR)
     forward = type(self).forward  # HF's dynamic_rope_update wrapper around the plain rotary forward
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
-    info = state.info
+    info = state.running_info()  # rotary modules get no keyword arguments (Note [Per-forward shard info])
     if info is None or info.max_position is None:
         return forward(self, x, position_ids, **kwargs)
     longest = torch.full((1, 1), info.max_position, dtype=position_ids.dtype, device=position_ids.device)
@@ -601,6 +682,7 @@ def is_causal_lm(model: nn.Module) -> bool:
             out.update(value if isinstance(value, (tuple, list)) else (value,))
         return out
 
+    model = _unwrap(model)
     cls = type(model).__name__
     if cls in names(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         return True
@@ -615,27 +697,130 @@ def is_causal_lm(model: nn.Module) -> bool:
     return bool(layers) and all(bool(layer.is_causal) for layer in layers)
 
 
-def _pre_forward(state: _State):
-    def hook(module: nn.Module, args: tuple, kwargs: dict):
-        info = kwargs.pop(SHARD_INFO_KEY, None)
-        if info is not None and not isinstance(info, ShardInfo):
-            raise TypeError(f"{SHARD_INFO_KEY}= must be the ShardInfo shard_inputs made, got {type(info).__name__}")
-        if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
-            _reject_unsupported(module, 0.0, {"output_attentions": True})
-        if state.token_mixers and _runs_sharded(module):
-            _refuse_token_mixers(module, state.token_mixers)
-        state.info = info
-        return args, kwargs
+def _pre_forward(module: nn.Module, args: tuple, kwargs: dict):
+    """The model's forward pre-hook: this forward's ShardInfo handed down with it, its labels taken from
+    HF's loss (Notes [Per-forward shard info], [The loss of model(**shard)]). The state is read from the
+    module, so a deep copy of the model (an EMA or SWA copy) keeps to its own."""
+    state: _State = getattr(module, _STATE_ATTR)
+    running = _Forward(info=None, checkpointed=False)
+    state.forwards.append(running)  # first: the always-called forward hook pops it even if this hook raises
+    kwargs = dict(kwargs)
+    info = kwargs.pop(SHARD_INFO_KEY, None)
+    if info is not None and not isinstance(info, ShardInfo):
+        raise TypeError(f"{SHARD_INFO_KEY}= must be the ShardInfo shard_inputs made, got {type(info).__name__}")
+    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
+        _reject_unsupported(module, 0.0, {"output_attentions": True})
+    if state.token_mixers and _runs_sharded(module):
+        _refuse_token_mixers(module, state.token_mixers)
+    if info is not None:
+        labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+        running.labels = shift_labels if shift_labels is not None else labels  # HF's precedence
+        if running.labels is not None:
+            num_items = kwargs.pop("num_items_in_batch", None)
+            running.num_items_in_batch = num_items if state.loss_takes_num_items else None  # as the model does
+        if state.passes_kwargs:
+            kwargs[SHARD_INFO_KEY] = info  # down to the attention, and into checkpointed layers' partials
+    running.info = info
+    running.checkpointed = _is_checkpointing(module) and module.training and torch.is_grad_enabled()
+    return args, kwargs
 
-    return hook
+
+def _is_checkpointing(model: nn.Module) -> bool:
+    """HF's activation (gradient) checkpointing flag, under its name in the installed transformers."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
+
+
+def _post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    """The model's forward hook, called even when the forward (or the pre-hook) raises: ends this
+    forward's entry and sets ``loss`` for a sharded forward given labels (Note [The loss of model(**shard)])."""
+    state: _State = getattr(module, _STATE_ATTR)
+    if not state.forwards:
+        return None
+    running = state.forwards.pop()
+    if running.labels is None or output is None:
+        return None
+    return _with_loss(module, output, running)
+
+
+def _with_loss(model: nn.Module, output: Any, running: _Forward) -> Any:
+    """``output`` (a ``ModelOutput`` or, with ``return_dict=False``, a tuple) with the loss of the shard's
+    labels in front: the global token mean over the sequence-parallel group (Note [The loss of model(**shard)])."""
+    from transformers.utils import ModelOutput
+
+    logits = output.get("logits") if isinstance(output, ModelOutput) else output[0] if isinstance(output, tuple) else None
+    labels, info = running.labels, running.info
+    if not isinstance(logits, torch.Tensor) or logits.shape[:-1] != labels.shape:
+        shape = None if not isinstance(logits, torch.Tensor) else tuple(logits.shape)
+        raise ValueError(
+            f"labels {tuple(labels.shape)} do not match the shard's logits {shape} ([B, S_local, V]): pass model(**shard) "
+            "the labels shard_inputs returned (this rank's shard, shifted over the global sequence for causal LMs); "
+            "model(**shard) computes the token cross-entropy of causal and masked LMs"
+        )
+    total = cross_entropy_sum(logits, labels.to(logits.device), ignore_index=info.ignore_index)  # this shard's sum
+    count = (labels != info.ignore_index).sum().to(device=total.device, dtype=total.dtype)
+    group = _sequence_parallel_group(model)
+    if group is not None:  # [sum, count] over the group in one collective; backward sums over the group
+        totals = all_reduce_sum(torch.stack([total, count]), group)
+        total, count = totals[0], totals[1].detach()
+    if running.num_items_in_batch is not None:  # HF's Trainer: the count of the whole accumulated batch
+        loss = total / torch.as_tensor(running.num_items_in_batch, device=total.device).to(total.dtype)
+    else:
+        loss = total / count.clamp_min(1)
+    if isinstance(output, tuple):
+        return (loss, *output)
+    return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
+
+
+def _sequence_parallel_group(model: nn.Module):
+    """The group the model's attention runs over, or ``None`` when it runs locally (unbound, or one rank)."""
+    sps = _sp_modules(model)
+    if not sps or sps[0].resolved_backend() == "local":
+        return None
+    group = sps[0].process_group
+    return group if group_size_and_rank(group)[0] > 1 else None
 
 
 def _runs_sharded(model: nn.Module) -> bool:
     """Whether the model's attention runs over more than one rank (a structural fact, the same on every rank)."""
-    sps = _sp_modules(model)
-    if not sps or sps[0].resolved_backend() == "local":
-        return False
-    return group_size_and_rank(sps[0].process_group)[0] > 1
+    return _sequence_parallel_group(model) is not None
+
+
+def _loss_takes_num_items(model: nn.Module) -> bool:
+    """Whether the model's forward computes its loss with HF's ``self.loss_function`` (read from its source;
+    ``True``, HF's default, when the source cannot be read)."""
+    try:
+        return "self.loss_function" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return True
+
+
+_PEFT_DEPTH = 4  # PeftModel -> tuner (LoraModel, ...) -> transformers model, with room to spare
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper, else ``model`` itself. Duck-typed, so ``peft`` is
+    never imported: ``PeftModel.get_base_model()`` (for adapters such as LoRA/DoRA/IA3: the tuner's
+    ``.model``, the transformers model with the adapters injected), or a tuner's ``.model``."""
+    from transformers import PreTrainedModel
+
+    inner = model
+    for _ in range(_PEFT_DEPTH):
+        if isinstance(inner, PreTrainedModel):
+            return inner
+        if getattr(getattr(inner, "active_peft_config", None), "is_prompt_learning", False):
+            raise NotImplementedError(
+                f"{type(inner).__name__} uses prompt learning (prompt / prefix / p-tuning): its virtual tokens would "
+                "be added to every rank's shard of the sequence; use an adapter method (LoRA, DoRA, IA3, ...) "
+                "under sequence parallelism, or train without it"
+            )
+        if callable(getattr(type(inner), "get_base_model", None)):
+            inner = inner.get_base_model()
+        elif hasattr(inner, "peft_config") and isinstance(getattr(inner, "model", None), nn.Module):
+            inner = inner.model  # a PEFT tuner (LoraModel, ...) without its PeftModel
+        else:
+            break
+    return model
 
 
 def apply_sequence_parallel(
@@ -650,7 +835,8 @@ def apply_sequence_parallel(
 
     Args:
         model: a ``transformers.PreTrainedModel`` whose attention goes through ``AttentionInterface``
-            (Llama, Qwen2, Mistral, ESM, RoBERTa, ... in transformers >= 5).
+            (Llama, Qwen2, Mistral, ESM, RoBERTa, ... in transformers >= 5), or a PEFT model around one
+            (``get_peft_model(...)``: the adapters' model is made sequence parallel, the wrapper returned).
         group: the sequence-parallel process group. ``None``: the backend of a ``SequenceParallelStrategy``
             that binds the model, plain local attention when nothing binds it.
         backend: with ``group``, the backend (``"ulysses"``, ``"ring"``, ``"zigzag_ring"``, ``"allgather_kv"``,
@@ -659,8 +845,9 @@ def apply_sequence_parallel(
         ulysses_degree, kernel: as for ``SequenceParallelAttention``.
 
     Returns the same model (modified in place): ``attn_implementation="lightning_sp"``, each attention
-    layer with an ``sp_attention`` child (no parameters, so state dicts are unchanged), a forward
-    pre-hook taking the ``ShardInfo`` of ``shard_inputs``, and the per-model fixes of ``model_fixes``.
+    layer with an ``sp_attention`` child (no parameters, so state dicts are unchanged), forward hooks
+    taking the ``ShardInfo`` of ``shard_inputs`` (and the labels: Note [The loss of model(**shard)]), and
+    the per-model fixes of ``model_fixes``.
 
     Raises ``NotImplementedError`` naming the module when the model mixes tokens outside attention
     (``token_mixers_outside_attention``: convolutions over the sequence, SSM / linear-attention blocks)
@@ -669,8 +856,10 @@ def apply_sequence_parallel(
     _register()
     from transformers import PreTrainedModel
 
+    wrapper, model = model, _unwrap(model)
     if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"apply_sequence_parallel needs a transformers PreTrainedModel, got {type(model).__name__}")
+        raise TypeError(f"apply_sequence_parallel needs a transformers PreTrainedModel (or a PEFT model around one), "
+                        f"got {type(model).__name__}")
     if not model._can_set_attn_implementation():
         raise NotImplementedError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so its "
@@ -699,14 +888,18 @@ def apply_sequence_parallel(
     if group is not None and backend != "local" and group_size_and_rank(group)[0] > 1:
         _refuse_token_mixers(model, state.token_mixers)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if state.hook is None:
-        state.hook = model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True)
+    if not state.hooks:
+        state.hooks = (model.register_forward_pre_hook(_pre_forward, with_kwargs=True),
+                       model.register_forward_hook(_post_forward, with_kwargs=True, always_call=True))
+    state.passes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                              for p in inspect.signature(model.forward).parameters.values())
+    state.loss_takes_num_items = _loss_takes_num_items(model)
     state.fixes = []
     for fix in _FIXES:
         if fix.applies(model):
             fix.patch(model, state)
             state.fixes.append(fix.name)
-    return model
+    return wrapper
 
 
 _TOKEN_INDEX_KEY = "_lightning_sp_token_index"
@@ -743,7 +936,7 @@ def _pack_rows(rows: dict[str, torch.Tensor], lengths: list[int]) -> dict[str, t
 
 
 def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool | None = None, ignore_index: int = -100) -> dict:
-    """This rank's shard of a global HF batch, as keyword arguments for ``model(**shard)`` (pop ``labels`` first).
+    """This rank's shard of a global HF batch, as keyword arguments for ``model(**shard)``.
 
     ``batch`` (the same on every rank of the group): ``input_ids [B, N]`` (or ``inputs_embeds [B, N, E]``),
     optional ``labels [B, N]`` in HF's convention (the tokens themselves, ``ignore_index`` to ignore; NOT
@@ -757,12 +950,17 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
     one length ``L`` are cut to ``L`` columns; rows of different lengths are packed into one row of
     documents, ``B' = 1``, Note [Packing padded rows]); any other mask raises. Logits therefore cover
     the real tokens only, in row order.
+
+    Either pop ``labels`` and take ``sequence_parallel_cross_entropy(model(**shard).logits, labels, group=...)``,
+    or leave them in: ``model(**shard).loss`` is then the same global token mean, HF's ``num_items_in_batch``
+    honoured (Note [The loss of model(**shard)]). ``model`` may be a PEFT model around a transformers model.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"shard_inputs takes a dict batch (input_ids, labels, attention_mask, ...), got {type(batch).__name__}")
     sps = _sp_modules(model)
     if not sps:
         raise ValueError("call apply_sequence_parallel(model) before shard_inputs(batch, model)")
+    model = _unwrap(model)  # a PEFT model: its transformers model decides labels, positions and fixes
     sp = sps[0]
     group = sp.process_group
     world, _ = group_size_and_rank(group)
@@ -865,5 +1063,6 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
     shard[SHARD_INFO_KEY] = ShardInfo(
         seq_len=seq_len, padded_len=n_pad, cu_seqlens=cu_seqlens, token_dropout_ratio=shard.pop("token_dropout_ratio", None),
         max_position=max_position, token_index=shard.pop(_TOKEN_INDEX_KEY), chunk_cu_seqlens=chunk_cu_seqlens,
+        ignore_index=ignore_index,
     )
     return shard

@@ -125,10 +125,12 @@ def _standalone_worker(rank: int, world: int, bad_rank: int, cases: tuple, negat
         outcomes = []
         for step in range(BAD_STEP + 1):
             stale = rank == bad_rank and step == BAD_STEP  # another batch's ShardInfo
-            setattr(layer, _STATE_ATTR, _State(info=ShardInfo(seq_len=N, padded_len=2 * N if stale else N)))
+            setattr(layer, _STATE_ATTR, _State())
+            info = ShardInfo(seq_len=N, padded_len=2 * N if stale else N)
             q, k, v = (shard_sequence(t, group, layout=layer.sp_attention.layout).transpose(1, 2)  # [B, H, S/P, D]
                        for t in _global(step, N, H, torch.float32))
-            outcomes.append(_attempt(lambda q=q, k=k, v=v: sequence_parallel_attention(layer, q, k, v, None)))
+            outcomes.append(_attempt(lambda q=q, k=k, v=v, info=info: sequence_parallel_attention(
+                layer, q, k, v, None, sequence_parallel=info)))
         results["transformers"] = outcomes
     if negative_control:  # the old rank-local cache: the good ranks skip the check the bad rank runs
         short = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=3))
