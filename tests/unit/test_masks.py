@@ -1,0 +1,137 @@
+"""The mask vocabulary over global positions (``lightning_sp/masks.py``) and plans under a mask: every visible
+(query, key) pair is computed exactly once, no hidden pair ever, block classes agree with the dense mask."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from lightning_sp.layout import SequenceLayout, runs_for_ranks
+from lightning_sp.masks import AttentionMask, BlockClass, StructuredMask
+from lightning_sp.ops.plan import MaskKind, masked_dense, plan_blocks
+
+
+def _dense(mask: StructuredMask, n: int) -> torch.Tensor:
+    pos = torch.arange(n)
+    return mask.visible(pos, pos)
+
+
+def _slow_visible(mask: StructuredMask, n: int) -> torch.Tensor:
+    """The definition, pair by pair."""
+    out = torch.zeros(n, n, dtype=torch.bool)
+    doc = lambda p: -1 if mask.doc_bounds is None else sum(b <= p for b in mask.doc_bounds)  # noqa: E731
+    span = lambda p: next((i for i, (s, e) in enumerate(mask.spans) if s <= p < e), None)  # noqa: E731
+    for q in range(n):
+        for k in range(n):
+            ok = doc(q) == doc(k)
+            if mask.causal:
+                ok &= k <= q or (span(q) is not None and span(q) == span(k))
+            if mask.left is not None:
+                ok &= q - k <= mask.left
+            if mask.right is not None:
+                ok &= k - q <= mask.right
+            out[q, k] = ok
+    return out
+
+
+MASKS = [
+    dict(window=(5, 0)), dict(window=(3, 4)), dict(window=(-1, 2)), dict(chunk_size=7),
+    dict(bidirectional_spans=((3, 9), (20, 31))), dict(window=(6, 0), bidirectional_spans=((10, 18),)),
+    dict(softcap=5.0), dict(),
+]
+
+
+@pytest.mark.parametrize("spec", MASKS, ids=lambda d: ",".join(d) or "plain")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("docs", [None, (0, 13, 14, 29, 45)])
+def test_visible_matches_the_definition(spec, causal, docs):
+    n = 45
+    mask = AttentionMask(**spec).structured(causal=causal, doc_bounds=docs, padded_len=n)
+    assert torch.equal(_dense(mask, n), _slow_visible(mask, n))
+
+
+@pytest.mark.parametrize("spec", MASKS, ids=lambda d: ",".join(d) or "plain")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout,world", [("contiguous", 1), ("contiguous", 3), ("zigzag", 2), ("zigzag", 4)])
+def test_plans_cover_every_visible_pair_once(spec, causal, layout, world, monkeypatch):
+    import lightning_sp.ops.plan as plan
+
+    monkeypatch.setattr(plan, "MASK_TILE", 4)  # small tiles: the halving and the DENSE leaves are exercised
+    plan._plan_masked_cached.cache_clear()
+    n = 48
+    mask = AttentionMask(**spec).structured(causal=causal, doc_bounds=(0, 13, 14, 29, 48), padded_len=n)
+    want = _dense(mask, n).int()
+    lay = SequenceLayout(layout)
+    got = torch.zeros(n, n, dtype=torch.int)
+    for r, s in itertools.product(range(world), repeat=2):
+        q_runs, k_runs = runs_for_ranks(lay, world, n, (r,)), runs_for_ranks(lay, world, n, (s,))
+        qg = torch.tensor([run.global_start + i for run in q_runs for i in range(run.length)])
+        kg = torch.tensor([run.global_start + i for run in k_runs for i in range(run.length)])
+        for c in plan_blocks(q_runs, k_runs, causal=causal, mask=mask):
+            qpos = qg[c.q_start:c.q_start + c.q_len]
+            kpos = kg[c.k_start:c.k_start + c.k_len]
+            assert torch.equal(qpos, torch.arange(c.q_global, c.q_global + c.q_len))  # globally contiguous
+            assert torch.equal(kpos, torch.arange(c.k_global, c.k_global + c.k_len))
+            if c.kind is MaskKind.FULL:
+                block = torch.ones(c.q_len, c.k_len, dtype=torch.int)
+            elif c.kind is MaskKind.CAUSAL:
+                assert c.q_len == c.k_len and c.q_global == c.k_global
+                block = torch.ones(c.q_len, c.k_len, dtype=torch.int).tril()
+            else:
+                block = masked_dense(c, mask).int()
+                assert block.any()
+            got[qpos[:, None], kpos[None, :]] += block
+    plan._plan_masked_cached.cache_clear()
+    assert torch.equal(got, want)
+    # negative control: the same plan checked against the mask without its window / spans misses
+    plain = _dense(AttentionMask().structured(causal=causal, doc_bounds=(0, 13, 14, 29, 48), padded_len=n), n).int()
+    if not torch.equal(want, plain):  # the mask hides something the plain one shows (or the reverse)
+        assert not torch.equal(got, plain)
+
+
+def test_classify_agrees_with_the_dense_mask_on_random_blocks():
+    rng = random.Random(0)
+    n = 60
+    for _ in range(300):
+        spec = rng.choice(MASKS)
+        causal = rng.random() < 0.7
+        mask = AttentionMask(**spec).structured(causal=causal, doc_bounds=(0, 25, 60), padded_len=n)
+        dense = _dense(mask, n)
+        pts = (0, *mask.split_points(), n)
+        q0 = rng.randrange(n)
+        q1 = min(p for p in pts if p > q0)
+        q1 = rng.randint(q0 + 1, q1)
+        k0 = rng.randrange(n)
+        k1 = rng.randint(k0 + 1, min(p for p in pts if p > k0))
+        cls = mask.classify(q0, q1, k0, k1)
+        block = dense[q0:q1, k0:k1]
+        if cls is BlockClass.EMPTY:
+            assert not block.any()
+        elif cls is BlockClass.FULL:
+            assert block.all()
+        elif cls is BlockClass.CAUSAL:
+            assert torch.equal(block, torch.ones_like(block).tril())
+        lo, hi = mask.key_hull(q0, q1)
+        outside = torch.ones(n, dtype=torch.bool)
+        outside[max(lo, 0):min(hi, n)] = False
+        assert not dense[q0:q1][:, outside].any()  # the hull holds every visible key
+
+
+def test_bad_masks_raise_clear_errors():
+    with pytest.raises(ValueError, match="window"):
+        AttentionMask(window=(3,))
+    with pytest.raises(ValueError, match="window"):
+        AttentionMask(window=(-2, 0))
+    with pytest.raises(ValueError, match="chunk_size"):
+        AttentionMask(chunk_size=0)
+    with pytest.raises(ValueError, match="sorted and disjoint"):
+        AttentionMask(bidirectional_spans=((5, 9), (8, 12)))
+    with pytest.raises(ValueError, match="start < end"):
+        AttentionMask(bidirectional_spans=((5, 5),))
+    with pytest.raises(ValueError, match="softcap"):
+        AttentionMask(softcap=-1.0)
+    with pytest.raises(ValueError, match="mask_mod"):
+        AttentionMask(mask_mod=3)
