@@ -156,8 +156,6 @@ class AttentionMask:
             cuts = set(range(0, padded_len, self.chunk_size)) | {padded_len}
             bounds = sorted(cuts | set(bounds or ()))
         left, right = resolve_window(self.window)
-        if causal:
-            right = 0 if right is None else min(right, 0)  # keys after the query are hidden anyway
         spans = tuple((s, min(e, padded_len)) for s, e in self.bidirectional_spans if s < padded_len)
         return StructuredMask(bool(causal), None if bounds is None else tuple(bounds), left, right,
                               spans if causal else ())

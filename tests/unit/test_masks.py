@@ -19,20 +19,23 @@ def _dense(mask: StructuredMask, n: int) -> torch.Tensor:
     return mask.visible(pos, pos)
 
 
-def _slow_visible(mask: StructuredMask, n: int) -> torch.Tensor:
-    """The definition, pair by pair."""
+def _slow_visible(mask: AttentionMask, causal: bool, docs, n: int) -> torch.Tensor:
+    """The definition on the user's mask, pair by pair (not through ``StructuredMask``)."""
     out = torch.zeros(n, n, dtype=torch.bool)
-    doc = lambda p: -1 if mask.doc_bounds is None else sum(b <= p for b in mask.doc_bounds)  # noqa: E731
-    span = lambda p: next((i for i, (s, e) in enumerate(mask.spans) if s <= p < e), None)  # noqa: E731
+    doc = lambda p: -1 if docs is None else sum(b <= p for b in docs)  # noqa: E731
+    span = lambda p: next((i for i, (s, e) in enumerate(mask.bidirectional_spans) if s <= p < e), None)  # noqa: E731
+    left, right = mask.window or (-1, -1)
     for q in range(n):
         for k in range(n):
             ok = doc(q) == doc(k)
-            if mask.causal:
+            if causal:
                 ok &= k <= q or (span(q) is not None and span(q) == span(k))
-            if mask.left is not None:
-                ok &= q - k <= mask.left
-            if mask.right is not None:
-                ok &= k - q <= mask.right
+            if left != -1:
+                ok &= q - k <= left
+            if right != -1:
+                ok &= k - q <= right
+            if mask.chunk_size:
+                ok &= q // mask.chunk_size == k // mask.chunk_size
             out[q, k] = ok
     return out
 
@@ -49,8 +52,9 @@ MASKS = [
 @pytest.mark.parametrize("docs", [None, (0, 13, 14, 29, 45)])
 def test_visible_matches_the_definition(spec, causal, docs):
     n = 45
-    mask = AttentionMask(**spec).structured(causal=causal, doc_bounds=docs, padded_len=n)
-    assert torch.equal(_dense(mask, n), _slow_visible(mask, n))
+    user = AttentionMask(**spec)
+    mask = user.structured(causal=causal, doc_bounds=docs, padded_len=n)
+    assert torch.equal(_dense(mask, n), _slow_visible(user, causal, docs, n))
 
 
 @pytest.mark.parametrize("spec", MASKS, ids=lambda d: ",".join(d) or "plain")
