@@ -267,12 +267,12 @@ def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResul
         o, l = _call_forward(spec, single, q, k, v)
         return AttentionResult(o, l.to(acc))
     merged = _MergedResult(q, v.size(-1), acc)
+    pieces = spec.pieces_for(k.size(1))
+    if pieces > 1:  # a memory choice: the pieces travel whatever the mask (Note [K/V in pieces])
+        _pieces_forward(spec, q, k, v, merged, pieces)
+        return merged.result()
     if spec.follow_mask and spec.group is not None:  # Note [Traffic follows the mask]
         _selective_forward(spec, q, k, v, merged)
-        return merged.result()
-    pieces = spec.pieces_for(k.size(1))
-    if pieces > 1:
-        _pieces_forward(spec, q, k, v, merged, pieces)
         return merged.result()
     hm = _heads_major_ring(spec, q, pieces)
     if hm:  # Note [Head-major blocks]: one copy of each; k, v held by the ring only until step 0 is done
@@ -319,11 +319,11 @@ def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
     if single is not None:
         grads = _call_backward(spec, single, dout, q, k, v, out, lse)
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
-    if spec.follow_mask and spec.group is not None:  # Note [Traffic follows the mask]
-        return _selective_backward(spec, dout, q, k, v, out, lse)
     pieces = spec.pieces_for(k.size(1))
     if pieces > 1:
         return _pieces_backward(spec, dout, q, k, v, out, lse, pieces)
+    if spec.follow_mask and spec.group is not None:  # Note [Traffic follows the mask]
+        return _selective_backward(spec, dout, q, k, v, out, lse)
     hm = _heads_major_ring(spec, q, pieces)
     q_in = q
     if hm:  # Note [Head-major blocks]
