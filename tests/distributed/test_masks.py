@@ -59,13 +59,13 @@ def _err(a, b):
     return float((a.detach() - b.detach()).abs().max())
 
 
-def _run_case(group, world, backend, kind, seed):
+def _run_case(group, world, backend, kind, seed, pieces=1):
     causal, mask, with_sinks, with_docs = KINDS[kind]
     q, k, v, dout, sinks = _tensors(seed)
     cu = torch.tensor(DOCS, dtype=torch.int32) if with_docs else None
     u = 2 if backend == "usp" and world == 4 else None
     attn = SequenceParallelAttention(causal=causal, backend=backend, group=group, ulysses_degree=u, mask=mask,
-                                     kv_pieces=1)
+                                     kv_pieces=pieces)
     local = [shard_sequence(t, group, layout=attn.layout) for t in (q, k, v, dout)]
     for t in local[:3]:
         t.requires_grad_()
@@ -114,12 +114,35 @@ def _traffic(group, world):
     return out
 
 
+PIECES_CASES = [(b, kd) for b in ("ring", "zigzag_ring", "allgather_kv", "usp")
+                for kd in ("prefix_lm_spans", "docs_window_spans_softcap_sinks")]
+"""K/V in pieces (``kv_pieces=3``) under masks: the pieces path (full traffic, a memory choice) is exact too."""
+
+
+def _disagreeing_masks(group, rank):
+    """Rank 0 passes another window than its peers: every rank raises, naming the mask (no hang)."""
+    attn = SequenceParallelAttention(causal=True, backend="ring", group=group,
+                                     mask=AttentionMask(window=(6 if rank == 0 else 7, 0)))
+    q = torch.randn(1, 8, H, D, dtype=torch.float64)
+    try:
+        attn(q, q[:, :, :H_KV], q[:, :, :H_KV], seq_len=8 * dist.get_world_size(group))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _worker(rank, world):
+    from lightning_sp.ops import ring_attention
+
     group = dist.group.WORLD
     cases = {}
     for i, (backend, kind) in enumerate((b, kd) for b in BACKENDS for kd in KINDS):
         cases[(backend, kind)] = _run_case(group, world, backend, kind, seed=i)
-    return {"cases": cases, "traffic": _traffic(group, world)}
+    ring_attention.MIN_PIECE_TOKENS = 1  # pieces on 11-token blocks
+    pieces = {case: _run_case(group, world, *case, seed=i, pieces=3) for i, case in enumerate(PIECES_CASES)}
+    ring_attention.MIN_PIECE_TOKENS = 256
+    return {"cases": cases, "pieces": pieces, "traffic": _traffic(group, world),
+            "disagree": _disagreeing_masks(group, rank)}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -132,6 +155,8 @@ def test_every_mask_kind_on_every_backend_matches_dense_fp64(grid):
     failures = []
     results = per_rank[0]["cases"]
     assert len(results) == len(BACKENDS) * len(KINDS)
+    assert len(per_rank[0]["pieces"]) == len(PIECES_CASES)
+    results = {**results, **{(*key, "kv_pieces=3"): value for key, value in per_rank[0]["pieces"].items()}}
     for key, (errors, control) in results.items():
         if max(errors) > TOL:
             failures.append(f"{key}: out/dq/dk/dv(/dsinks) errors {errors} > {TOL}")
@@ -161,3 +186,9 @@ def test_traffic_follows_the_mask(grid):
         # the plain causal ring (no mask) passes every block on: (P - 1) blocks of K and V per pass
         plain, _ = traffic[("ring", "plain")]
         assert plain["ring_send"] >= 2 * (world - 1) * 2 * 32 * row
+
+
+def test_ranks_with_different_masks_raise_together(grid):
+    world, per_rank = grid
+    for rank, result in enumerate(per_rank):
+        assert result["disagree"] is not None and "hash(mask, sinks)" in result["disagree"], (rank, result["disagree"])

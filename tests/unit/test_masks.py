@@ -139,3 +139,79 @@ def test_bad_masks_raise_clear_errors():
         AttentionMask(softcap=-1.0)
     with pytest.raises(ValueError, match="mask_mod"):
         AttentionMask(mask_mod=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# the local backend (no process group): every kind, both CPU kernels, fwd + bwd + sinks, vs dense fp64
+# ----------------------------------------------------------------------------------------------
+
+
+def _score_mod(score, b, h, q, k):
+    return score + 0.3 * torch.sin(0.7 * (q - k).to(score.dtype) + h)
+
+
+def _mask_mod(b, h, q, k):
+    return ((q + k + h) % 3 != 0) | (q == k)
+
+
+LOCAL_KINDS = {  # kind -> (causal, mask, sinks, documents)
+    "window": (True, AttentionMask(window=(5, 0)), False, False),
+    "window_two_sided": (False, AttentionMask(window=(4, 3)), False, True),
+    "chunked": (True, AttentionMask(chunk_size=7), False, True),
+    "spans": (True, AttentionMask(bidirectional_spans=((3, 9), (20, 31))), False, True),
+    "softcap": (True, AttentionMask(softcap=0.7), True, False),
+    "alibi": (False, AttentionMask(alibi_slopes=(0.5, 0.25, 0.125, 0.0625)), False, True),
+    "sinks": (True, None, True, True),
+    "mask_mod": (False, AttentionMask(mask_mod=_mask_mod), False, False),
+    "score_mod": (True, AttentionMask(score_mod=_score_mod), False, True),
+    "mixed": (True, AttentionMask(window=(9, 0), bidirectional_spans=((10, 18),), softcap=1.0), True, True),
+}
+
+
+@pytest.mark.parametrize("kind", LOCAL_KINDS)
+@pytest.mark.parametrize("kernel", ["sdpa", "torch"])
+@pytest.mark.parametrize("backend", [None, "local"])
+def test_local_attention_with_every_mask_kind_matches_dense_fp64(kind, kernel, backend):
+    from lightning_sp import SequenceParallelAttention
+    from tests.reference import dense_attention
+
+    causal, mask, with_sinks, with_docs = LOCAL_KINDS[kind]
+    n, h, h_kv, d = 45, 4, 2, 8
+    g = torch.Generator().manual_seed(len(kind))
+    q, k, v, dout = (torch.randn(1, n, hh, d, generator=g, dtype=torch.float64) for hh in (h, h_kv, h_kv, h))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if with_sinks:
+        leaves.append(torch.randn(h, generator=g, dtype=torch.float64).requires_grad_())
+    cu = torch.tensor([0, 13, 14, 29, n]) if with_docs else None
+    attn = SequenceParallelAttention(causal=causal, mask=mask, kernel=kernel, backend=backend)
+    out = attn(*leaves[:3], cu_seqlens=cu, sinks=leaves[3] if with_sinks else None)
+    got = [out, *torch.autograd.grad(out, leaves, dout)]
+    ref = dense_attention(*leaves[:3], causal=causal, cu_seqlens=cu, mask=mask, sinks=leaves[3] if with_sinks else None)
+    want = [ref, *torch.autograd.grad(ref, leaves, dout)]
+    for a, b in zip(got, want):
+        assert float((a.detach() - b.detach()).abs().max()) < 1e-10
+    control = dense_attention(q, k, v, causal=causal, cu_seqlens=cu)  # the mask (and sinks) ignored
+    assert float((out.detach() - control).abs().max()) > 1e-3
+
+
+def test_mask_arguments_are_validated():
+    from lightning_sp import SequenceParallelAttention
+
+    q = torch.randn(1, 8, 4, 8)
+    with pytest.raises(ValueError, match="sinks must be a floating"):
+        SequenceParallelAttention(causal=True)(q, q, q, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="one slope per query head"):
+        SequenceParallelAttention(mask=AttentionMask(alibi_slopes=(1.0, 2.0)))(q, q, q)
+    with pytest.raises(ValueError, match="disagree"):
+        SequenceParallelAttention(window_size=(3, 0), mask=AttentionMask(window=(4, 0)))
+    with pytest.raises(ValueError, match="AttentionMask"):
+        SequenceParallelAttention(mask="causal")
+    with pytest.raises(ValueError, match="AttentionMask"):
+        SequenceParallelAttention()(q, q, q, mask=(3, 0))
+    # window_size is the same as mask=AttentionMask(window=...)
+    a = SequenceParallelAttention(causal=True, window_size=(2, 0))(q, q, q)
+    b = SequenceParallelAttention(causal=True, mask=AttentionMask(window=(2, 0)))(q, q, q)
+    assert torch.equal(a, b)
+    # a forward mask's set fields override the constructor's
+    c = SequenceParallelAttention(causal=True, window_size=(5, 0))(q, q, q, mask=AttentionMask(window=(2, 0)))
+    assert torch.equal(a, c)
