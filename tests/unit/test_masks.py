@@ -215,3 +215,29 @@ def test_mask_arguments_are_validated():
     # a forward mask's set fields override the constructor's
     c = SequenceParallelAttention(causal=True, window_size=(5, 0))(q, q, q, mask=AttentionMask(window=(2, 0)))
     assert torch.equal(a, c)
+
+
+def test_batch_and_head_indices_reach_mask_mod_and_score_mod():
+    """``b`` and ``h`` as FlexAttention passes them (B = 2), with a window / chunks and sinks; control: the mods
+    made independent of ``b`` must miss on the second row."""
+    from lightning_sp import SequenceParallelAttention
+    from tests.reference import dense_attention
+
+    def mask_mod(b, h, q, k):
+        return ((q + k + b + h) % 3 != 0) | (q == k)
+
+    def score_mod(s, b, h, q, k):
+        return s + 0.2 * b - 0.1 * h
+
+    g = torch.Generator().manual_seed(0)
+    for mask in (AttentionMask(mask_mod=mask_mod, window=(6, 0)), AttentionMask(score_mod=score_mod, chunk_size=5)):
+        q, k, v, dout = (torch.randn(2, 23, 4, 8, generator=g, dtype=torch.float64) for _ in range(4))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)] + [torch.randn(4, generator=g, dtype=torch.float64).requires_grad_()]
+        out = SequenceParallelAttention(causal=True, mask=mask)(*leaves[:3], sinks=leaves[3])
+        ref = dense_attention(*leaves[:3], causal=True, mask=mask, sinks=leaves[3])
+        for a, b in zip([out, *torch.autograd.grad(out, leaves, dout)], [ref, *torch.autograd.grad(ref, leaves, dout)]):
+            assert float((a.detach() - b.detach()).abs().max()) < 1e-10
+        blind = AttentionMask(mask_mod=lambda b, h, q, k: mask_mod(0 * b, h, q, k), window=(6, 0)) if mask.mask_mod \
+            else AttentionMask(score_mod=lambda s, b, h, q, k: score_mod(s, 0 * b, h, q, k), chunk_size=5)
+        control = dense_attention(q, k, v, causal=True, mask=blind, sinks=leaves[3].detach())
+        assert float((out.detach() - control)[1].abs().max()) > 1e-3
