@@ -13,6 +13,13 @@ sees, sent once). CPU gloo ranks, one thread each, fp32, causal.
    64K: bytes per rank constant in N, against the full causal ring's ``(P-1)/P * 2 * N * h_kv * D`` elements.
    ``--time``: also the median fwd+bwd per rank against one local windowed kernel call on the rank's own work
    (its N/P queries and the W - 1 keys before them: the limit).
+
+Measured 2026-11-28 on the 2-core workplace machine, shared (load 6-12), ``--time --reps 3`` (results.json):
+forward K/V bytes per rank equal the minimum in every case. Packed documents at N = 16384, P = 4: 0.03-0.72 MiB
+per rank forward (before: 12.0), fwd+bwd 0.03-1.85 MiB (before: 40.0 on the rings, 36.0 on allgather_kv). Window
+W = 512, P = 4: 0.499 MiB forward per rank (511 rows of K and V) at N = 16K, 32K and 64K, against the full causal
+ring's 12, 24 and 48 MiB; fwd+bwd 0.85-0.92x the local limit at 16K-32K and 1.03x at 64K (the limit's call has
+511 more queries than the rank's own, so it is a slight over-estimate of the floor).
 """
 
 from __future__ import annotations
