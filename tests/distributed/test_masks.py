@@ -97,9 +97,12 @@ def _traffic(group, world):
     # documents of 8 tokens never cross a zigzag chunk (16 tokens) nor a contiguous shard (32)
     docs = torch.arange(0, n + 1, 8, dtype=torch.int32)
     cases = [(b, "docs") for b in ("ring", "zigzag_ring", "allgather_kv")] + [("ring", "window"), ("ring", "plain")]
+    if world == 4:
+        cases.append(("usp", "docs"))  # 2 x 2: the ring of 2 over chunks of 32 tokens
     for backend, what in cases:
         mask = AttentionMask(window=(11, 0)) if what == "window" else None
-        attn = SequenceParallelAttention(causal=True, backend=backend, group=group, mask=mask, kv_pieces=1)
+        attn = SequenceParallelAttention(causal=True, backend=backend, group=group, mask=mask, kv_pieces=1,
+                                         ulysses_degree=2 if backend == "usp" else None)
         local = [shard_sequence(t, group, layout=attn.layout) for t in (q, k, v, dout)]
         for t in local[:3]:
             t.requires_grad_()
@@ -166,7 +169,8 @@ def test_every_mask_kind_on_every_backend_matches_dense_fp64(grid):
 
 
 def test_traffic_follows_the_mask(grid):
-    """Documents that never cross a shard: no K/V (nor gradient) byte on the rings and allgather_kv. A causal
+    """Documents that never cross a shard: no K/V (nor gradient) byte on the rings, allgather_kv and the ring of
+    usp (2 x 2; its all-to-alls move the heads whatever the mask). A causal
     window of 11 keys on the contiguous ring: each rank sends only its last 11 K/V rows to the next rank
     (forward and again in backward) and gets those rows' dK/dV back, nothing to any other rank."""
     world, per_rank = grid
@@ -175,7 +179,7 @@ def test_traffic_follows_the_mask(grid):
         traffic = result["traffic"]
         for key, (sent, err) in traffic.items():
             assert err < TOL, f"rank {rank} {key}: error {err}"
-        for backend in ("ring", "zigzag_ring", "allgather_kv"):
+        for backend in ("ring", "zigzag_ring", "allgather_kv") + (("usp",) if world == 4 else ()):
             sent, _ = traffic[(backend, "docs")]
             kv = {op: b for op, b in sent.items() if op != "all_to_all"}
             assert sum(kv.values()) == 0, f"rank {rank} {backend} with shard-local documents sent {kv}"
