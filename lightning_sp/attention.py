@@ -26,6 +26,7 @@ from lightning_sp.comm.agree import describe_disagreement, gather_rows, global_r
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.context import SequenceParallelContext
 from lightning_sp.layout import Run, SequenceLayout, global_seq_len_of, padded_length
+from lightning_sp.masks import AttentionMask
 from lightning_sp.ops import backends
 from lightning_sp.ops.kernels import KERNELS, make_kernel, prefers_heads_major
 
@@ -239,7 +240,15 @@ class SequenceParallelAttention(nn.Module):
             (ordinary DDP/FSDP); a parallel ``backend`` then needs ``group=``.
         ulysses_degree: inner Ulysses degree for ``usp``.
         kernel: local kernel, ``"auto"``, ``"torch"``, ``"sdpa"`` or ``"flash_attn"``.
-        dropout_p, window_size: not supported; anything but the defaults raises.
+        dropout_p: not supported; anything but 0 raises (an exact dropout needs one random stream keyed by global
+            (batch, head, query, key)).
+        window_size: ``(left, right)`` sliding window, flash-attn's convention (query ``q`` sees keys ``q - left``
+            to ``q + right``; ``-1``: unbounded): the same as ``mask=AttentionMask(window=window_size)``.
+        mask: an ``AttentionMask`` (``lightning_sp/masks.py``): windows, chunks, bidirectional spans in a causal
+            stream, soft-capping, ALiBi, FlexAttention-style ``mask_mod``/``score_mod`` on global indices; exact on
+            every backend; a ``forward(mask=)`` overrides its set fields per call. Blocks the mask leaves empty
+            are neither computed nor, on the rings and ``allgather_kv``, sent (Note [Traffic follows the mask]
+            in ``ops/ring_attention.py``).
         validate_inputs: ``True`` (default) or ``"always"`` (the same): at every call every rank of the
             group joins one tiny all-gather (a row of 27 numbers: shapes, dtype, lengths, a hash of the
             documents, what ``auto`` chose, a few sums of ``q``, ``k``, ``v`` that tell a memory held whole on
@@ -283,6 +292,7 @@ class SequenceParallelAttention(nn.Module):
         validate_inputs: bool | str = True,
         kv_pieces: int | str = DEFAULT_KV_PIECES,
         memory_budget: int | None = None,
+        mask: AttentionMask | None = None,
     ):
         super().__init__()
         if dropout_p:
@@ -290,10 +300,12 @@ class SequenceParallelAttention(nn.Module):
                 "attention dropout is not supported (it would need the same RNG stream on every rank); "
                 "apply dropout to the attention output or the residual stream instead"
             )
+        if mask is not None and not isinstance(mask, AttentionMask):
+            raise ValueError(f"mask must be a lightning_sp.AttentionMask or None, got {type(mask).__name__}")
         if window_size is not None:
-            raise NotImplementedError(
-                "sliding-window attention is not supported; use cu_seqlens to restrict attention to documents"
-            )
+            if mask is not None and mask.window is not None and tuple(mask.window) != tuple(window_size):
+                raise ValueError(f"window_size={window_size} and mask.window={mask.window} disagree: pass one of them")
+            mask = (mask or AttentionMask()).merged(AttentionMask(window=tuple(window_size)))
         if backend is not None and backend not in backends.BACKENDS:
             raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
         if kernel not in KERNELS:
@@ -311,6 +323,7 @@ class SequenceParallelAttention(nn.Module):
             raise ValueError(f"memory_budget must be a positive int (bytes per rank) or None, got {memory_budget!r}")
         self.kv_pieces = kv_pieces
         self.memory_budget = memory_budget
+        self.mask = mask
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.backend = backend
@@ -400,7 +413,8 @@ class SequenceParallelAttention(nn.Module):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens=None, seq_len: int | None = None,
-        softmax_scale: float | None = None, kv_layout: str = "sharded", **unsupported,
+        softmax_scale: float | None = None, kv_layout: str = "sharded", mask: AttentionMask | None = None,
+        sinks: torch.Tensor | None = None, **unsupported,
     ) -> torch.Tensor:
         """``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``[B, S_local, H, D]``.
 
@@ -423,7 +437,10 @@ class SequenceParallelAttention(nn.Module):
         than one rank it defaults to the length ``shard_sequence`` recorded on ``q``/``k``/``v``, else the
         bound context's ``global_seq_len`` (see Note [The global length travels with the shard]); if
         none is known the call raises. ``softmax_scale``: overrides the constructor's for this call
-        (Hugging Face passes ``scaling`` per call).
+        (Hugging Face passes ``scaling`` per call). ``mask``: an ``AttentionMask`` whose set fields override the
+        constructor's for this call (e.g. the image spans of this batch), the same on every rank. ``sinks``: learned
+        ``[H]`` per-query-head sink logits (gpt-oss), which get their gradient (each rank its rows' share, summed
+        over the group like any parameter's).
 
         Runs with autocast disabled: the output has the dtype of ``q`` and forward and backward use
         the same precision (cast ``q``/``k``/``v`` yourself to attend in low precision).
@@ -434,15 +451,22 @@ class SequenceParallelAttention(nn.Module):
                 f"unsupported argument(s) {names}: arbitrary masks and biases are not supported; "
                 "use causal=True and/or cu_seqlens for packed documents"
             )
+        if mask is not None and not isinstance(mask, AttentionMask):
+            raise ValueError(f"mask must be a lightning_sp.AttentionMask or None, got {type(mask).__name__}")
+        attn_mask = mask if self.mask is None else self.mask.merged(mask)
+        if attn_mask is not None and attn_mask.signature() == AttentionMask().signature():
+            attn_mask = None
         world = self._group_size()
         if world == 1:
-            return self._local_forward(q, k, v, cu_seqlens, seq_len, softmax_scale, kv_layout)
-        return self._parallel_forward(q, k, v, cu_seqlens, seq_len, softmax_scale, world, kv_layout)
+            return self._local_forward(q, k, v, cu_seqlens, seq_len, softmax_scale, kv_layout, attn_mask, sinks)
+        return self._parallel_forward(q, k, v, cu_seqlens, seq_len, softmax_scale, world, kv_layout, attn_mask, sinks)
 
-    def _local_forward(self, q, k, v, cu_seqlens, seq_len, softmax_scale, kv_layout="sharded") -> torch.Tensor:
+    def _local_forward(self, q, k, v, cu_seqlens, seq_len, softmax_scale, kv_layout="sharded", attn_mask=None,
+                       sinks=None) -> torch.Tensor:
         """No group (or ``backend="local"``): attention over these tokens only, no collectives. Only an
         explicit ``seq_len`` marks padding here (a strategy's global length is not about these tokens)."""
-        error = _local_input_error(q, k, v, cu_seqlens, kv_layout, self.causal)
+        error = (_local_input_error(q, k, v, cu_seqlens, kv_layout, self.causal, attn_mask, sinks)
+                 or _mask_input_error(q, attn_mask, sinks))
         if error is not None:
             raise ValueError(error[1])
         n = q.size(1)
@@ -452,24 +476,28 @@ class SequenceParallelAttention(nn.Module):
         if kv_layout == "replicated":
             return self._replicated_kv_attention(q, k, v, scale)
         kernel_name = self.kernel if self.kernel != "auto" else self.context.kernel
-        if torch.compiler.is_compiling() and kernel_name in ("auto", "sdpa"):
+        if torch.compiler.is_compiling() and kernel_name in ("auto", "sdpa") and attn_mask is None and sinks is None:
             return _compiled_local_attention(q, k, v, cu_seqlens, seq_len, scale, self.causal)
         bounds = self.context.cu_bounds(cu_seqlens) if cu_seqlens is not None else None
+        doc_bounds = _doc_bounds(bounds, n if seq_len is None else seq_len, n)
         call = backends.AttentionCall(
             kernel=self._make_kernel(q), scale=scale, causal=self.causal, layout=SequenceLayout("contiguous"),
-            padded_len=n, doc_bounds=_doc_bounds(bounds, n if seq_len is None else seq_len, n), stats=None,
+            padded_len=n, doc_bounds=doc_bounds, stats=None, **_mask_fields(attn_mask, sinks, self.causal, doc_bounds, n,
+                                                                            follow=False),
         )
         with torch.autocast(q.device.type, enabled=False):
             return backends.local_attention(q, k, v, call)
 
     @_compiler_disabled  # one graph break per call: collectives, host-side plans and checks
-    def _parallel_forward(self, q, k, v, cu_seqlens, seq_len, softmax_scale, world, kv_layout="sharded") -> torch.Tensor:
+    def _parallel_forward(self, q, k, v, cu_seqlens, seq_len, softmax_scale, world, kv_layout="sharded",
+                          attn_mask=None, sinks=None) -> torch.Tensor:
         group, ctx = self.process_group, self.context
         backend = self.resolved_backend()
         replicated = kv_layout == "replicated"
         # Every local problem becomes an error code, raised only after the cross-rank check that every
         # rank joins at every call (Note [Cross-rank checks are decided together] in comm/agree.py)
-        error = _local_input_error(q, k, v, cu_seqlens, kv_layout, self.causal)
+        error = (_local_input_error(q, k, v, cu_seqlens, kv_layout, self.causal, attn_mask, sinks)
+                 or _mask_input_error(q, attn_mask, sinks))
         bounds = ctx.cu_bounds(cu_seqlens) if cu_seqlens is not None and error is None else None
         try:  # a replicated memory is no shard: only q's sequence has a global length
             seq_len = self._global_seq_len(seq_len, q, q, q) if replicated else self._global_seq_len(seq_len, q, k, v)
@@ -481,7 +509,7 @@ class SequenceParallelAttention(nn.Module):
         layout = self.layout
         if self.validate_inputs:
             signature = _signature(q, k, error, self.causal, backend, self._decision_inputs(backend), layout, bounds,
-                                   seq_len, scale, self.kv_pieces, kv_layout=kv_layout)
+                                   seq_len, scale, self.kv_pieces, attn_mask, sinks, kv_layout=kv_layout)
             _check_across_ranks(signature, error, group, q, fingerprints=_fingerprints(q, k, v, error))
         elif error is not None:
             raise ValueError(error[1])
@@ -507,16 +535,21 @@ class SequenceParallelAttention(nn.Module):
                 f"{padded_length(seq_len, world, layout)} positions, but the shards hold {q.size(1)} x {world} = "
                 f"{padded_len}. Pass the global length of the sequence these shards came from"
             )
-        call = self._attention_call(q, k, backend, world, scale, layout, bounds, seq_len, ctx.comm, auto_u)
+        call = self._attention_call(q, k, backend, world, scale, layout, bounds, seq_len, ctx.comm, auto_u,
+                                    attn_mask=attn_mask, sinks=sinks)
         return self._dispatch(backend, auto_u, q, k, v, call, group, world)
 
-    def _attention_call(self, q, k, backend, world, scale, layout, bounds, seq_len, stats, auto_u):
+    def _attention_call(self, q, k, backend, world, scale, layout, bounds, seq_len, stats, auto_u, *,
+                        attn_mask=None, sinks=None):
         padded_len = q.size(1) * world
+        doc_bounds = _doc_bounds(bounds, seq_len, padded_len)
         return backends.AttentionCall(
             kernel=self._make_kernel(q), scale=scale, causal=self.causal, layout=layout,
-            padded_len=padded_len, doc_bounds=_doc_bounds(bounds, seq_len, padded_len), stats=stats,
+            padded_len=padded_len, doc_bounds=doc_bounds, stats=stats,
             kv_pieces=self._kv_pieces(backend, q, k, world, auto_u),
             heads_major=self._memory_budget() is None,  # Note [Head-major blocks]: copies no budget predicts
+            # packed documents or a mask with structure: the K/V traffic follows it (agreed: the inputs are checked)
+            **_mask_fields(attn_mask, sinks, self.causal, doc_bounds, padded_len, follow=bounds is not None),
         )
 
     def _replicated_kv_attention(self, q, k, v, scale) -> torch.Tensor:
@@ -731,11 +764,13 @@ _LOCAL_ERRORS = ("", "q, k, v are not 4-D [B, S_local, H, D]", "q, k, v dtypes d
                  "rejected by its caller (e.g. the transformers integration) before attention",
                  "kv_layout not one of 'sharded', 'replicated'",
                  "q and k lengths differ with kv_layout='sharded' (cross-attention needs kv_layout='replicated')",
-                 "kv_layout='replicated' (cross-attention) with causal=True or cu_seqlens")
+                 "kv_layout='replicated' (cross-attention) with causal=True, cu_seqlens, a mask or sinks",
+                 "mask or sinks do not fit the heads")
 _CALLER_ERROR = 10  # SequenceParallelAttention.raise_on_every_rank
 
 
-def _local_input_error(q, k, v, cu_seqlens, kv_layout="sharded", causal=False) -> tuple[int, str] | None:
+def _local_input_error(q, k, v, cu_seqlens, kv_layout="sharded", causal=False, attn_mask=None,
+                       sinks=None) -> tuple[int, str] | None:
     """``(code, message)`` for inputs that cannot be attended, ``None`` when they are fine."""
     if kv_layout not in KV_LAYOUTS:
         return 11, f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}"
@@ -756,12 +791,13 @@ def _local_input_error(q, k, v, cu_seqlens, kv_layout="sharded", causal=False) -
             f"For cross-attention over a memory (an encoder's output, image tokens) held whole on every rank, "
             f"pass kv_layout='replicated': each rank's queries then attend over the whole memory"
         )
-    if kv_layout == "replicated" and (causal or cu_seqlens is not None):
-        what = "causal=True" if causal else "cu_seqlens"
+    if kv_layout == "replicated" and (causal or cu_seqlens is not None or attn_mask is not None or sinks is not None):
+        what = ("causal=True" if causal else "cu_seqlens" if cu_seqlens is not None
+                else "a mask" if attn_mask is not None else "sinks")
         return 13, (
             f"kv_layout='replicated' (cross-attention over a memory held whole on every rank) does not take "
-            f"{what}: a causal mask and documents relate positions of one sequence, and the memory is another. "
-            f"Build the cross-attention module with causal=False and call it without cu_seqlens"
+            f"{what}: causal masks, documents and masks relate positions of one sequence, and the memory is "
+            f"another. Build the cross-attention module with causal=False and call it without cu_seqlens, mask or sinks"
         )
     if q.size(2) % k.size(2):
         return 6, f"num_heads={q.size(2)} must be a multiple of num_kv_heads={k.size(2)} (GQA/MQA)"
@@ -795,8 +831,33 @@ def _doc_bounds(bounds: tuple[int, ...] | None, seq_len: int, padded_len: int) -
     return list(bounds) + ([padded_len] if seq_len < padded_len else [])
 
 
-def _signature(q, k, error, causal, backend, decision_inputs, layout, bounds, seq_len, scale, kv_pieces, *,
-               kv_layout="sharded") -> tuple:
+def _mask_fields(attn_mask: AttentionMask | None, sinks, causal, doc_bounds, padded_len, *, follow: bool) -> dict:
+    """``AttentionCall``'s mask fields: the mask resolved on global positions, its score modifiers, the sinks, and
+    whether the K/V traffic follows the mask (packed documents, ``follow``, or a window, chunks or spans)."""
+    if attn_mask is None:
+        return dict(sinks=sinks, follow_mask=follow)
+    structured = attn_mask.structured(causal=causal, doc_bounds=doc_bounds, padded_len=padded_len)
+    return dict(mask=structured, score_mods=attn_mask.score_mods(), sinks=sinks,
+                follow_mask=follow or not structured.is_plain() or attn_mask.chunk_size is not None)
+
+
+def _mask_input_error(q, attn_mask: AttentionMask | None, sinks) -> tuple[int, str] | None:
+    """``(code, message)`` for a mask or sinks that do not fit ``q [B, S, H, D]``."""
+    if q.dim() != 4:
+        return None  # reported by _local_input_error
+    h = q.size(2)
+    if attn_mask is not None and attn_mask.alibi_slopes is not None and len(attn_mask.alibi_slopes) != h:
+        return 14, (f"mask.alibi_slopes has {len(attn_mask.alibi_slopes)} slopes but q has {h} heads: pass one slope "
+                    f"per query head")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.numel() != h
+                              or not sinks.is_floating_point()):
+        got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        return 14, f"sinks must be a floating [H] = [{h}] tensor (one logit per query head); got {got}"
+    return None
+
+
+def _signature(q, k, error, causal, backend, decision_inputs, layout, bounds, seq_len, scale, kv_pieces,
+               attn_mask=None, sinks=None, *, kv_layout="sharded") -> tuple:
     """What every rank of the group must agree on, as numbers (one all-gather compares them)."""
     shape = lambda t: (list(t.shape) + [-1] * 4)[:4] if t.dim() <= 4 else [-2] * 4  # noqa: E731
     return (
@@ -805,12 +866,15 @@ def _signature(q, k, error, causal, backend, decision_inputs, layout, bounds, se
         -1 if bounds is None else len(bounds), -1 if bounds is None else stable_hash(bounds),
         -1 if seq_len is None else seq_len, scale, 0 if kv_pieces == "auto" else kv_pieces,
         KV_LAYOUTS.index(kv_layout) if kv_layout in KV_LAYOUTS else -1,
+        0 if attn_mask is None and sinks is None else stable_hash(
+            None if attn_mask is None else attn_mask.signature(), None if sinks is None else tuple(sinks.shape)),
     )
 
 
 _SIGNATURE_NAMES = ("error", "B", "S_local", "H", "D", "kB", "kS", "H_kv", "kD", "dtype", "causal", "backend",
                     "hash(auto_policy, hardware, ranks_per_node, memory_budget)", "ulysses_degree", "len(cu_seqlens)",
-                    "hash(cu_seqlens)", "seq_len", "softmax_scale", "kv_pieces (0: auto)", "kv_layout")
+                    "hash(cu_seqlens)", "seq_len", "softmax_scale", "kv_pieces (0: auto)", "kv_layout",
+                    "hash(mask, sinks)")
 _FINGERPRINT_NAMES = ("sum(q)", "sum(k)", "sum(k by position)", "sum|k per position|", "k varies along the sequence",
                       "sum(v)", "sum|v per position|")
 """Numbers of the inputs' values, gathered with the signature but judged apart from it (Note [Cross-attention

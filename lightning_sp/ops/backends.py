@@ -73,18 +73,21 @@ from lightning_sp.comm.collectives import (
 from lightning_sp.comm.ring import RingComm, ring_reduce_scatter
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.layout import Run, SequenceLayout, runs_for_ranks, runs_of, token_indices
+from lightning_sp.masks import ScoreMods, StructuredMask
 from lightning_sp.ops.precision import autocast_off
 from lightning_sp.ops.colossal import colossal_attention
 from lightning_sp.ops.kernels import LocalKernel, prefers_heads_major
 from lightning_sp.ops.merge import accumulation_dtype
 from lightning_sp.ops.ring_attention import (
     BlockAttentionSpec,
+    absorb_sinks,
     accumulate_tile_grads,
     block_attention,
     block_attention_forward,
     piece_bounds,
     piece_count,
     query_chunks,
+    sink_grad,
     slice_runs,
     zeros_if_unwritten,
 )
@@ -107,6 +110,15 @@ class AttentionCall:
     """Ring-style backends: pieces each K/V block travels in (``BlockAttentionSpec.kv_pieces``)."""
     heads_major: bool = True
     """Ring-style backends may copy blocks to head-major memory (``BlockAttentionSpec.heads_major``)."""
+    mask: StructuredMask | None = None
+    """The call's mask resolved on global positions (``AttentionMask.structured``); ``None``: ``causal`` and
+    ``doc_bounds`` alone."""
+    score_mods: ScoreMods | None = None
+    follow_mask: bool = False
+    """Rings and ``allgather_kv`` exchange only the K/V rows the mask lets each rank see (Note [Traffic follows
+    the mask] in ``ops/ring_attention.py``)."""
+    sinks: torch.Tensor | None = None
+    """``[H]`` learned per-head sink logits (Note [Attention sinks] in ``ops/ring_attention.py``)."""
 
     def positions(self, world: int, rank: int, device=None) -> torch.Tensor:
         """Global positions of rank ``rank``'s tokens ``[padded_len / world]``; cached per layout,
@@ -117,11 +129,12 @@ class AttentionCall:
         """Runs of the tokens of ``ranks`` (concatenated in that order); cached per layout."""
         return list(runs_for_ranks(self.layout, world, self.padded_len, tuple(ranks)))
 
-    def spec(self, q_runs, k_runs_by_rank, group=None) -> BlockAttentionSpec:
+    def spec(self, q_runs, k_runs_by_rank, group=None, head_offset: int = 0) -> BlockAttentionSpec:
         return BlockAttentionSpec(
             kernel=self.kernel, scale=self.scale, causal=self.causal, q_runs=q_runs,
             k_runs_by_rank=k_runs_by_rank, doc_bounds=self.doc_bounds, group=group, stats=self.stats,
-            kv_pieces=self.kv_pieces, heads_major=self.heads_major,
+            kv_pieces=self.kv_pieces, heads_major=self.heads_major, mask=self.mask, score_mods=self.score_mods,
+            head_offset=head_offset, follow_mask=self.follow_mask and group is not None,
         )
 
 
@@ -164,7 +177,7 @@ def kv_head_replication(num_heads: int, num_kv_heads: int, degree: int) -> int:
 
 def local_attention(q, k, v, call: AttentionCall) -> torch.Tensor:
     whole = [Run(0, 0, q.size(1))]
-    return block_attention(q, k, v, call.spec(whole, [whole]))
+    return block_attention(q, k, v, call.spec(whole, [whole]), call.sinks)
 
 
 def head_group_count(kv_pieces: int, kv_heads_per_rank: int, shard_len: int) -> int:
@@ -193,7 +206,6 @@ def ulysses_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
 
     everyone = tuple(range(world))
     whole = list(_sorted_runs(call.layout, world, call.padded_len, everyone))  # [Run(0, 0, S)]
-    spec = call.spec(whole, [whole])
     order = _token_order(call.layout, world, call.padded_len, everyone, q.device)  # Note [Sorting while gathering]
 
     head_major = prefers_heads_major(call.kernel, q.device)  # the CPU flash op (Note [Head-major gather])
@@ -201,7 +213,11 @@ def ulysses_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     # [B, S/P, H, D] -> groups x [B, S, H/(P G), D] (global order), each group its own memory (Note [Heads in groups])
     qs, ks, vs = (seq_to_head_groups(t, group, call.stats, order, head_major=head_major, groups=groups)
                   for t in (q, k, v))
-    outs = [block_attention(qg, kg, vg, spec) for qg, kg, vg in zip(qs, ks, vs)]  # one autograd node per group
+    # this rank holds global query heads rank H/P ..., group c the c-th H/(P G) of them (score modifiers, sinks)
+    heads = q.size(2) // world // groups
+    first = torch.distributed.get_rank(group) * q.size(2) // world
+    outs = [block_attention(qg, kg, vg, call.spec(whole, [whole], head_offset=first + c * heads), call.sinks)
+            for c, (qg, kg, vg) in enumerate(zip(qs, ks, vs))]  # one autograd node per group
     # dout stays [B, S, H/P, D] memory: the CPU flash backward copies a head-major dout (one more tensor at the
     # backward's peak), Note [Head-major gather]
     return head_groups_to_seq(outs, group, call.stats, order)  # [B, S/P, H, D]
@@ -211,7 +227,7 @@ def ring_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     """``ring`` and ``zigzag_ring``: the layout decides which blocks are skipped."""
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     runs = [call.runs(world, [r]) for r in range(world)]
-    return block_attention(q, k, v, call.spec(runs[rank], runs, group=group))
+    return block_attention(q, k, v, call.spec(runs[rank], runs, group=group), call.sinks)
 
 
 class _AllGatherKVFunction(torch.autograd.Function):
@@ -225,20 +241,20 @@ class _AllGatherKVFunction(torch.autograd.Function):
     K/V piece) (``accumulate_tile_grads``), so its per-call results are tile-sized too."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, grad_spec, group, stats, kv_pieces):
+    def forward(ctx, q, k, v, sinks, spec, grad_spec, group, stats, kv_pieces):
         # [B, S/P, H_kv, D] -> [B, S, H_kv, D] in rank order
         k_all, v_all = all_gather_raw(k, group, 1, stats), all_gather_raw(v, group, 1, stats)
-        res = block_attention_forward(spec, q, k_all, v_all)
+        res = absorb_sinks(block_attention_forward(spec, q, k_all, v_all), sinks, spec.head_offset)
         del k_all, v_all
         out = res.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, res.lse)
+        ctx.save_for_backward(q, k, v, out, res.lse, sinks)
         ctx.grad_spec, ctx.group, ctx.stats, ctx.kv_pieces = grad_spec, group, stats, kv_pieces
         return out
 
     @staticmethod
     @autocast_off
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dout = dout.contiguous()
         acc = accumulation_dtype(q.dtype)
         k_all, v_all = all_gather_raw(k, ctx.group, 1, ctx.stats), all_gather_raw(v, ctx.group, 1, ctx.stats)
@@ -272,15 +288,20 @@ class _AllGatherKVFunction(torch.autograd.Function):
                 dk[:, kb[j]:kb[j + 1]], dv[:, kb[j]:kb[j + 1]] = dk_j, dv_j
             del dk_j, dv_j
         dq = zeros_if_unwritten((dq,), (q,), acc)[0]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dsinks = sink_grad(dout, out, lse, sinks, ctx.grad_spec.head_offset)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None
 
 
 def allgather_kv_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    if call.follow_mask and piece_count(call.kv_pieces, k.size(1)) == 1:  # gather only the rows the mask lets this rank see, from their owners (Note [Traffic
+        # follows the mask] in ops/ring_attention.py): the rings' pairwise exchange, on the same layout
+        runs = [call.runs(world, [r]) for r in range(world)]
+        return block_attention(q, k, v, call.spec(runs[rank], runs, group=group), call.sinks)
     q_runs = call.runs(world, [rank])
     spec = call.spec(q_runs, [call.runs(world, range(world))])  # forward: all gathered keys at once
     grad_spec = call.spec(q_runs, [call.runs(world, [r]) for r in range(world)])  # backward: per owner
-    return _AllGatherKVFunction.apply(q, k, v, spec, grad_spec, group, call.stats, call.kv_pieces)
+    return _AllGatherKVFunction.apply(q, k, v, call.sinks, spec, grad_spec, group, call.stats, call.kv_pieces)
 
 
 def usp_attention(q, k, v, call: AttentionCall, *, ulysses_group, ring_group) -> torch.Tensor:
@@ -290,22 +311,29 @@ def usp_attention(q, k, v, call: AttentionCall, *, ulysses_group, ring_group) ->
     world = u * r
     if u == 1:
         ring_runs = [call.runs(world, [i]) for i in range(r)]
-        return block_attention(q, k, v, call.spec(ring_runs[ring_rank], ring_runs, group=ring_group))
+        return block_attention(q, k, v, call.spec(ring_runs[ring_rank], ring_runs, group=ring_group), call.sinks)
     # every ring rank sorts the tokens its Ulysses group gathers (Note [Sorting while gathering])
     members = [tuple(range(i * u, (i + 1) * u)) for i in range(r)]
     ring_runs = [list(_sorted_runs(call.layout, world, call.padded_len, m)) for m in members]
-    spec = call.spec(ring_runs[ring_rank], ring_runs, group=ring_group)
     order = _token_order(call.layout, world, call.padded_len, members[ring_rank], q.device)
     rep = kv_head_replication(q.size(2), k.size(2), u)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
 
+    groups = head_group_count(call.kv_pieces, k.size(2) // u, q.size(1))
+    group_heads = q.size(2) // groups
+    u_rank = torch.distributed.get_rank(ulysses_group)
+    done = []
+
     def attend(qg, kg, vg):  # one head group: [B, S/P, H', D] -> [B, S/R, H'/U, D] (this ring rank's
         # tokens, sorted) -> ring attention -> back to [B, S/P, H', D]
+        # global query heads: group c's H/G heads, this Ulysses rank's H/(G U) of them
+        offset = len(done) * group_heads + u_rank * (qg.size(2) // u)
+        done.append(offset)
+        spec = call.spec(ring_runs[ring_rank], ring_runs, group=ring_group, head_offset=offset)
         qh, kh, vh = (seq_to_head(t, ulysses_group, call.stats, order) for t in (qg, kg, vg))
-        return head_to_seq(block_attention(qh, kh, vh, spec), ulysses_group, call.stats, order)
+        return head_to_seq(block_attention(qh, kh, vh, spec, call.sinks), ulysses_group, call.stats, order)
 
-    groups = head_group_count(call.kv_pieces, k.size(2) // u, q.size(1))
     return _in_head_groups(q, k, v, groups, attend)  # [B, S/P, H, D]
 
 
@@ -314,5 +342,6 @@ def colossal(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     positions = [call.positions(world, r, q.device) for r in range(world)]
     return colossal_attention(
         q, k, v, group=group, positions_by_rank=positions, causal=call.causal,
-        doc_bounds=call.doc_bounds, scale=call.scale, stats=call.stats,
+        doc_bounds=call.doc_bounds, scale=call.scale, stats=call.stats, mask=call.mask, score_mods=call.score_mods,
+        sinks=call.sinks,
     )

@@ -686,3 +686,88 @@ def make_kernel(name: str) -> LocalKernel:
         _flash_attn_minor(getattr(flash_attn, "__version__", "unknown"))  # raises for an unsupported version
         raise ValueError("kernel='flash_attn' needs a CUDA device; use kernel='sdpa'")
     return FlashAttnKernel()
+
+
+# ----------------------------------------------------------------------------------------------
+# score modifiers: the blockwise kernel with FlexAttention-style score_mod / mask_mod
+# ----------------------------------------------------------------------------------------------
+
+
+class ScoreModKernel(TorchBlockwiseKernel):
+    """The ``torch`` kernel with a mask's per-score parts (``masks.ScoreMods``: soft-capping, ALiBi,
+    ``score_mod``, ``mask_mod``) applied to every tile, on global indices: ``q_global``/``k_global`` are the
+    global positions of the call's first query/key (calls under a mask are globally contiguous, Note [Plans
+    under a mask] in ``ops/plan.py``), ``head_offset`` the global index of the first query head. No fused op
+    takes these (flash-attn's softcap/ALiBi arguments have no equivalent for the others, and the SDPA ops none),
+    so a call with score modifiers always runs here, whatever ``kernel=`` says: exact in every dtype, any device.
+    The backward differentiates the modifiers by autograd on each tile (``ds = d mod(s) / ds . dS``)."""
+
+    name = "torch+score_mods"
+
+    def __init__(self, mods, *, q_global: int, k_global: int, head_offset: int, block_q: int = 128, block_k: int = 512):
+        super().__init__(block_q, block_k)
+        self.mods, self.q_global, self.k_global, self.head_offset = mods, q_global, k_global, head_offset
+
+    def _indices(self, b, h, q0, q1, k0, k1, device):
+        """Broadcastable global ``(b, h, q_idx, kv_idx)`` int64 tensors of a tile."""
+        return (torch.arange(b, device=device).view(b, 1, 1, 1),
+                torch.arange(self.head_offset, self.head_offset + h, device=device).view(1, h, 1, 1),
+                torch.arange(self.q_global + q0, self.q_global + q1, device=device).view(1, 1, -1, 1),
+                torch.arange(self.k_global + k0, self.k_global + k1, device=device).view(1, 1, 1, -1))
+
+    def _visible(self, kind, mask, idx, q0, q1, k0, k1, device):
+        visible = self._tile_visible(kind, mask, q0, q1, k0, k1, device)
+        extra = self.mods.visible(*idx)
+        if extra is None:
+            return visible
+        extra = extra.to(device)
+        return extra if visible is None else visible & extra
+
+    def forward(self, q, k, v, *, scale, kind, mask):
+        check_heads(q, k)
+        acc = accumulation_dtype(q.dtype)
+        b, sq, h, _ = q.shape
+        qh = q.transpose(1, 2).to(acc)  # [B, H, Sq, D]
+        kh = expand_kv(k, h).transpose(1, 2).to(acc)  # [B, H, Sk, D]
+        vh = expand_kv(v, h).transpose(1, 2).to(acc)
+        out = torch.zeros(b, sq, h, v.size(-1), dtype=acc, device=q.device)
+        lse = torch.full((b, h, sq), -math.inf, dtype=acc, device=q.device)
+        for q0, q1, k0, k1 in self._tiles(sq, k.size(1), kind):
+            idx = self._indices(b, h, q0, q1, k0, k1, q.device)
+            s = self.mods.apply(qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2) * scale, *idx)  # [B, H, bq, bk]
+            visible = self._visible(kind, mask, idx, q0, q1, k0, k1, q.device)
+            if visible is not None:
+                s = s.masked_fill(~visible, -math.inf)
+            tile_lse = torch.logsumexp(s, dim=-1)  # [B, H, bq]
+            p = torch.exp(s - tile_lse.unsqueeze(-1)).nan_to_num(nan=0.0)
+            merge_into(out[:, q0:q1], lse[:, :, q0:q1], (p @ vh[:, :, k0:k1]).transpose(1, 2), tile_lse)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
+        check_heads(q, k)
+        acc = accumulation_dtype(q.dtype)
+        b, _, h, _ = q.shape
+        h_kv = k.size(2)
+        qh = q.transpose(1, 2).to(acc)
+        kh = expand_kv(k, h).transpose(1, 2).to(acc)
+        vh = expand_kv(v, h).transpose(1, 2).to(acc)
+        doh = dout.transpose(1, 2).to(acc)
+        delta = (doh * out.transpose(1, 2).to(acc)).sum(-1)  # [B, H, Sq]
+        lse = lse.to(acc)
+        dq, dk, dv = torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
+        for q0, q1, k0, k1 in self._tiles(q.size(1), k.size(1), kind):
+            idx = self._indices(b, h, q0, q1, k0, k1, q.device)
+            with torch.enable_grad():
+                raw = (qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2) * scale).requires_grad_()
+                s = self.mods.apply(raw, *idx)
+            visible = self._visible(kind, mask, idx, q0, q1, k0, k1, q.device)
+            s_masked = s.detach() if visible is None else s.detach().masked_fill(~visible, -math.inf)
+            p = torch.exp(s_masked - lse[:, :, q0:q1, None]).nan_to_num(nan=0.0)  # [B, H, bq, bk]
+            dv[:, :, k0:k1] += p.transpose(-1, -2) @ doh[:, :, q0:q1]
+            dp = doh[:, :, q0:q1] @ vh[:, :, k0:k1].transpose(-1, -2)
+            ds = p * (dp - delta[:, :, q0:q1, None])  # d loss / d modified score
+            if s.requires_grad:
+                (ds,) = torch.autograd.grad(s, raw, ds)  # through the modifiers
+            dq[:, :, q0:q1] += ds @ kh[:, :, k0:k1] * scale
+            dk[:, :, k0:k1] += ds.transpose(-1, -2) @ qh[:, :, q0:q1] * scale
+        return dq.transpose(1, 2), reduce_kv_grad(dk.transpose(1, 2), h_kv), reduce_kv_grad(dv.transpose(1, 2), h_kv)

@@ -40,6 +40,16 @@ Note [One causal call for a rank's own block]
     calls, a zero-filled ``out`` and four merges to two calls and one merge over half the rows
     (the first call covers every query: Note [First write assigns] in ``ops/ring_attention.py``).
 
+Note [Plans under a mask]
+    With an ``AttentionMask`` (windows, bidirectional spans, chunks, score modifiers: ``lightning_sp/masks.py``)
+    ``plan_blocks(..., mask=)`` plans each (query piece, key piece) pair, both cut at the mask's
+    ``split_points`` and the keys trimmed to the queries' ``key_hull``, by its block class: EMPTY pairs are
+    skipped, FULL and square CAUSAL ones are one call, a pair that only causality cuts gets the causal
+    decomposition above, and any other PARTIAL pair is halved along its longer side (at a multiple of
+    ``MASK_TILE`` global positions) until it is classified or at most ``MASK_TILE x MASK_TILE``, which runs as a
+    DENSE call (its boolean mask from ``StructuredMask.visible``). Every call covers globally contiguous
+    queries and keys (no multi-run CAUSAL call), so a score modifier knows each element's global position.
+
 Plans are cached: the same (runs, bounds, causal) recur at every layer and step, so ``plan_blocks``
 computes a plan once (keyed on the runs and bounds as tuples; lists are accepted) and afterwards only
 copies the cached list. ``plan_cache_info()`` reports hits and misses.
@@ -55,6 +65,10 @@ from functools import lru_cache
 import torch
 
 from lightning_sp.layout import Run
+from lightning_sp.masks import BlockClass, StructuredMask
+
+MASK_TILE = 128
+"""The smallest partial block a masked plan computes with a DENSE mask (Note [Plans under a mask])."""
 
 
 class MaskKind(Enum):
@@ -117,9 +131,13 @@ def plan_blocks(
     *,
     causal: bool,
     doc_bounds: "list[int] | tuple[int, ...] | None" = None,
+    mask: StructuredMask | None = None,
 ) -> list[BlockCall]:
     """Kernel calls so that each query attends exactly to its visible keys among ``k_runs``.
-    Cached on ``(q_runs, k_runs, causal, doc_bounds)``; returns a fresh list each call."""
+    Cached on ``(q_runs, k_runs, causal, doc_bounds)``; returns a fresh list each call. ``mask``: plan under
+    it instead (it carries its own causality and documents; Note [Plans under a mask])."""
+    if mask is not None:
+        return list(_plan_masked_cached(tuple(q_runs), tuple(k_runs), mask))
     bounds = None if doc_bounds is None else tuple(int(b) for b in doc_bounds)
     return list(_plan_blocks_cached(tuple(q_runs), tuple(k_runs), bool(causal), bounds))
 
@@ -208,8 +226,9 @@ def _plan_runs(q_runs, k_runs, causal: bool, doc_bounds) -> list[BlockCall]:
     return calls
 
 
-def _coalesce(calls: list[BlockCall]) -> list[BlockCall]:
-    """Merge FULL calls that share a key slice and have adjacent query slices (and vice versa)."""
+def _coalesce(calls: list[BlockCall], contiguous: bool = False) -> list[BlockCall]:
+    """Merge FULL calls that share a key slice and have adjacent query slices (and vice versa). ``contiguous``:
+    only where the merged slices are also adjacent in global positions (masked plans: Note [Plans under a mask])."""
     if len(calls) < 2:
         return calls
     merged = True
@@ -221,6 +240,7 @@ def _coalesce(calls: list[BlockCall]) -> list[BlockCall]:
             if (
                 p is not None and p.kind is MaskKind.FULL and c.kind is MaskKind.FULL
                 and (p.k_start, p.k_len) == (c.k_start, c.k_len) and p.q_start + p.q_len == c.q_start
+                and (not contiguous or p.q_global + p.q_len == c.q_global)
             ):
                 out[-1] = BlockCall(p.q_start, p.q_len + c.q_len, p.k_start, p.k_len, MaskKind.FULL, p.q_global, p.k_global)
                 merged = True
@@ -233,6 +253,7 @@ def _coalesce(calls: list[BlockCall]) -> list[BlockCall]:
             if (
                 p is not None and p.kind is MaskKind.FULL and c.kind is MaskKind.FULL
                 and (p.q_start, p.q_len) == (c.q_start, c.q_len) and p.k_start + p.k_len == c.k_start
+                and (not contiguous or p.k_global + p.k_len == c.k_global)
             ):
                 out[-1] = BlockCall(p.q_start, p.q_len, p.k_start, p.k_len + c.k_len, MaskKind.FULL, p.q_global, p.k_global)
                 merged = True
@@ -240,3 +261,82 @@ def _coalesce(calls: list[BlockCall]) -> list[BlockCall]:
                 out.append(c)
         calls = out
     return calls
+
+
+# ----------------------------------------------------------------------------------------------
+# plans under a mask (Note [Plans under a mask])
+# ----------------------------------------------------------------------------------------------
+
+
+def _split_at(run: Run, points: tuple[int, ...]) -> list[Run]:
+    """``run`` cut at every global position of ``points`` inside it."""
+    pieces, start = [], run.global_start
+    i = bisect.bisect_right(points, start)
+    while start < run.global_end:
+        stop = min(run.global_end, points[i]) if i < len(points) else run.global_end
+        pieces.append(_sub_run(run, start, stop))
+        start, i = stop, i + 1
+    return pieces
+
+
+def _call(kind: MaskKind, q: Run, k: Run) -> BlockCall:
+    return BlockCall(q.local_start, q.length, k.local_start, k.length, kind, q.global_start, k.global_start)
+
+
+def _plan_pair(mask: StructuredMask, q: Run, k: Run, calls: list[BlockCall]) -> None:
+    qs, qe, ks, ke = q.global_start, q.global_end, k.global_start, k.global_end
+    cls = mask.classify(qs, qe, ks, ke)
+    if cls is BlockClass.EMPTY:
+        return
+    if cls is BlockClass.FULL:
+        calls.append(_call(MaskKind.FULL, q, k))
+        return
+    if cls is BlockClass.CAUSAL:
+        calls.append(_call(MaskKind.CAUSAL, q, k))
+        return
+    if mask.only_causal_cuts(qs, qe, ks, ke):  # the causal decomposition of _plan_runs
+        a1 = min(ke, qe)
+        if ks < qs:
+            calls.append(_call(MaskKind.FULL, q, _sub_run(k, ks, min(a1, qs))))
+        d0, d1 = max(ks, qs), a1
+        if d0 < d1:
+            calls.append(_call(MaskKind.CAUSAL, _sub_run(q, d0, d1), _sub_run(k, d0, d1)))
+            if d1 < qe:
+                calls.append(_call(MaskKind.FULL, _sub_run(q, d1, qe), _sub_run(k, d0, d1)))
+        return
+    if q.length <= MASK_TILE and k.length <= MASK_TILE:
+        calls.append(_call(MaskKind.DENSE, q, k))
+        return
+    run, start, end = (q, qs, qe) if q.length >= k.length else (k, ks, ke)
+    mid = (start + (end - start) // 2) // MASK_TILE * MASK_TILE
+    if mid <= start:
+        mid = min(end - 1, start + MASK_TILE) if end - start > MASK_TILE else start + (end - start) // 2
+    halves = (_sub_run(run, start, mid), _sub_run(run, mid, end))
+    for half in halves:
+        if run is q:
+            _plan_pair(mask, half, k, calls)
+        else:
+            _plan_pair(mask, q, half, calls)
+
+
+@lru_cache(maxsize=4096)
+def _plan_masked_cached(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], mask: StructuredMask) -> tuple[BlockCall, ...]:
+    points = mask.split_points()
+    calls: list[BlockCall] = []
+    for q_run in q_runs:
+        for q in _split_at(q_run, points):
+            lo, hi = mask.key_hull(q.global_start, q.global_end)
+            for k_run in k_runs:
+                a0, a1 = max(k_run.global_start, lo), min(k_run.global_end, hi)
+                if a0 >= a1:
+                    continue  # no query of this piece sees these keys: skipped, never computed
+                for k in _split_at(_sub_run(k_run, a0, a1), points):
+                    _plan_pair(mask, q, k, calls)
+    return tuple(_coalesce(calls, contiguous=True))
+
+
+def masked_dense(call: BlockCall, mask: StructuredMask, device=None) -> torch.Tensor:
+    """``[q_len, k_len]`` bool of a call planned under ``mask``."""
+    qpos = torch.arange(call.q_global, call.q_global + call.q_len, device=device)
+    kpos = torch.arange(call.k_global, call.k_global + call.k_len, device=device)
+    return mask.visible(qpos, kpos)

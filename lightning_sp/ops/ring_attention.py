@@ -83,12 +83,14 @@ from typing import NamedTuple
 import torch
 
 from lightning_sp.comm.ring import RingComm, ring_pass, ring_pass_accumulating
+from lightning_sp.comm.selective import exchange_rows
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.layout import Run
 from lightning_sp.ops.precision import autocast_off
-from lightning_sp.ops.kernels import LocalKernel, prefers_heads_major
+from lightning_sp.masks import ScoreMods, StructuredMask
+from lightning_sp.ops.kernels import LocalKernel, ScoreModKernel, prefers_heads_major
 from lightning_sp.ops.merge import accumulation_dtype, merge_into
-from lightning_sp.ops.plan import MaskKind, plan_blocks
+from lightning_sp.ops.plan import MaskKind, masked_dense, plan_blocks
 
 
 MIN_PIECE_TOKENS = 256
@@ -127,6 +129,16 @@ class BlockAttentionSpec:
     min_piece_tokens: int | None = None
     """A piece is never shorter than this (shorter blocks use fewer pieces); ``None``:
     ``MIN_PIECE_TOKENS``, read at call time."""
+    mask: StructuredMask | None = None
+    """Plan under this mask (``plan_blocks(mask=)``; it carries causality and documents); ``None``: ``causal``
+    and ``doc_bounds``."""
+    score_mods: ScoreMods | None = None
+    """Per-score modifiers: every call runs ``ScoreModKernel`` (needs ``mask``, whose calls are contiguous)."""
+    head_offset: int = 0
+    """Global index of the first local query head (Ulysses ranks hold a slice): for score modifiers and sinks."""
+    follow_mask: bool = False
+    """Ring only: exchange only the K/V rows each rank's queries see, pairwise (Note [Traffic follows the
+    mask]); decided by the caller from global inputs, the same on every rank."""
 
     def __post_init__(self):
         if not (isinstance(self.kv_pieces, int) and self.kv_pieces >= 1):
@@ -161,14 +173,40 @@ def _heads_major_ring(spec: BlockAttentionSpec, q, pieces: int) -> bool:
 
 
 def _mask_for(call, spec: BlockAttentionSpec, device):
-    return call.dense_mask(spec.causal, spec.doc_bounds, device) if call.kind is MaskKind.DENSE else None
+    if call.kind is not MaskKind.DENSE:
+        return None
+    if spec.mask is not None:
+        return masked_dense(call, spec.mask, device)
+    return call.dense_mask(spec.causal, spec.doc_bounds, device)
+
+
+def _plan(spec: BlockAttentionSpec, q_runs, k_runs):
+    return plan_blocks(q_runs, k_runs, causal=spec.causal, doc_bounds=spec.doc_bounds, mask=spec.mask)
+
+
+def _kernel_for(spec: BlockAttentionSpec, call):
+    """The kernel of one call: ``spec.kernel``, or with score modifiers the ``ScoreModKernel`` that knows the
+    call's global positions."""
+    if spec.score_mods is None:
+        return spec.kernel
+    return ScoreModKernel(spec.score_mods, q_global=call.q_global, k_global=call.k_global, head_offset=spec.head_offset)
+
+
+def _call_forward(spec, call, q, k, v):
+    return _kernel_for(spec, call).forward(q, k, v, scale=spec.scale, kind=call.kind,
+                                           mask=_mask_for(call, spec, q.device))
+
+
+def _call_backward(spec, call, dout, q, k, v, out, lse):
+    return _kernel_for(spec, call).backward(dout, q, k, v, out, lse, scale=spec.scale, kind=call.kind,
+                                            mask=_mask_for(call, spec, q.device))
 
 
 def _single_call(spec: BlockAttentionSpec, q, k):
     """The one kernel call that covers all queries and keys, when there is no ring and no split."""
     if spec.group is not None:
         return None
-    calls = plan_blocks(spec.q_runs, spec.k_runs_by_rank[0], causal=spec.causal, doc_bounds=spec.doc_bounds)
+    calls = _plan(spec, spec.q_runs, spec.k_runs_by_rank[0])
     if len(calls) == 1 and (calls[0].q_start, calls[0].q_len, calls[0].k_start, calls[0].k_len) == (0, q.size(1), 0, k.size(1)):
         return calls[0]
     return None
@@ -226,12 +264,15 @@ def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResul
     acc = accumulation_dtype(q.dtype)
     single = _single_call(spec, q, k)
     if single is not None:  # one kernel call covers everything: nothing to merge
-        o, l = spec.kernel.forward(q, k, v, scale=spec.scale, kind=single.kind, mask=_mask_for(single, spec, q.device))
+        o, l = _call_forward(spec, single, q, k, v)
         return AttentionResult(o, l.to(acc))
     merged = _MergedResult(q, v.size(-1), acc)
     pieces = spec.pieces_for(k.size(1))
-    if pieces > 1:
+    if pieces > 1:  # a memory choice: the pieces travel whatever the mask (Note [K/V in pieces])
         _pieces_forward(spec, q, k, v, merged, pieces)
+        return merged.result()
+    if spec.follow_mask and spec.group is not None:  # Note [Traffic follows the mask]
+        _selective_forward(spec, q, k, v, merged)
         return merged.result()
     hm = _heads_major_ring(spec, q, pieces)
     if hm:  # Note [Head-major blocks]: one copy of each; k, v held by the ring only until step 0 is done
@@ -239,12 +280,10 @@ def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResul
 
     def step(_step, src, blocks):
         k_blk, v_blk = blocks
-        calls = plan_blocks(spec.q_runs, spec.k_runs_by_rank[src], causal=spec.causal, doc_bounds=spec.doc_bounds)
+        calls = _plan(spec, spec.q_runs, spec.k_runs_by_rank[src])
         for c in merged.first_write_first(calls):
             qs, ks = slice(c.q_start, c.q_start + c.q_len), slice(c.k_start, c.k_start + c.k_len)
-            o_b, lse_b = spec.kernel.forward(
-                q[:, qs], k_blk[:, ks], v_blk[:, ks], scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device)
-            )
+            o_b, lse_b = _call_forward(spec, c, q[:, qs], k_blk[:, ks], v_blk[:, ks])
             merged.absorb(qs, o_b, lse_b)
             del o_b, lse_b
 
@@ -264,7 +303,7 @@ def block_grad_contribution(spec: BlockAttentionSpec, src: int, dout, q, k_blk, 
     assigns]), or ``rows = None`` when every pair is masked (no kernel call). Only the touched rows are
     allocated: the zigzag ring's off-diagonal step attends to half of a block."""
     k_runs = spec.k_runs_by_rank[src]
-    calls = plan_blocks(spec.q_runs, k_runs, causal=spec.causal, doc_bounds=spec.doc_bounds)
+    calls = _plan(spec, spec.q_runs, k_runs)
     if not calls:
         return dq, None, (None, None)
     lo, hi = min(c.k_start for c in calls), max(c.k_start + c.k_len for c in calls)
@@ -278,13 +317,13 @@ def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
     acc = accumulation_dtype(q.dtype)
     single = _single_call(spec, q, k)
     if single is not None:
-        grads = spec.kernel.backward(
-            dout, q, k, v, out, lse, scale=spec.scale, kind=single.kind, mask=_mask_for(single, spec, q.device)
-        )
+        grads = _call_backward(spec, single, dout, q, k, v, out, lse)
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
     pieces = spec.pieces_for(k.size(1))
     if pieces > 1:
         return _pieces_backward(spec, dout, q, k, v, out, lse, pieces)
+    if spec.follow_mask and spec.group is not None:  # Note [Traffic follows the mask]
+        return _selective_backward(spec, dout, q, k, v, out, lse)
     hm = _heads_major_ring(spec, q, pieces)
     q_in = q
     if hm:  # Note [Head-major blocks]
@@ -366,12 +405,10 @@ def _pieces_forward(spec: BlockAttentionSpec, q, k, v, merged: _MergedResult, pi
     kb = piece_bounds(k.size(1), pieces)
     for _t, src, j, (k_p, v_p) in _piece_schedule(comm, k, v, pieces):
         piece_runs = slice_runs(spec.k_runs_by_rank[src], kb[j], kb[j + 1])
-        calls = plan_blocks(spec.q_runs, piece_runs, causal=spec.causal, doc_bounds=spec.doc_bounds)
+        calls = _plan(spec, spec.q_runs, piece_runs)
         for c in merged.first_write_first(calls):
             qs, ks = slice(c.q_start, c.q_start + c.q_len), slice(c.k_start, c.k_start + c.k_len)
-            o_b, lse_b = spec.kernel.forward(
-                q[:, qs], k_p[:, ks], v_p[:, ks], scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device)
-            )
+            o_b, lse_b = _call_forward(spec, c, q[:, qs], k_p[:, ks], v_p[:, ks])
             merged.absorb(qs, o_b, lse_b)
             del o_b, lse_b
         del k_p, v_p
@@ -393,16 +430,14 @@ def accumulate_tile_grads(spec: BlockAttentionSpec, q_chunks, k_runs, dout, q, k
     dk, dv = dkv
     acc = accumulation_dtype(q.dtype)
     for q0, chunk_runs in q_chunks:
-        calls = plan_blocks(chunk_runs, k_runs, causal=spec.causal, doc_bounds=spec.doc_bounds)
+        calls = _plan(spec, chunk_runs, k_runs)
         if dk is None:  # a call covering every key first, so its result starts the dK/dV sum
             calls.sort(key=lambda c: c.k_len != k_blk.size(1))
         for c in calls:
             qs = slice(q0 + c.q_start, q0 + c.q_start + c.q_len)
             ks = slice(c.k_start, c.k_start + c.k_len)
-            dq_c, dk_c, dv_c = spec.kernel.backward(
-                dout[:, qs], q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs], lse[:, :, qs],
-                scale=spec.scale, kind=c.kind, mask=_mask_for(c, spec, q.device),
-            )
+            dq_c, dk_c, dv_c = _call_backward(spec, c, dout[:, qs], q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs],
+                                              lse[:, :, qs])
             dq = add_rows(dq, qs, dq_c, q.shape, acc)
             dk = add_rows(dk, ks, dk_c, k_blk.shape, acc)
             dv = add_rows(dv, ks, dv_c, v_blk.shape, acc)
@@ -440,24 +475,173 @@ def _pieces_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+# ----------------------------------------------------------------------------------------------
+# attention sinks
+# ----------------------------------------------------------------------------------------------
+
+
+def absorb_sinks(res: AttentionResult, sinks: torch.Tensor | None, head_offset: int) -> AttentionResult:
+    """Note [Attention sinks]: the merged ``(out, lse)`` over every key, with each query head's sink logit
+    (``sinks [H_total]``; this rank's heads start at ``head_offset``) joined as one more key of value 0."""
+    if sinks is None:
+        return res
+    h = res.lse.size(1)
+    sink = sinks[head_offset:head_offset + h].detach().to(res.lse.dtype).view(1, h, 1)
+    lse = torch.logaddexp(res.lse, sink)  # [B, H, Sq]
+    keep = torch.exp(res.lse - lse)  # the keys' share of the row; 0 where no key is visible
+    return AttentionResult(res.out * keep.transpose(1, 2).unsqueeze(-1).to(res.out.dtype), lse)
+
+
+def sink_grad(dout, out, lse, sinks: torch.Tensor | None, head_offset: int):
+    """``d loss / d sinks [H_total]`` from this rank's rows: ``-sum_rows p_sink * (dout . out)`` for its heads,
+    zero for the others (Note [Attention sinks])."""
+    if sinks is None:
+        return None
+    acc = lse.dtype
+    h = lse.size(1)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, Sq]
+    p_sink = torch.exp(sinks[head_offset:head_offset + h].to(acc).view(1, h, 1) - lse)
+    grad = torch.zeros(sinks.shape, dtype=acc, device=sinks.device)
+    grad[head_offset:head_offset + h] = -(p_sink * delta).sum((0, 2)).to(sinks.device)
+    return grad.to(sinks.dtype)
+
+
 class BlockAttentionFunction(torch.autograd.Function):
-    """Thin autograd wrapper: saves tensors, calls the two loops above."""
+    """Thin autograd wrapper: saves tensors, calls the two loops above.
+
+    Note [Attention sinks]
+        A sink is one more logit per query head in every row's softmax with a zero value vector (gpt-oss). Over
+        disjoint key sets softmax results merge by their log-sum-exp, so the sink joins the merged result once,
+        after every key block: ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``. The backward
+        then needs nothing new: the blockwise backward with ``lse'`` gives the keys' probabilities in the extended
+        softmax, and ``delta = dout . out'`` is the extended row's expectation (the sink's value is 0). The sink's
+        own gradient is ``-sum_rows p_sink * delta``, ``p_sink = exp(sink - lse')``; each rank adds its rows' share
+        (a parameter's gradient summed over the sequence shards, as every other parameter's)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: BlockAttentionSpec):
-        res = block_attention_forward(spec, q, k, v)
+    def forward(ctx, q, k, v, sinks, spec: BlockAttentionSpec):
+        res = absorb_sinks(block_attention_forward(spec, q, k, v), sinks, spec.head_offset)
         out = res.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, res.lse)
+        ctx.save_for_backward(q, k, v, out, res.lse, sinks)
         ctx.spec = spec
         return out
 
     @staticmethod
     @autocast_off
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_attention_backward(ctx.spec, dout.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = block_attention_backward(ctx.spec, dout, q, k, v, out, lse)
+        return dq, dk, dv, sink_grad(dout, out, lse, sinks, ctx.spec.head_offset), None
 
 
-def block_attention(q, k, v, spec: BlockAttentionSpec) -> torch.Tensor:
-    return BlockAttentionFunction.apply(q, k, v, spec)
+def block_attention(q, k, v, spec: BlockAttentionSpec, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return BlockAttentionFunction.apply(q, k, v, sinks, spec)
+
+
+# ----------------------------------------------------------------------------------------------
+# Note [Traffic follows the mask]
+# ----------------------------------------------------------------------------------------------
+#
+# A neighbour ring forwards every K/V block through every rank, whatever the mask. Under a mask (packed
+# documents, windows, spans, chunks) most (query rank, key rank) pairs may see few or no keys of each other, so
+# with ``spec.follow_mask`` the ring instead exchanges directly: at step ``t`` rank ``r`` sends to ``r + t``
+# only the rows of its own K/V block that ``r + t``'s queries see (``kv_rows_needed``: the span of the key rows
+# of their plan; nothing when the plan is empty) and receives from ``r - t`` the rows its own queries see. Both
+# ends compute the same rows from the same global inputs (runs, documents, window, spans), so every send has
+# its receive and no size travels. Step ``t + 1``'s exchange is in flight while step ``t`` computes (two
+# received blocks at most, as the ring). Backward: the same K/V exchanges, and each step's dK/dV contribution
+# goes straight back to the rows' owner (tag 2), which adds it into its gradient: ``P - 1`` contributions, the
+# rows that were sent. Packed documents that never cross a shard boundary send nothing at all; a causal sliding
+# window sends to the ranks within the window of its keys only, the rows the window reaches.
+
+
+_KV_TAG, _GRAD_TAG = 1, 2
+
+
+def kv_rows_needed(spec: BlockAttentionSpec, dst: int, src: int) -> tuple[int, int] | None:
+    """Rows ``[lo, hi)`` of ring rank ``src``'s K/V block that ring rank ``dst``'s queries see under the spec's
+    mask (``None``: none): a pure function of global inputs, the same on every rank."""
+    calls = _plan(spec, spec.k_runs_by_rank[dst], spec.k_runs_by_rank[src])
+    if not calls:
+        return None
+    return min(c.k_start for c in calls), max(c.k_start + c.k_len for c in calls)
+
+
+def _kv_exchange(spec, comm, k, v, t):
+    """Step ``t``'s K/V exchange: ``(pending, source rank, rows received or None)``."""
+    dst, src = (comm.rank + t) % comm.world, (comm.rank - t) % comm.world
+    send_rows, recv_rows = kv_rows_needed(spec, dst, comm.rank), kv_rows_needed(spec, comm.rank, src)
+    shapes = ()
+    if recv_rows is not None:
+        n = recv_rows[1] - recv_rows[0]
+        shapes = ((k.size(0), n, *k.shape[2:]), (v.size(0), n, *v.shape[2:]))
+    send = () if send_rows is None else (k[:, send_rows[0]:send_rows[1]], v[:, send_rows[0]:send_rows[1]])
+    pending = exchange_rows(spec.group, spec.stats, send_to=None if send_rows is None else dst, send=send,
+                            recv_from=None if recv_rows is None else src, recv_shapes=shapes, like=k,
+                            op="ring_send", tag=_KV_TAG)
+    return pending, src, recv_rows
+
+
+def _selective_steps(spec, k, v):
+    """Yield ``(step, source rank, rows, (k_rows, v_rows))`` for every step (step 0: this rank's own block whole;
+    ``rows = None`` and no blocks where its queries see none of the source's keys), the next exchange in flight
+    meanwhile."""
+    comm = spec.comm()
+    nxt = _kv_exchange(spec, comm, k, v, 1) if comm.world > 1 else None
+    yield 0, comm.rank, (0, k.size(1)), (k, v)
+    for t in range(1, comm.world):
+        pending, src, rows = nxt
+        blocks = pending.wait()
+        nxt = _kv_exchange(spec, comm, k, v, t + 1) if t + 1 < comm.world else None
+        yield t, src, rows, blocks
+        del blocks, pending
+
+
+def _selective_forward(spec: BlockAttentionSpec, q, k, v, merged: _MergedResult) -> None:
+    for _t, src, rows, blocks in _selective_steps(spec, k, v):
+        if rows is None:
+            continue
+        (lo, hi), (k_r, v_r) = rows, blocks
+        calls = _plan(spec, spec.q_runs, slice_runs(spec.k_runs_by_rank[src], lo, hi))
+        for c in merged.first_write_first(calls):
+            qs, ks = slice(c.q_start, c.q_start + c.q_len), slice(c.k_start, c.k_start + c.k_len)
+            o_b, lse_b = _call_forward(spec, c, q[:, qs], k_r[:, ks], v_r[:, ks])
+            merged.absorb(qs, o_b, lse_b)
+            del o_b, lse_b
+
+
+def _selective_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
+    comm = spec.comm()
+    acc = accumulation_dtype(q.dtype)
+    dq = None  # first write assigns (Note [First write assigns])
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    whole = [(0, spec.q_runs)]
+    for t, src, rows, blocks in _selective_steps(spec, k, v):
+        send = None
+        if rows is not None:
+            (lo, hi), (k_r, v_r) = rows, blocks
+            runs = slice_runs(spec.k_runs_by_rank[src], lo, hi)
+            if t == 0:
+                dq, _ = accumulate_tile_grads(spec, whole, runs, dout, q, k_r, v_r, out, lse, dq, (dk, dv))
+                continue
+            dq, contribution = accumulate_tile_grads(spec, whole, runs, dout, q, k_r, v_r, out, lse, dq, (None, None))
+            send = zeros_if_unwritten(contribution, (k_r, v_r), acc)
+            del k_r, v_r, contribution
+        del blocks
+        # this step's contribution goes straight back to its owner; the one for this rank's rows comes from the
+        # rank that received them (the same pairs as the K/V exchange, reversed)
+        owner, asker = src, (comm.rank + t) % comm.world
+        mine = kv_rows_needed(spec, asker, comm.rank)  # rows of this rank's block that `asker` computed on
+        shapes = () if mine is None else tuple((k.size(0), mine[1] - mine[0], *t_.shape[2:]) for t_ in (k, v))
+        got = exchange_rows(spec.group, spec.stats, send_to=None if send is None else owner, send=send or (),
+                            recv_from=None if mine is None else asker, recv_shapes=shapes, like=k, dtype=acc,
+                            op="ring_send_grad", tag=_GRAD_TAG).wait()
+        del send
+        if mine is not None:
+            dk[:, mine[0]:mine[1]] += got[0]
+            dv[:, mine[0]:mine[1]] += got[1]
+        del got
+    dq = zeros_if_unwritten((dq,), (q,), acc)[0]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

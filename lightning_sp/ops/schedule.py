@@ -15,7 +15,8 @@ A ``Step`` is the work between two points where a rank waits for another (a ring
 collective): the cost model takes, step by step, the slowest rank (or the cores' share of all
 ranks' work when ranks share cores). Element counts are of tensors (tokens x heads x head_dim);
 ``*_acc`` counts are in the accumulation dtype (``merge.accumulation_dtype``), the others in the
-input dtype. Documents (``doc_bounds``) are not modelled; padding is computed like tokens.
+input dtype. Documents (``doc_bounds``) and masks (``lightning_sp/masks.py``: the blocks and K/V rows they skip)
+are not modelled; padding is computed like tokens.
 """
 
 from __future__ import annotations

@@ -161,8 +161,8 @@ def test_unbound_module_is_local_attention_with_padding_masked():
 def test_bad_configuration_and_inputs_raise_clear_errors():
     with pytest.raises(NotImplementedError, match="dropout"):
         SequenceParallelAttention(dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        SequenceParallelAttention(window_size=(128, 0))
+    with pytest.raises(ValueError, match="window must be"):
+        SequenceParallelAttention(window_size=(128, -3))
     with pytest.raises(ValueError, match="backend must be one of"):
         SequenceParallelAttention(backend="ringo")
     with pytest.raises(ValueError, match="kernel must be one of"):

@@ -1,0 +1,198 @@
+"""Every mask kind on every backend, exact against dense float64 attention with the same mask on the whole
+sequence (forward, dq/dk/dv, the sinks' gradient), on real gloo ranks; a negative control per kind (the mask
+ignored must miss); and traffic that follows the mask, counted by ``CommStats``.
+
+One spawn per world size (2 and 4) runs the whole grid; the parent asserts per case."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_sp import AttentionMask, SequenceParallelAttention, gather_sequence, shard_sequence
+from tests.distributed.harness import run_on_ranks
+from tests.reference import dense_attention
+
+pytestmark = pytest.mark.distributed
+
+BACKENDS = ["ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal"]
+N = 43  # no degree divides it
+H, H_KV, D = 4, 2, 8
+TOL = 1e-10
+DOCS = (0, 11, 12, 30, N)  # packed documents: one of a single token, none aligned to a shard
+
+
+def _score_mod(score, b, h, q, k):
+    return score + 0.3 * torch.sin(0.7 * (q - k).to(score.dtype) + h)
+
+
+def _mask_mod(b, h, q, k):
+    return ((q + k + h) % 3 != 0) | (q == k)
+
+
+# kind -> (causal, AttentionMask or None, with sinks, with documents)
+KINDS = {
+    "window_causal": (True, AttentionMask(window=(6, 0)), False, False),
+    "window_two_sided": (False, AttentionMask(window=(5, 3)), False, False),
+    "chunked": (True, AttentionMask(chunk_size=9), False, False),
+    "prefix_lm_spans": (True, AttentionMask(bidirectional_spans=((0, 8), (17, 29))), False, False),
+    "softcap": (True, AttentionMask(softcap=0.8), False, False),
+    "alibi": (False, AttentionMask(alibi_slopes=(0.5, 0.25, 0.125, 0.0625)), False, False),
+    "sinks": (True, None, True, False),
+    "mask_mod": (False, AttentionMask(mask_mod=_mask_mod), False, False),
+    "score_mod": (True, AttentionMask(score_mod=_score_mod), False, False),
+    "docs_window_spans_softcap_sinks": (True, AttentionMask(window=(7, 0), bidirectional_spans=((13, 20),), softcap=1.5),
+                                        True, True),
+    "docs_window_two_sided_alibi": (False, AttentionMask(window=(4, 4), alibi_slopes=(0.3, 0.2, 0.1, 0.05)), False, True),
+}
+
+
+def _tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(1, N, hh, D, generator=g, dtype=torch.float64) for hh in (H, H_KV, H_KV, H))
+    sinks = torch.randn(H, generator=g, dtype=torch.float64)
+    return q, k, v, dout, sinks
+
+
+def _err(a, b):
+    return float((a.detach() - b.detach()).abs().max())
+
+
+def _run_case(group, world, backend, kind, seed, pieces=1):
+    causal, mask, with_sinks, with_docs = KINDS[kind]
+    q, k, v, dout, sinks = _tensors(seed)
+    cu = torch.tensor(DOCS, dtype=torch.int32) if with_docs else None
+    u = 2 if backend == "usp" and world == 4 else None
+    attn = SequenceParallelAttention(causal=causal, backend=backend, group=group, ulysses_degree=u, mask=mask,
+                                     kv_pieces=pieces)
+    local = [shard_sequence(t, group, layout=attn.layout) for t in (q, k, v, dout)]
+    for t in local[:3]:
+        t.requires_grad_()
+    s = sinks.clone().requires_grad_() if with_sinks else None
+    out = attn(*local[:3], cu_seqlens=cu, sinks=s)
+    out.backward(local[3])
+    got = [gather_sequence(t, group, layout=attn.layout, seq_len=N)
+           for t in (out.detach(), local[0].grad, local[1].grad, local[2].grad)]
+    if with_sinks:  # each rank holds its rows' share of the parameter's gradient: summed over the group
+        dsinks = s.grad.clone()
+        dist.all_reduce(dsinks, group=group)
+        got.append(dsinks)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sinks.clone().requires_grad_()] if with_sinks else [])
+    ref = dense_attention(*leaves[:3], causal=causal, cu_seqlens=cu, mask=mask, sinks=leaves[3] if with_sinks else None)
+    refs = [ref, *torch.autograd.grad(ref, leaves, dout)]
+    errors = [_err(a, b) for a, b in zip(got, refs)]
+    # negative control: the same check with this kind's mask (or sinks) ignored must miss
+    ignored = dense_attention(q, k, v, causal=causal, cu_seqlens=cu)
+    control = _err(got[0], ignored)
+    return errors, control
+
+
+def _traffic(group, world):
+    """Bytes each rank sends (fwd + bwd) under masks that leave most rank pairs empty, next to the plain call."""
+    out = {}
+    n = 32 * world
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, n, hh, D, generator=g, dtype=torch.float64) for hh in (H, H_KV, H_KV, H))
+    # documents of 8 tokens never cross a zigzag chunk (16 tokens) nor a contiguous shard (32)
+    docs = torch.arange(0, n + 1, 8, dtype=torch.int32)
+    cases = [(b, "docs") for b in ("ring", "zigzag_ring", "allgather_kv")] + [("ring", "window"), ("ring", "plain")]
+    if world == 4:
+        cases.append(("usp", "docs"))  # 2 x 2: the ring of 2 over chunks of 32 tokens
+    for backend, what in cases:
+        mask = AttentionMask(window=(11, 0)) if what == "window" else None
+        attn = SequenceParallelAttention(causal=True, backend=backend, group=group, mask=mask, kv_pieces=1,
+                                         ulysses_degree=2 if backend == "usp" else None)
+        local = [shard_sequence(t, group, layout=attn.layout) for t in (q, k, v, dout)]
+        for t in local[:3]:
+            t.requires_grad_()
+        attn.comm_stats.reset()
+        o = attn(*local[:3], cu_seqlens=docs if what == "docs" else None)
+        o.backward(local[3])
+        got = [gather_sequence(t, group, layout=attn.layout, seq_len=n) for t in (o.detach(), local[0].grad)]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = dense_attention(*leaves, causal=True, cu_seqlens=docs if what == "docs" else None, mask=mask)
+        ref_dq = torch.autograd.grad(ref, leaves[0], dout)[0]
+        out[(backend, what)] = (dict(attn.comm_stats.bytes_by_op), max(_err(got[0], ref), _err(got[1], ref_dq)))
+    return out
+
+
+PIECES_CASES = [(b, kd) for b in ("ring", "zigzag_ring", "allgather_kv", "usp")
+                for kd in ("prefix_lm_spans", "docs_window_spans_softcap_sinks")]
+"""K/V in pieces (``kv_pieces=3``) under masks: the pieces path (full traffic, a memory choice) is exact too."""
+
+
+def _disagreeing_masks(group, rank):
+    """Rank 0 passes another window than its peers: every rank raises, naming the mask (no hang)."""
+    attn = SequenceParallelAttention(causal=True, backend="ring", group=group,
+                                     mask=AttentionMask(window=(6 if rank == 0 else 7, 0)))
+    q = torch.randn(1, 8, H, D, dtype=torch.float64)
+    try:
+        attn(q, q[:, :, :H_KV], q[:, :, :H_KV], seq_len=8 * dist.get_world_size(group))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _worker(rank, world):
+    from lightning_sp.ops import ring_attention
+
+    group = dist.group.WORLD
+    cases = {}
+    for i, (backend, kind) in enumerate((b, kd) for b in BACKENDS for kd in KINDS):
+        cases[(backend, kind)] = _run_case(group, world, backend, kind, seed=i)
+    ring_attention.MIN_PIECE_TOKENS = 1  # pieces on 11-token blocks
+    pieces = {case: _run_case(group, world, *case, seed=i, pieces=3) for i, case in enumerate(PIECES_CASES)}
+    ring_attention.MIN_PIECE_TOKENS = 256
+    return {"cases": cases, "pieces": pieces, "traffic": _traffic(group, world),
+            "disagree": _disagreeing_masks(group, rank)}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def grid(request):
+    return request.param, run_on_ranks(_worker, request.param, timeout_s=300, pg_timeout_s=60)
+
+
+def test_every_mask_kind_on_every_backend_matches_dense_fp64(grid):
+    world, per_rank = grid
+    failures = []
+    results = per_rank[0]["cases"]
+    assert len(results) == len(BACKENDS) * len(KINDS)
+    assert len(per_rank[0]["pieces"]) == len(PIECES_CASES)
+    results = {**results, **{(*key, "kv_pieces=3"): value for key, value in per_rank[0]["pieces"].items()}}
+    for key, (errors, control) in results.items():
+        if max(errors) > TOL:
+            failures.append(f"{key}: out/dq/dk/dv(/dsinks) errors {errors} > {TOL}")
+        if control < 1e-3:
+            failures.append(f"{key}: negative control passed ({control}): the mask made no difference")
+    assert not failures, f"world={world}:\n" + "\n".join(failures)
+
+
+def test_traffic_follows_the_mask(grid):
+    """Documents that never cross a shard: no K/V (nor gradient) byte on the rings, allgather_kv and the ring of
+    usp (2 x 2; its all-to-alls move the heads whatever the mask). A causal
+    window of 11 keys on the contiguous ring: each rank sends only its last 11 K/V rows to the next rank
+    (forward and again in backward) and gets those rows' dK/dV back, nothing to any other rank."""
+    world, per_rank = grid
+    row = H_KV * D * 8  # bytes of one token's K (or V) in fp64
+    for rank, result in enumerate(per_rank):
+        traffic = result["traffic"]
+        for key, (sent, err) in traffic.items():
+            assert err < TOL, f"rank {rank} {key}: error {err}"
+        for backend in ("ring", "zigzag_ring", "allgather_kv") + (("usp",) if world == 4 else ()):
+            sent, _ = traffic[(backend, "docs")]
+            kv = {op: b for op, b in sent.items() if op != "all_to_all"}
+            assert sum(kv.values()) == 0, f"rank {rank} {backend} with shard-local documents sent {kv}"
+        sent, _ = traffic[("ring", "window")]
+        last = rank == world - 1
+        assert sent.get("ring_send", 0) == (0 if last else 2 * 2 * 11 * row), (rank, sent)  # K and V, fwd and bwd
+        assert sent.get("ring_send_grad", 0) == (0 if rank == 0 else 2 * 11 * row), (rank, sent)  # dK and dV back
+        # the plain causal ring (no mask) passes every block on: (P - 1) blocks of K and V per pass
+        plain, _ = traffic[("ring", "plain")]
+        assert plain["ring_send"] >= 2 * (world - 1) * 2 * 32 * row
+
+
+def test_ranks_with_different_masks_raise_together(grid):
+    world, per_rank = grid
+    for rank, result in enumerate(per_rank):
+        assert result["disagree"] is not None and "hash(mask, sinks)" in result["disagree"], (rank, result["disagree"])
