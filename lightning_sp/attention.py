@@ -924,7 +924,8 @@ def _check_across_ranks(signature: tuple, error, group, q, fingerprints: tuple |
         raise ValueError(f"ranks of the sequence-parallel group called attention with different inputs (global "
                          f"ranks; every rank raises this):\n{differ}")
     if n == len(_SIGNATURE_NAMES):
-        _check_memory_layout(rows, n, ranks, kv_layout=KV_LAYOUTS[rows[0][n - 1]], kv_len=rows[0][6])
+        _check_memory_layout(rows, n, ranks, kv_layout=KV_LAYOUTS[rows[0][_SIGNATURE_NAMES.index("kv_layout")]],
+                             kv_len=rows[0][_SIGNATURE_NAMES.index("kS")])
 
 
 def _check_memory_layout(rows, n: int, ranks, *, kv_layout: str, kv_len: int) -> None:

@@ -181,14 +181,14 @@ def _strategy_worker(rank: int, world: int, bad_rank: int) -> dict:
             if made["batches"] == BAD_STEP + 1:
                 made["bad_at"] = time.monotonic()
                 if rank == bad_rank:
-                    if change == "length":
-                        batch = {key: torch.cat([t, t[:, :1]], dim=1) for key, t in batch.items()}  # N + 1
+                    if change == "length":  # the sequences [B, N] -> [B, N + 1]; the samples' index [B] stays
+                        batch = {key: torch.cat([t, t[:, :1]], dim=1) if t.dim() == 2 else t for key, t in batch.items()}
                     elif change == "dtype":
                         batch["input_ids"] = batch["input_ids"].int()
                     elif change == "missing_key":
                         del batch["labels"]
                     elif change == "no_sequence":
-                        batch = {key: t[:, 0] for key, t in batch.items()}  # [B]: no sequence dim
+                        batch = {key: t[:, 0] if t.dim() == 2 else t for key, t in batch.items()}  # [B]: no sequence dim
             return batch
 
         os.environ["WORLD_SIZE"] = str(world)
