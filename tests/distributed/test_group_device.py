@@ -11,8 +11,10 @@ group's device] in ``lightning_sp/comm/device.py``):
 - the cross-rank agreement (``gather_rows``, for a model on another device than the group's too), the batch
   agreement the strategy runs each step, ``backend="auto"``'s agreed measurement and cache, the agreed
   memory budget of ``kv_pieces="auto"``;
-- attention (ring, ulysses) forward and backward on stand-in tensors against dense fp64 attention, and the
-  sequence-parallel loss and its gradient against the one-process loss;
+- attention (every backend) forward and backward on stand-in tensors against dense fp64 attention, and the
+  sequence-parallel loss and its gradient against the one-process loss (``backend="auto"`` inside attention
+  draws random inputs on the device, which needs a generator the Python stand-in device cannot register: its
+  agreement is run through ``choices.agreed_fastest`` above);
 - negative control: the CPU-tensor ``_gather_ints`` and ``_broadcast_from_first`` the checkpoint module had
   fail through the stand-in, as they would on NCCL.
 
@@ -55,8 +57,12 @@ def _old_broadcast_from_first(value, process_group):
     return int(t)
 
 
+BACKENDS = ("ring", "zigzag_ring", "ulysses", "allgather_kv", "usp")
+
+
 def _attention_errors(backend, group, n=32, h=4, h_kv=2, d=8):
-    """Max |error| of out, dq, dk, dv (stand-in tensors) against dense fp64 attention; and the output's device."""
+    """(the output's device, the gradient's, max |error| of out, dq, dk, dv against dense fp64 attention) for
+    stand-in tensors."""
     from lightning_sp import SequenceParallelAttention, shard_sequence
     from tests.reference import dense_attention
 
@@ -103,6 +109,7 @@ def _worker(rank, world, tmpdir):
     # the stand-in is in force: the group's device is not the CPU, and a CPU tensor is refused
     case("group_device", lambda: (str(group_device(world_group)), str(group_device(sp_group, torch.device("cpu")))))
     case("cpu_all_reduce", lambda: dist.all_reduce(torch.ones(1), group=world_group))
+    case("mixed_devices_op", lambda: torch.ones(3, device="standin") + torch.ones(3))
 
     # negative control: the old CPU-tensor helpers
     case("old_gather_ints", lambda: _old_gather_ints(rank, world_group))
@@ -158,8 +165,9 @@ def _worker(rank, world, tmpdir):
     case("budget", lambda: choices.agreed_min(1000 + rank, sp_group, torch.device("cpu")))
 
     # attention and the loss on stand-in tensors
-    for backend in ("ring", "ulysses"):
-        case(f"attention_{backend}", lambda backend=backend: _attention_errors(backend, sp_group))
+    for backend in BACKENDS:
+        group = world_group if backend == "usp" else sp_group  # usp on a sub-group needs the strategy's sub-groups
+        case(f"attention_{backend}", lambda backend=backend, group=group: _attention_errors(backend, group))
 
     def loss():
         from lightning_sp import shard_sequence
@@ -204,6 +212,8 @@ def test_the_stand_in_refuses_cpu_tensors_as_nccl_does(results):
     assert _ok(results, "group_device") == [("standin:0", "standin:0")] * WORLD
     for message in _raised(results, "cpu_all_reduce"):
         assert "No backend type associated with device type cpu" in message, message
+    for message in _raised(results, "mixed_devices_op"):
+        assert "Expected all tensors to be on the same device" in message, message
 
 
 def test_negative_control_the_old_cpu_tensor_helpers_fail(results):
@@ -238,7 +248,7 @@ def test_agreement_batch_check_auto_and_budget(results):
 
 
 def test_attention_and_loss_on_the_stand_in_device_are_exact(results):
-    for backend in ("ring", "ulysses"):
+    for backend in BACKENDS:
         for out_device, grad_device, err in _ok(results, f"attention_{backend}"):
             assert out_device == grad_device == "standin:0" and err < 1e-12, (backend, err)
     for device, loss_err, grad_err in _ok(results, "loss"):

@@ -18,8 +18,8 @@ How, and why so (each choice is at least as strict as NCCL where it matters here
    ``PrivateUse1`` device is set up as a Python backend named ``DEVICE_TYPE`` ("standin", through
    ``torch.utils.backend_registration._setup_privateuseone_for_python_backend``, experimental in torch
    2.13). Its tensors have ``device.type == "standin"`` everywhere the library can look; their memory
-   is a CPU tensor hung on the tensor's storage object (so views and ``detach`` aliases, which share the
-   storage, find it). Every aten op on them runs as the same op on that CPU memory (a fallback kernel)
+   is a CPU tensor hung on the tensor's storage object (so ``detach`` aliases, which share the storage,
+   find it). Every aten op on them runs as the same op on that CPU memory (a fallback kernel)
    and returns stand-in tensors; factories with ``device="standin"`` make stand-in tensors; ``.cpu()``
    / ``.item()`` / ``.tolist()`` read the memory back. Like a CUDA op, an op that mixes a stand-in
    tensor with a CPU tensor of one or more dimensions raises "Expected all tensors to be on the same
@@ -33,9 +33,17 @@ How, and why so (each choice is at least as strict as NCCL where it matters here
    library's (``lightning_sp.comm.device.group_device``) both answer "standin", not "cpu".
 3. **Every collective checks every tensor** (inputs, outputs, each element of a list) before it runs:
    a tensor whose device is not the stand-in accelerator raises NCCL's message, naming the collective;
-   a non-contiguous or sparse tensor raises too (ProcessGroupNCCL: "Tensors must be contiguous" /
-   "must be dense"). Only then does the collective run on the tensors' CPU memory through an inner
-   ``ProcessGroupGloo`` over the same ranks (exact results, gloo's own checks on sizes and dtypes).
+   a sparse tensor raises too (ProcessGroupNCCL: "must be dense"; its "Tensors must be contiguous" is
+   checked on the tensor's layout, which for a stand-in tensor always is: see Views). Only then does the
+   collective run on the tensors' CPU memory through an inner ``ProcessGroupGloo`` over the same ranks
+   (exact results, gloo's own checks on sizes and dtypes).
+
+Views: a stand-in tensor's own layout is always contiguous at offset 0 (the Python backend can make no
+other), while its memory may be a strided view (a transpose's). Views made of it (``as_strided``, which
+transposes, slices and selects come down to; ``view``) are mapped onto that memory exactly and share it
+(checked element by element on index tensors); a ``view`` its memory cannot give is a copy, which is what
+``.contiguous().view()`` / ``.reshape`` would make on the accelerator (``.contiguous()`` cannot copy: the
+tensor says it is contiguous). Collectives send a strided memory as a contiguous copy and write it back.
 
 Limits (where it is *less* strict than NCCL, said so the tests do not claim more): the device index is
 not modelled (every stand-in tensor is ``standin:0``; ``current_device()`` is 0 on every rank), so a
@@ -43,7 +51,9 @@ tensor on the wrong GPU of the right kind is not caught; streams and asynchrony 
 collective has completed when its work is returned); ``batch_isend_irecv`` runs per operation, as on
 gloo (a subclass of ``ProcessGroup`` is not offered coalescing), so the ring's NCCL-only behaviour is
 tested with a recording stand-in of ``batch_isend_irecv`` instead (tests/unit/test_ring_overlap.py).
-Autograd works on stand-in tensors (the fallback runs below it), but the ops are slow: keep shapes small.
+A direct ``.view`` of a transposed stand-in tensor copies where the accelerator would raise. Random ops
+(``torch.randn(device="standin")``) need a generator the Python backend cannot register, and fail. Autograd
+works on stand-in tensors (the fallback runs below it), but the ops are slow: keep shapes small.
 """
 
 from __future__ import annotations
@@ -170,9 +180,19 @@ def _view_of(cpu: torch.Tensor, layout: tuple, size, stride, offset: int, dtype:
             memory_stride.append(0 if st == 0 else 1)
             continue
         dim = next((d for d, c in enumerate(row_major) if st % c == 0 and digits[d] + st // c * (n - 1) < shape[d]), None)
-        if dim is None:
+        if dim is not None:  # steps along one dim
+            memory_stride.append(st // row_major[dim] * cpu.stride(dim))
+            continue
+        # spans dims first..last whole (a view that merges them): their memory must merge too
+        last = next((d for d, c in enumerate(row_major) if c == st), None)
+        first, span = last, shape[last] if last is not None else 0
+        while last is not None and span < n and first > 0:
+            first -= 1
+            span *= shape[first]
+        if last is None or span != n or any(digits[d] for d in range(first, last + 1)) or any(
+                cpu.stride(d) != cpu.stride(d + 1) * shape[d + 1] for d in range(first, last)):
             raise refuse
-        memory_stride.append(st // row_major[dim] * cpu.stride(dim))
+        memory_stride.append(cpu.stride(last))
     memory_offset = sum(dg * cpu.stride(d) for d, dg in enumerate(digits))
     index = torch.empty_strided(cpu.shape, cpu.stride(), dtype=torch.int64)
     index.copy_(torch.arange(index.numel()).view(cpu.shape))  # each memory element's storage index
@@ -182,10 +202,12 @@ def _view_of(cpu: torch.Tensor, layout: tuple, size, stride, offset: int, dtype:
     return cpu.as_strided(size, memory_stride, cpu.storage_offset() + memory_offset)
 
 
-def _wrap(cpu: torch.Tensor) -> torch.Tensor:
-    """A stand-in tensor whose elements are ``cpu``'s (shared memory: a write to one is seen in the other)."""
+def _wrap(cpu: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+    """A stand-in tensor whose elements are ``cpu``'s (shared memory: a write to one is seen in the other).
+    ``fresh``: ``cpu`` is a new result that aliases nothing, so a strided one may be made contiguous (a view's
+    memory never is: writes must reach its base; inside a kernel views carry no ``_base`` to tell them apart)."""
     t = torch._C._acc.create_empty_tensor(list(cpu.shape), cpu.dtype)
-    if not cpu.is_contiguous() and cpu._base is None:  # a fresh result in an odd layout: no one shares it
+    if fresh and not cpu.is_contiguous():
         cpu = cpu.contiguous()
     setattr(t.untyped_storage(), _OWNER, ((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype), cpu))
     return t
@@ -220,11 +242,21 @@ def _fallback(op, *args, **kwargs):
     onto_standin = target is None or torch.device(target).type == DEVICE_TYPE
     if target is not None and onto_standin:
         kwargs = dict(kwargs, device=torch.device("cpu"))
-    if op in (torch.ops.aten.as_strided.default, torch.ops.aten._reshape_alias.default):  # strides in the call:
+    if op is torch.ops.aten.as_strided.default:  # strides in the call:
         t, size, stride = args[:3]  # the views that composite ops (transpose, select, reshape...) make
         offset = args[3] if len(args) > 3 else kwargs.get("storage_offset") or 0
         held = getattr(t.untyped_storage(), _OWNER)
         return _wrap(_view_of(held[1], held[0], size, stride, t.storage_offset() + offset, t.dtype))
+    if op in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+              torch.ops.aten._reshape_alias.default):  # of a tensor whose layout is
+        t, size = args[:2]  # contiguous (every stand-in tensor's): the row-major strides of the new shape
+        size = list(torch.empty(t.shape, device="meta").view(size).shape)  # a -1 resolved
+        stride = torch.empty(size, device="meta").stride()
+        held = getattr(t.untyped_storage(), _OWNER)
+        try:
+            return _wrap(_view_of(held[1], held[0], size, stride, t.storage_offset(), t.dtype))
+        except RuntimeError:  # memory a transpose's: on the accelerator ``.contiguous()`` / ``.reshape`` copied
+            return _wrap(_memory(t).reshape(size), fresh=True)  # first, which a stand-in tensor cannot tell
     cpu_args, cpu_kwargs = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
     out = op(*cpu_args, **cpu_kwargs)
     returns = op._schema.returns
@@ -235,7 +267,8 @@ def _fallback(op, *args, **kwargs):
         return written
     if not onto_standin:
         return out
-    return tree_map(lambda t: _wrap(t) if isinstance(t, torch.Tensor) else t, out)
+    fresh = not (returns and returns[0].alias_info is not None)  # a view op's result shares its input's memory
+    return tree_map(lambda t: _wrap(t, fresh) if isinstance(t, torch.Tensor) else t, out)
 
 
 def install() -> None:
@@ -248,7 +281,7 @@ def install() -> None:
 
     _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=_DeviceModule())
     _library = torch.library.Library("_", "IMPL")
-    _library.fallback(_fallback, dispatch_key="PrivateUse1")
+    _library.fallback(lambda op, *args, **kwargs: _fallback(op, *args, **kwargs), dispatch_key="PrivateUse1")
     dist.Backend.register_backend(BACKEND, _create, devices=[DEVICE_TYPE])
 
 
