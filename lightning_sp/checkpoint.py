@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import TensorProperties, TensorWriteData, WriteItem, WriteItemType
 
+from lightning_sp.comm.device import group_device
 from lightning_sp.comm.release import collective
 from lightning_sp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_range
 
@@ -304,8 +305,9 @@ def _gather_ints(value: int, process_group) -> list[int]:
     """Every group rank's ``value``, identical on every rank (one all-gather, always issued)."""
     if not _is_distributed(process_group):
         return [value]
-    out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(process_group))]
-    collective(dist.all_gather, out, torch.tensor([value], dtype=torch.int64), group=process_group)
+    device = group_device(process_group)  # NCCL takes CUDA tensors only (Note [Collectives on the group's device])
+    out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(process_group))]
+    collective(dist.all_gather, out, torch.tensor([value], dtype=torch.int64, device=device), group=process_group)
     return [int(v) for v in out]
 
 
@@ -329,7 +331,7 @@ def _broadcast_from_first(value: int, process_group) -> int:
     """``value`` of group rank 0 on every rank."""
     if not _is_distributed(process_group):
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    t = torch.tensor([value], dtype=torch.int64, device=group_device(process_group))
     collective(dist.broadcast, t, src=dist.get_global_rank(process_group, 0) if process_group is not None else 0,
                group=process_group)
     return int(t)

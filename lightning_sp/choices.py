@@ -67,6 +67,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lightning_sp.comm.device import group_device
 from lightning_sp.comm.release import collective
 
 log = logging.getLogger(__name__)
@@ -191,15 +192,9 @@ def fewest_pieces_that_fit(peak_for: Callable[[int], int], budget: int | None) -
 
 def agreed_min(value: int, group, device: torch.device) -> int:
     """The minimum of ``value`` over the ranks of ``group`` (every rank must call)."""
-    t = torch.tensor([value], dtype=torch.int64, device=_collective_device(group, device))
+    t = torch.tensor([value], dtype=torch.int64, device=group_device(group, device))
     collective(dist.all_reduce, t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
-
-
-def _collective_device(group, device: torch.device) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # -- auto: measured -----------------------------------------------------------------------------------
@@ -261,7 +256,7 @@ def cached_label(key: str, labels: Sequence[str], group, device: torch.device) -
     """The label cached for ``key`` if every rank's cache holds the same one, else ``None`` (agreed)."""
     label = _read_cache(auto_cache_path()).get(key)
     index = labels.index(label) if label in labels else -1
-    t = torch.tensor([index, -index], dtype=torch.int64, device=_collective_device(group, device))
+    t = torch.tensor([index, -index], dtype=torch.int64, device=group_device(group, device))
     collective(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=group)
     hi, lo = int(t[0]), -int(t[1])
     return labels[hi] if hi == lo and hi >= 0 else None
@@ -293,7 +288,7 @@ def measure_candidates(run: Callable[[str], None], labels: Sequence[str], group,
 
     def agreed_medians() -> dict[str, float]:
         medians = torch.tensor([statistics.median(times[label]) for label in labels], dtype=torch.float64,
-                               device=_collective_device(group, device))
+                               device=group_device(group, device))
         collective(dist.all_reduce, medians, op=dist.ReduceOp.MAX, group=group)
         return dict(zip(labels, medians.tolist()))
 

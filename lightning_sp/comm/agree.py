@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_sp.comm.device import group_device
 from lightning_sp.comm.release import collective
 
 
@@ -39,12 +40,9 @@ def stable_hash(*parts) -> int:
 def gather_rows(row: Sequence[int | float], group, *, device: torch.device | None = None) -> list[list[int | float]]:
     """Every rank's ``row`` in group-rank order: one all-gather of ``len(row)`` float64 per rank, which
     every rank of ``group`` must call (with rows of the same length). Integral values come back as ``int``.
-    ``device``: where the row travels for NCCL (default: the current CUDA device), which costs a host
-    sync per call (the rows are read back); on gloo it stays on the CPU."""
-    values = torch.tensor([float(x) for x in row], dtype=torch.float64)  # [F]
-    if dist.get_backend(group) == "nccl":
-        on_gpu = device is not None and device.type == "cuda"
-        values = values.to(device if on_gpu else torch.device("cuda", torch.cuda.current_device()))
+    ``device``: the preferred device where the group takes accelerator tensors (``group_device``'s ``prefer``:
+    else the current one), which costs a host sync per call (the rows are read back); on gloo the CPU."""
+    values = torch.tensor([float(x) for x in row], dtype=torch.float64, device=group_device(group, device))  # [F]
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]  # P x [F]
     collective(dist.all_gather, gathered, values, group=group)
     return [[int(x) if float(x).is_integer() else float(x) for x in g.tolist()] for g in gathered]

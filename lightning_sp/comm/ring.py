@@ -32,6 +32,27 @@ Note [Gradient partial sums around the ring]
     With the in-place merge and the prompt release of used blocks, this took the ring's per-rank
     peak at P = 4 (N = 8192, H = 8, D = 64, fp32) from 15.3 to 11.3 local shards (benchmarks/README.md,
     section 4).
+
+Note [The partial sums' transfer overlaps on NCCL]
+    A coalescing backend (NCCL) returns one work for a whole ``batch_isend_irecv``: its sends and
+    receives run as one NCCL group and complete together, so there is no "the sends alone" to wait for,
+    and waiting for that work before the kernel (as ``wait_sent`` did) made step t's kernel wait for the
+    partial sum arriving from rank - 1: the dK/dV transfer never overlapped compute. There ``wait_sent``
+    now waits for nothing: it drops this object's references to the send buffers, which the backend holds
+    until the transfer is done (ProcessGroupNCCL keeps a work's tensors until it completes, and the
+    caching allocator reuses their memory only after NCCL's stream has let go), and the kernel runs
+    while the partial sum is in flight; ``wait`` (the stream waits for NCCL, not the host) comes
+    before the add, as on gloo::
+
+        gloo (a work per op):   wait(send_{t-1})  ->  kernel_t  ->  wait(recv_t)  ->  add  ->  send_t
+        NCCL (one work):                              kernel_t  ->  wait(send_{t-1} + recv_t)  ->  add  ->  send_t
+
+    The cost: on NCCL the sent partial's memory is freed when the transfer completes, not before the
+    kernel allocates, so one more gradient buffer may be alive during compute than on gloo. Sending
+    the two halves as separate batches (sends in one, receives in the next) would deadlock a ring on
+    NCCL: each rank's receive would queue on its stream behind its own send, which waits for the next
+    rank's receive. Bytes counted are the same (the exchange is unchanged). tests/unit/test_ring_overlap.py
+    checks the order with a recording stand-in of ``batch_isend_irecv`` in both modes.
 """
 
 from __future__ import annotations
@@ -47,21 +68,23 @@ from lightning_sp.comm.stats import CommStats
 class _Pending:
     def __init__(self, works, buffers, sent, per_op: bool):
         # per_op: one work per op in (send, recv) pairs (gloo), so the sends can be waited for alone; else one
-        # coalesced work for all. A gloo work must be waited for once only (a second wait waits for another
+        # coalesced work for all (NCCL). A gloo work must be waited for once only (a second wait waits for another
         # transfer), so each list is emptied as it is waited for.
+        self._coalesced = not per_op
         self._sends, self._works = (works[0::2], works[1::2]) if per_op else ((), works)
         self._buffers = buffers
         self._sent = sent  # keep the send buffers alive until the transfer completes
 
     def wait_sent(self) -> None:
-        """Wait until the sends of this exchange are complete and drop their buffers, leaving the receives in
-        flight (``wait`` returns them). Without separate send works: the same as ``wait``."""
-        if not self._sends:
-            self.wait()
-            return
-        for w in self._sends:
-            w.wait()
-        self._sends, self._sent = (), None
+        """Let go of the send buffers of this exchange, leaving the receives in flight (``wait`` returns them).
+        gloo: waits until the sends are complete (their memory is free on return). A coalescing backend (one
+        work for sends and receives): waits for nothing; the backend holds the buffers until the transfer is
+        done (Note [The partial sums' transfer overlaps on NCCL])."""
+        if not self._coalesced:
+            for w in self._sends:
+                w.wait()
+            self._sends = ()
+        self._sent = None
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         for w in (*self._sends, *self._works):
@@ -180,7 +203,7 @@ def ring_pass_accumulating(
     for step in range(comm.world):
         pending = comm.start(blocks, heads_major=heads_major) if step < comm.world - 1 else None  # K/V: overlapped
         if grads_in_flight is not None:
-            grads_in_flight.wait_sent()  # the partial sent last step has left: freed before the kernel runs
+            grads_in_flight.wait_sent()  # the partial sent last step has left (gloo: freed before the kernel runs)
         rows, contribution = grad_fn(step, (comm.rank - step) % comm.world, blocks, grads_in_flight is None)
         if pending is None:
             blocks = None  # the last blocks: free them before the partial sums' buffers arrive

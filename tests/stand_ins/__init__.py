@@ -1,1 +1,2 @@
-"""Stand-ins for what CPU CI cannot run: PyTorch's CUDA attention ops and the flash-attn package."""
+"""Stand-ins for what CPU CI cannot run: PyTorch's CUDA attention ops, the flash-attn package, and a process
+group that, like NCCL, takes tensors of its accelerator only (``device_group``)."""
