@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from lightning_sp.batch_sharding import DEFAULT_SEQUENCE_KEYS, BatchSharder
 from lightning_sp.binding import auto_backend_message, bind_attention_modules
-from lightning_sp.checkpoint import StrategyCheckpointIO
+from lightning_sp.checkpoint import StrategyCheckpointIO, probe_directories
 from lightning_sp.context import SequenceParallelContext
 from lightning_sp.dependency_noise import silence_dependency_noise
 from lightning_sp.data_parallel import (DATA_PARALLEL, broadcast_replicas, check_data_parallel, ddp_process_group,
@@ -35,6 +35,7 @@ from lightning_sp.data_parallel import (DATA_PARALLEL, broadcast_replicas, check
 from lightning_sp.faults import append_hint, as_process_group_timeout, collective_failure_hint
 from lightning_sp.mesh import (ParallelMesh, build_strategy_groups, check_launch_matches_nodes, check_strategy_degrees,
                                check_world_matches, destroy_groups, strategy_dims)
+from lightning_sp.preemption import Preemption, checkpoint_directories, preemption_callback
 from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel_layers
 from lightning_sp.tensor_parallel.grads import TensorParallelGradients
 from lightning_sp.topology import MeshAxis, ParallelDims
@@ -93,6 +94,7 @@ class SequenceParallelStrategy(DDPStrategy):
         hardware: "HardwareProfile | str | None" = None,
         memory_budget: int | None = None,
         auto_policy: str | None = None,
+        preemption: Preemption | None = None,
         **kwargs: Any,
     ) -> None:
         process_group_timeout = as_process_group_timeout(process_group_timeout, kwargs)
@@ -105,6 +107,9 @@ class SequenceParallelStrategy(DDPStrategy):
             from lightning_sp.cost_model import preset
 
             preset(hardware)  # eager check: an unknown name lists the presets
+        if preemption is not None and not isinstance(preemption, Preemption):
+            raise TypeError(f"preemption= takes lightning_sp.preemption.Preemption(...), got {type(preemption).__name__}")
+        self._preemption = preemption
         self._sp_size_arg = sequence_parallel_size
         self._tp_size = tensor_parallel_size
         self._checkpoints = StrategyCheckpointIO(distributed=distributed_checkpoint, data_parallel=data_parallel,
@@ -239,6 +244,7 @@ class SequenceParallelStrategy(DDPStrategy):
         assert self.lightning_module is not None
         self._bind_model(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._prepare_for_saves(trainer)
             super().setup(trainer)
             if self._tp_grads.active:
                 # Lightning's clip-by-norm takes each rank's local norm; under TP that differs across
@@ -255,6 +261,14 @@ class SequenceParallelStrategy(DDPStrategy):
         if not self._is_fsdp_root():
             broadcast_replicas(self.model, self._mesh)
         self.setup_precision_plugin()
+
+    def _prepare_for_saves(self, trainer: "pl.Trainer") -> None:
+        # preemption (lightning_sp.preemption): a signal sets a flag, the ranks save together at a step
+        # boundary; every checkpoint directory is probed on every rank before any training time is spent
+        callback = preemption_callback(self._preemption, self.cluster_environment, self.root_device)
+        if callback is not None:
+            callback.attach(trainer)
+        probe_directories(checkpoint_directories(trainer, callback))
 
     # ---------------------------------------------------------------------------------- batches
     @override
@@ -347,8 +361,11 @@ class SequenceParallelStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        from lightning.fabric.plugins import TorchCheckpointIO
+
         self._checkpoints.save(checkpoint, filepath, storage_options, dims=self.parallel_dims,
-                               lightning_save=super().save_checkpoint)
+                               lightning_save=super().save_checkpoint,
+                               in_place=type(self.checkpoint_io) is not TorchCheckpointIO)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

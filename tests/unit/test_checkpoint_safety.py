@@ -115,7 +115,8 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path, monkeypatch, point):
         _kill_at(patch, point)
         with pytest.raises(BaseException, match=point):  # DCP wraps what its steps raise
             _save(path, 2)
-    assert any(p.name.startswith(".last.ckpt.saving-") for p in tmp_path.iterdir())  # the kill left a staging dir
+    staged = list((tmp_path / checkpoint.STAGING_DIR).iterdir())
+    assert [p.name.startswith("last.ckpt.saving-") for p in staged] == [True]  # the kill left a staging dir
     got, meta = _load(path)
     assert _equal(got, first) and meta == {"seed": 1}  # exactly the previous checkpoint
     third = _save(path, 3)  # the next save completes and removes the killed one's staging directory
