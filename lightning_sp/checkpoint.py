@@ -387,19 +387,24 @@ def _cause(code: int, err: BaseException | None) -> str:
     return f"[Errno {code}] {os.strerror(code)}" if code > 0 else "an error (its traceback is on that rank)"
 
 
+def _unwrapped(failure: Any) -> Any:
+    """The exception in one of ``CheckpointException.failures``' values (``(exception, traceback)``)."""
+    return failure[0] if isinstance(failure, tuple) and failure else getattr(failure, "exception", failure)
+
+
 def _ordinary(err: BaseException) -> bool:
     """An error the saving process survives (a full disk, a writer that raised), not an interrupt: only
     then is a failed save's staging removed at once (a kill leaves it to ``clean_stale_staging``)."""
     if isinstance(err, CheckpointException):
-        return all(isinstance(getattr(f, "exception", f), Exception) for f in err.failures.values())
+        return all(isinstance(_unwrapped(f), Exception) for f in err.failures.values())
     return isinstance(err, Exception)
 
 
 def _first_failure(err: BaseException) -> BaseException:
     """DCP's ``CheckpointException`` gathers every rank's error: the first one, as raised."""
     if isinstance(err, CheckpointException) and err.failures:
-        first = err.failures[min(err.failures)]
-        return getattr(first, "exception", err)
+        first = _unwrapped(err.failures[min(err.failures)])
+        return first if isinstance(first, BaseException) else err
     return err
 
 
