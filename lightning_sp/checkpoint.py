@@ -536,11 +536,12 @@ def save(path: str | os.PathLike, tensors: dict[str, ChunkedTensor], meta: dict[
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(staging)), planner=ChunkedSavePlanner(),
                  process_group=process_group)
     except (Exception, CheckpointException) as err:  # DCP raises every rank's write errors on every rank
-        if rank == 0 and _ordinary(err):
+        if not _ordinary(err):
+            raise  # an interrupt: leave the files as a kill would
+        if rank == 0:
             _remove(staging)
             _remove_empty_staging(path.parent)
-        if not _ordinary(err):
-            raise
+        _broadcast_from_first(0, process_group)  # every rank raises once the staging is gone
         cause = _first_failure(err)
         ranks = sorted(err.failures) if isinstance(err, CheckpointException) else [rank]
         raise _save_failed(path, f"{type(cause).__name__}: {cause}", ranks) from err
