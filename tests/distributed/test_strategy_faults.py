@@ -97,20 +97,22 @@ def _inject(kind: str, directory: str) -> None:
 
         checkpoint._write_durably = read_only
         return
-    save, write = torch.save, FileSystemWriter.write_data
+    from lightning.fabric.plugins.io import torch_io
 
-    def full_save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)) and str(f).startswith(directory):
-            open(f, "wb").write(b"half")
-            raise OSError(errno.ENOSPC, "No space left on device", str(f))
-        return save(obj, f, *args, **kwargs)
+    save, write = torch_io._atomic_save, FileSystemWriter.write_data
+
+    def full_save(checkpoint, path):  # Lightning's single-file writer
+        if str(path).startswith(directory):
+            open(path, "wb").write(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return save(checkpoint, path)
 
     def full_write(self, plan, planner):
         if str(self.path).startswith(directory):
             raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
         return write(self, plan, planner)
 
-    torch.save, FileSystemWriter.write_data = full_save, full_write
+    torch_io._atomic_save, FileSystemWriter.write_data = full_save, full_write
 
 
 def _disk_worker(rank: int, world_size: int, dirs: dict, injected: bool) -> dict:
