@@ -6,7 +6,8 @@ a Trainer: degrees, mesh and groups in ``lightning_sp.mesh``; binding the attent
 ``lightning_sp.binding``; sharding each batch along the sequence in ``lightning_sp.batch_sharding``; DDP /
 FSDP2 over ``dp x sp`` in ``lightning_sp.data_parallel`` (Note [Gradient reduction over dp x sp]);
 tensor-parallel binding, gradient sums and clipping in ``lightning_sp.tensor_parallel``; checkpoints in
-``lightning_sp.checkpoint``; fault messages in ``lightning_sp.faults``.
+``lightning_sp.checkpoint``; fault messages in ``lightning_sp.faults``; saving together on a preemption signal
+in ``lightning_sp.preemption``.
 """
 
 from __future__ import annotations
