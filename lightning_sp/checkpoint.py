@@ -30,6 +30,7 @@ import io
 import json
 import os
 import pickle
+import re
 import secrets
 import shutil
 import sys
@@ -242,11 +243,20 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 #     A sharded checkpoint ``<dir>/<name>`` is never written in place. Every save goes to a staging
 #     sibling and is swapped into place only once it is complete::
 #
-#         <dir>/.<name>.saving-<save_id>/   every rank: __<rank>_0.distcp; coordinator: .metadata (DCP)
-#                                           rank 0, after dcp.save returned everywhere: meta.pt, then
-#                                           commit.json (save id, DCP's save id, every file's size)
+#         <dir>/.lightning_sp-staging/<name>.saving-<save_id>/
+#                 every rank: __<rank>_0.distcp; coordinator: .metadata (DCP)
+#                 rank 0, after dcp.save returned everywhere: meta.pt, then commit.json (save id,
+#                 DCP's save id, every file's size)
 #         rank 0: exchange(staging, <name>) (renameat2 RENAME_EXCHANGE: one atomic step), then delete
 #                 the staging name, which now holds the previous checkpoint
+#
+#     Staging lives in a folder of its own whose name holds neither "ckpt_" nor "last": Lightning finds
+#     checkpoints by substring (``"hpc_ckpt_" in name`` for ``ckpt_path="hpc"`` / SLURM requeues, whose
+#     digits it then parses; ``"last" in name`` for ``ckpt_path="last"``), so a staging sibling named
+#     after its checkpoint would be taken for one. A single file is written under the same folder and
+#     renamed into place (``save_single_file``). Staging left by a killed save is removed by the next
+#     save of that name, and at setup / load by ``clean_stale_staging`` (never a complete copy whose
+#     checkpoint is missing: the load error names it).
 #
 #     A rank killed at any instant leaves ``<name>`` either the previous complete checkpoint or the
 #     new one, so ``ckpt_path="last"`` always finds a complete checkpoint. On load, every rank checks
@@ -337,9 +347,67 @@ def _broadcast_from_first(value: int, process_group) -> int:
     return int(t)
 
 
-def _staging_path(path: Path, save_id: str) -> Path:
-    # not ``last*.ckpt``: Lightning's ``ckpt_path="last"`` never picks a staging directory
-    return path.parent / f".{path.name}.saving-{save_id}"
+STAGING_DIR = ".lightning_sp-staging"  # Note [Crash-consistent checkpoints]: no "ckpt_", no "last"
+_STAGING_KINDS = ("saving", "retired", "writing")  # sharded save, the previous one moved aside, a single file
+
+
+def _staging_path(path: Path, save_id: str, kind: str = "saving") -> Path:
+    return path.parent / STAGING_DIR / f"{path.name}.{kind}-{save_id}"
+
+
+def _staged_copies(path: Path) -> list[Path]:
+    """Staging directories of ``path`` (and the sibling names older versions staged under)."""
+    staged = list((path.parent / STAGING_DIR).glob(f"{glob.escape(path.name)}.saving-*"))
+    return sorted(staged + list(path.parent.glob(f".{glob.escape(path.name)}.saving-*")))
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that did not complete (a full disk, a read-only directory, a writer that raised): raised on
+    every rank, naming the checkpoint and the cause. Nothing is left under the checkpoint's name: a
+    previous checkpoint of that name is unchanged."""
+
+
+def _save_failed(path: Path, cause: str, ranks: list[int] | str) -> CheckpointSaveError:
+    return CheckpointSaveError(
+        f"saving the checkpoint {path} failed on rank(s) {ranks}: {cause}. Nothing was written under its name "
+        f"(a previous checkpoint of that name is unchanged). Free space in {path.parent} or make it writable, or "
+        f"point ModelCheckpoint(dirpath=...) / Trainer(default_root_dir=...) at a directory every rank can write"
+    )
+
+
+def _error_code(err: BaseException | None) -> int:
+    """What crosses the process group for a failure: 0 none, the errno of an ``OSError``, -1 another error."""
+    if err is None:
+        return 0
+    return err.errno if isinstance(err, OSError) and isinstance(err.errno, int) and err.errno > 0 else -1
+
+
+def _cause(code: int, err: BaseException | None) -> str:
+    """The words for ``_error_code``'s ``code``: this rank's own error if it has one."""
+    if err is not None:
+        return f"{type(err).__name__}: {err}"
+    return f"[Errno {code}] {os.strerror(code)}" if code > 0 else "an error (its traceback is on that rank)"
+
+
+def _unwrapped(failure: Any) -> Any:
+    """The exception in one of ``CheckpointException.failures``' values (``(exception, traceback)``)."""
+    return failure[0] if isinstance(failure, tuple) and failure else getattr(failure, "exception", failure)
+
+
+def _ordinary(err: BaseException) -> bool:
+    """An error the saving process survives (a full disk, a writer that raised), not an interrupt: only
+    then is a failed save's staging removed at once (a kill leaves it to ``clean_stale_staging``)."""
+    if isinstance(err, CheckpointException):
+        return all(isinstance(_unwrapped(f), Exception) for f in err.failures.values())
+    return isinstance(err, Exception)
+
+
+def _first_failure(err: BaseException) -> BaseException:
+    """DCP's ``CheckpointException`` gathers every rank's error: the first one, as raised."""
+    if isinstance(err, CheckpointException) and err.failures:
+        first = _unwrapped(err.failures[min(err.failures)])
+        return first if isinstance(first, BaseException) else err
+    return err
 
 
 def _fsync_dir(path: Path) -> None:
@@ -398,13 +466,43 @@ def _move_into_place(staging: Path, path: Path) -> None:
     elif _exchange(staging, path):
         _remove(staging)  # now the previous checkpoint
     else:
-        retired = path.parent / f".{path.name}.retired-{staging.name.rsplit('-', 1)[-1]}"
+        retired = _staging_path(path, staging.name.rsplit("-", 1)[-1], "retired")
         os.rename(path, retired)
         os.rename(staging, path)
         _remove(retired)
     _fsync_dir(path.parent)
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.saving-*"):  # left by saves that were killed
+    for stale in _staged_copies(path):  # left by saves that were killed
         _remove(stale)
+    _remove_empty_staging(path.parent)
+
+
+def _remove_empty_staging(directory: Path) -> None:
+    try:
+        (directory / STAGING_DIR).rmdir()
+    except OSError:  # absent, or holds another save's staging
+        pass
+
+
+def clean_stale_staging(directory: str | os.PathLike) -> list[Path]:
+    """Remove what killed saves left in ``directory`` (rank 0, while no save is in flight: at setup and
+    at load); return what was removed. Never removes a complete staging copy (``commit.json`` written)
+    whose checkpoint is missing: a kill between two renames left it, and loading names it."""
+    directory = Path(directory)
+    staging = directory / STAGING_DIR
+    candidates = list(staging.iterdir()) if staging.is_dir() else []
+    candidates += [p for p in directory.glob(".*") if re.fullmatch(r"\..+\.(saving|retired)-[0-9a-f]{16}", p.name)]
+    removed = []
+    for entry in candidates:
+        match = re.fullmatch(r"\.?(.+)\.(saving|retired|writing)-[0-9a-f]{16}", entry.name)
+        if match is None:
+            continue
+        name, kind = match.groups()
+        orphaned_complete = kind == "saving" and (entry / COMMIT_FILE).is_file() and not (directory / name).exists()
+        if not orphaned_complete:
+            _remove(entry)
+            removed.append(entry)
+    _remove_empty_staging(directory)
+    return removed
 
 
 def _commit_record(staging: Path, save_id: str) -> dict[str, Any]:
@@ -436,8 +534,19 @@ def save(path: str | os.PathLike, tensors: dict[str, ChunkedTensor], meta: dict[
         ) from None
     save_id = f"{number:016x}"
     staging = _staging_path(path, save_id)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(staging)), planner=ChunkedSavePlanner(),
-             process_group=process_group)
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(staging)), planner=ChunkedSavePlanner(),
+                 process_group=process_group)
+    except (Exception, CheckpointException) as err:  # DCP raises every rank's write errors on every rank
+        if not _ordinary(err):
+            raise  # an interrupt: leave the files as a kill would
+        if rank == 0:
+            _remove(staging)
+            _remove_empty_staging(path.parent)
+        _broadcast_from_first(0, process_group)  # every rank raises once the staging is gone
+        cause = _first_failure(err)
+        ranks = sorted(err.failures) if isinstance(err, CheckpointException) else [rank]
+        raise _save_failed(path, f"{type(cause).__name__}: {cause}", ranks) from err
     # dcp.save has returned on every rank: every shard and .metadata are written
     failure = None
     if rank == 0:
@@ -448,11 +557,76 @@ def save(path: str | os.PathLike, tensors: dict[str, ChunkedTensor], meta: dict[
             _move_into_place(staging, path)
         except Exception as err:  # noqa: BLE001 - re-raised below, after every rank knows
             failure = err
+            _remove(staging)
+            _remove_empty_staging(path.parent)
     # every rank returns only once the checkpoint is in place, and fails if rank 0 could not commit it
-    if _broadcast_from_first(0 if failure is None else 1, process_group):
+    code = _broadcast_from_first(_error_code(failure), process_group)
+    if code:
+        raise _save_failed(path, _cause(code, failure), [0]) from failure
+
+
+def save_single_file(path: str | os.PathLike, write: Callable[[str], None], *, in_place: bool = False,
+                     process_group=None) -> None:
+    """Write a single-file checkpoint: ``write(target)`` on every rank (Lightning's own writer writes on
+    rank 0 only) to a staging file, which rank 0 renames to ``path`` once it is whole (``in_place``: write
+    ``path`` itself, for remote storage or a writer that finishes later). If the write fails (a full
+    disk, a read-only directory), every rank raises ``CheckpointSaveError`` naming ``path`` and the cause,
+    and nothing is left under ``path``'s name. Collective over ``process_group`` (default: world)."""
+    path_str = str(path)
+    rank = _group_rank(process_group)
+    in_place = in_place or "://" in path_str
+    local = Path(path_str)
+    staged = local if in_place else _staging_path(local, f"{secrets.randbits(62):016x}", "writing")
+    failure = None
+    try:
+        if rank == 0 and not in_place:
+            staged.parent.mkdir(parents=True, exist_ok=True)
+        write(str(staged) if not in_place else path_str)
+        if rank == 0 and not in_place:
+            os.replace(staged, local)  # same directory tree and filesystem: one atomic step
+            _fsync_dir(local.parent)
+    except Exception as err:  # noqa: BLE001 - re-raised below, after every rank knows
+        failure = err
+    if rank == 0 and not in_place:
         if failure is not None:
-            raise failure
-        raise CheckpointError(f"rank 0 failed to commit the checkpoint {path} (see its error); the previous one is unchanged")
+            _remove(staged)
+        _remove_empty_staging(local.parent)
+    codes = _gather_ints(_error_code(failure), process_group)  # every rank learns every rank's verdict
+    bad = [r for r, c in enumerate(codes) if c]
+    if bad:
+        first = rank if failure is not None else bad[0]
+        raise _save_failed(local, _cause(codes[first], failure), bad) from failure
+
+
+def probe_directories(directories, *, process_group=None) -> None:
+    """Check that every rank can create and write a file in each of ``directories`` (created if missing),
+    before any training time is spent, and remove what killed saves left there (rank 0). Collective: the
+    ranks agree (one all-gather per directory) and, if any rank cannot write, every rank raises
+    ``CheckpointSaveError`` naming the directory, the ranks and the cause, and what to change."""
+    rank = _group_rank(process_group)
+    for directory in directories:
+        directory = Path(directory)
+        failure = None
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / f".lightning_sp-probe-{rank}-{secrets.randbits(62):016x}"
+            try:
+                _write_durably(probe, b"lightning_sp checks that checkpoints can be written here\n")
+            finally:
+                probe.unlink(missing_ok=True)
+            if rank == 0:
+                clean_stale_staging(directory)
+        except Exception as err:  # noqa: BLE001 - reported on every rank below
+            failure = err
+        codes = _gather_ints(_error_code(failure), process_group)
+        bad = [r for r, c in enumerate(codes) if c]
+        if bad:
+            cause = _cause(codes[bad[0]], failure if rank == bad[0] else None)
+            raise CheckpointSaveError(
+                f"the checkpoint directory {directory} is not writable on rank(s) {bad} ({cause}); checkpoints "
+                f"would fail after the training time is spent. Make it writable on every rank, or point "
+                f"ModelCheckpoint(dirpath=...) / Trainer(default_root_dir=...) at a directory every rank can write"
+            ) from failure
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -533,7 +707,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 def _verify_locally(path: Path) -> CheckpointError | None:
     """What is wrong with the sharded checkpoint ``path`` as this rank sees it, or None."""
     if not path.exists():
-        staged = sorted(path.parent.glob(f".{glob.escape(path.name)}.saving-*"))
+        staged = _staged_copies(path)
         complete = [s for s in staged if (s / COMMIT_FILE).is_file()]
         hint = f"; a complete copy was left by an interrupted rename: rename {complete[-1]} to {path}" if complete else ""
         return CheckpointError(f"checkpoint {path} does not exist{hint}")
@@ -806,10 +980,14 @@ class StrategyCheckpointIO:
 
         return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
 
-    def save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, *, dims, lightning_save) -> None:
-        """``Strategy.save_checkpoint``; ``dims``: the ``ParallelDims`` recorded with a sharded checkpoint."""
+    def save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, *, dims, lightning_save,
+             in_place: bool = False) -> None:
+        """``Strategy.save_checkpoint``; ``dims``: the ``ParallelDims`` recorded with a sharded checkpoint.
+        A single file is staged and renamed into place (``in_place``: Lightning's writer writes ``path``
+        itself: a plugin that writes later); any failure raises on every rank (``save_single_file``)."""
         if not self.distributed:
-            return lightning_save(checkpoint, path, storage_options=storage_options)
+            return save_single_file(path, lambda target: lightning_save(checkpoint, target, storage_options=storage_options),
+                                    in_place=in_place)
         if storage_options is not None:
             raise TypeError("storage_options is not supported with distributed_checkpoint=True")
         save_lightning_checkpoint(checkpoint, path, dp=dims.dp, sp=dims.sp, tp=dims.tp, data_parallel=self.data_parallel)
@@ -819,6 +997,8 @@ class StrategyCheckpointIO:
         """``Strategy.load_checkpoint``: a directory is sharded (read in place), a file Lightning's
         (``weights_only`` unless the caller passes ``False`` for a file they trust)."""
         self.restored_sharded = False
+        if _group_rank(None) == 0 and "://" not in str(path) and Path(path).parent.is_dir():
+            clean_stale_staging(Path(path).parent)  # no save is in flight; the others wait in the next collective
         if not is_sharded_checkpoint(path):
             return load_single_file(path, lambda: lightning_load(path, weights_only=weights_only is not False))
         checkpoint = load_lightning_checkpoint(path, module, optimizers)

@@ -6,7 +6,8 @@ a Trainer: degrees, mesh and groups in ``lightning_sp.mesh``; binding the attent
 ``lightning_sp.binding``; sharding each batch along the sequence in ``lightning_sp.batch_sharding``; DDP /
 FSDP2 over ``dp x sp`` in ``lightning_sp.data_parallel`` (Note [Gradient reduction over dp x sp]);
 tensor-parallel binding, gradient sums and clipping in ``lightning_sp.tensor_parallel``; checkpoints in
-``lightning_sp.checkpoint``; fault messages in ``lightning_sp.faults``.
+``lightning_sp.checkpoint``; fault messages in ``lightning_sp.faults``; saving together on a preemption signal
+in ``lightning_sp.preemption``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing_extensions import override
 
 from lightning_sp.batch_sharding import DEFAULT_SEQUENCE_KEYS, BatchSharder
 from lightning_sp.binding import auto_backend_message, bind_attention_modules
-from lightning_sp.checkpoint import StrategyCheckpointIO
+from lightning_sp.checkpoint import StrategyCheckpointIO, probe_directories
 from lightning_sp.context import SequenceParallelContext
 from lightning_sp.dependency_noise import silence_dependency_noise
 from lightning_sp.data_parallel import (DATA_PARALLEL, broadcast_replicas, check_data_parallel, ddp_process_group,
@@ -35,6 +36,7 @@ from lightning_sp.data_parallel import (DATA_PARALLEL, broadcast_replicas, check
 from lightning_sp.faults import append_hint, as_process_group_timeout, collective_failure_hint
 from lightning_sp.mesh import (ParallelMesh, build_strategy_groups, check_launch_matches_nodes, check_strategy_degrees,
                                check_world_matches, destroy_groups, strategy_dims)
+from lightning_sp.preemption import Preemption, checkpoint_directories, preemption_callback
 from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel_layers
 from lightning_sp.tensor_parallel.grads import TensorParallelGradients
 from lightning_sp.topology import MeshAxis, ParallelDims
@@ -153,6 +155,7 @@ class SequenceParallelStrategy(DDPStrategy):
         hardware: "HardwareProfile | str | None" = None,
         memory_budget: int | None = None,
         auto_policy: str | None = None,
+        preemption: Preemption | None = None,
         **kwargs: Any,
     ) -> None:
         process_group_timeout = as_process_group_timeout(process_group_timeout, kwargs)
@@ -169,6 +172,9 @@ class SequenceParallelStrategy(DDPStrategy):
             from lightning_sp.cost_model import preset
 
             preset(hardware)  # eager check: an unknown name lists the presets
+        if preemption is not None and not isinstance(preemption, Preemption):
+            raise TypeError(f"preemption= takes lightning_sp.preemption.Preemption(...), got {type(preemption).__name__}")
+        self._preemption = preemption
         self._sp_size_arg = sequence_parallel_size
         self._tp_size = tensor_parallel_size
         self._checkpoints = StrategyCheckpointIO(distributed=distributed_checkpoint, data_parallel=data_parallel,
@@ -335,6 +341,7 @@ class SequenceParallelStrategy(DDPStrategy):
         self._follow_loader_shuffling(trainer)  # before any loader is built (configure_optimizers may build one)
         self._bind_model(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._prepare_for_saves(trainer)
             super().setup(trainer)
             if self._tp_grads.active:
                 # Lightning's clip-by-norm takes each rank's local norm; under TP that differs across
@@ -351,6 +358,14 @@ class SequenceParallelStrategy(DDPStrategy):
         if not self._is_fsdp_root():
             broadcast_replicas(self.model, self._mesh)
         self.setup_precision_plugin()
+
+    def _prepare_for_saves(self, trainer: "pl.Trainer") -> None:
+        # preemption (lightning_sp.preemption): a signal sets a flag, the ranks save together at a step
+        # boundary; every checkpoint directory is probed on every rank before any training time is spent
+        callback = preemption_callback(self._preemption, self.cluster_environment, self.root_device)
+        if callback is not None:
+            callback.attach(trainer)
+        probe_directories(checkpoint_directories(trainer, callback))
 
     # ---------------------------------------------------------------------------------- batches
     @override
@@ -453,8 +468,11 @@ class SequenceParallelStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        from lightning.fabric.plugins import TorchCheckpointIO
+
         self._checkpoints.save(checkpoint, filepath, storage_options, dims=self.parallel_dims,
-                               lightning_save=super().save_checkpoint)
+                               lightning_save=super().save_checkpoint,
+                               in_place=type(self.checkpoint_io) is not TorchCheckpointIO)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 1. The resume matrix: a single file or a ``torch.distributed.checkpoint`` directory, saved under one
    layout (DDP / FSDP2 / tensor parallel) after one epoch, resumed under another (and another sp
    degree) for a second epoch, equals one uninterrupted single-process run.
-2. Crash consistency: one rank is killed (``os._exit``) at a point of the second save; a later run
-   with ``ckpt_path="last"`` resumes to the uninterrupted run's parameters.
+2. Crash consistency: one rank (or every rank: the whole job) is killed (``os._exit``) at a point of the
+   second save; a later run with ``ckpt_path="last"`` resumes to the uninterrupted run's parameters and
+   removes the staging the kill left.
 3. Through ``trainer.fit(ckpt_path=...)``: a planted payload never runs, and a damaged checkpoint
    fails on every rank within seconds, naming the checkpoint, the file and "incomplete or corrupted".
 
@@ -163,6 +164,8 @@ KILLED = _layout("fsdp sp2xdp2 dcp", dp="fsdp", dcp=True)  # the issue's layout
 KILL_CASES = {  # point -> (layout, rank that dies)
     "dcp/between_shards": (KILLED, 1),  # rank 1's new shard is written, the other ranks' are not all
     "file/before_rename": (_layout("ddp sp2xdp2 file"), 0),  # Lightning's temp file written, not moved
+    # the whole job killed (a node lost, SLURM's SIGKILL) while every rank writes its shard: staging is left
+    "dcp/every_rank_in_the_write": (KILLED, None),
 }
 KILL_EPOCHS = 3  # 2 steps each; at each epoch's end ModelCheckpoint saves epoch=E-step=S.ckpt, then last.ckpt
 KILLED_SAVE = 4  # the rewrite of last.ckpt at the end of epoch 1 (other kill points: tests/unit/test_checkpoint_safety.py)
@@ -175,15 +178,15 @@ def _checkpoint_callback(dirpath):
 
 
 def _arm_kill(point: str, rank: int, victim: int) -> None:
-    """Make ``victim`` exit (as if SIGKILLed) at ``point`` of save number ``KILLED_SAVE``."""
-    if rank != victim:
+    """Make ``victim`` (``None``: every rank) exit (as if SIGKILLed) at ``point`` of save number ``KILLED_SAVE``."""
+    if victim is not None and rank != victim:
         return
     saves = {"n": 0}
 
     def die():
         os._exit(1)
 
-    if point == "dcp/between_shards":
+    if point.startswith("dcp/"):
         from torch.distributed.checkpoint import FileSystemWriter
 
         write = FileSystemWriter.write_data
@@ -244,13 +247,16 @@ def killed(tmp_path_factory):
     for point, (_, victim) in KILL_CASES.items():
         dirpath = str(tmp_path_factory.mktemp(point.replace("/", "_")))
         out[point] = (dirpath, run_on_ranks(_kill_worker, WORLD, args=(point, dirpath), timeout_s=600,
-                                            may_die=(victim,)))
+                                            may_die=tuple(range(WORLD)) if victim is None else (victim,)))
     return out
 
 
 def test_killed_save_fails_the_other_ranks(killed):
     for point, (_, results) in killed.items():
         victim = KILL_CASES[point][1]
+        if victim is None:
+            assert results == [None] * WORLD, f"{point}: a rank survived"
+            continue
         assert results[victim] is None, f"{point}: rank {victim} did not die"
         for rank, res in enumerate(results):
             if rank != victim:
@@ -323,10 +329,13 @@ ATTACKS = ["file/payload", "file/truncated", "dcp/payload-metadata", "dcp/payloa
 def _resume_worker(rank: int, world_size: int, killed_dirs: dict, tmpdir: str) -> dict:
     import torch.distributed as dist
 
-    out: dict = {"diff": {}, "resumed_step": {}, "attacks": {}}
+    out: dict = {"diff": {}, "resumed_step": {}, "attacks": {}, "staged_before": {}, "staged_after": {}}
     for point, dirpath in killed_dirs.items():
         cfg = KILL_CASES[point][0]
         last = os.path.join(dirpath, "last.ckpt")
+        staging = os.path.join(dirpath, ".lightning_sp-staging")
+        out["staged_before"][point] = sorted(os.listdir(staging)) if os.path.isdir(staging) else []
+        dist.barrier()  # every rank has looked before the restart cleans it
         from lightning_sp.checkpoint import load_meta
 
         meta = load_meta(last) if os.path.isdir(last) else torch.load(last, weights_only=True)
@@ -334,6 +343,7 @@ def _resume_worker(rank: int, world_size: int, killed_dirs: dict, tmpdir: str) -
         trainer = _trainer(cfg, epochs=KILL_EPOCHS, callbacks=[_checkpoint_callback(dirpath)])
         trainer.fit(_perturbed(), _loader(cfg, DATA), ckpt_path="last")
         out["diff"][point] = _max_diff(_params(trainer, cfg, rank), _reference(_replica_batches(cfg, N_SAMPLES) * KILL_EPOCHS))
+        out["staged_after"][point] = os.path.exists(staging)
 
     good_dir = os.path.join(killed_dirs["dcp/between_shards"], "last.ckpt")
     good_file = os.path.join(killed_dirs["file/before_rename"], "last.ckpt")
@@ -368,6 +378,9 @@ def test_resume_last_after_a_killed_save_equals_uninterrupted(resumed, point):
         # last.ckpt of epoch 0 (step 2): the killed rewrite at the end of epoch 1 never replaced it
         assert res["resumed_step"][point] == 2, (point, res["resumed_step"][point])
         assert res["diff"][point] < TOL, f"rank {rank} {point}: {res['diff'][point]:.3e}"
+        if point == "dcp/every_rank_in_the_write":  # the kill left its staging; the restart removed it
+            assert [n.startswith("last.ckpt.saving-") for n in res["staged_before"][point]] == [True], res["staged_before"]
+        assert not res["staged_after"][point], (rank, point)
 
 
 @pytest.mark.parametrize("kind", ATTACKS)

@@ -115,7 +115,8 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path, monkeypatch, point):
         _kill_at(patch, point)
         with pytest.raises(BaseException, match=point):  # DCP wraps what its steps raise
             _save(path, 2)
-    assert any(p.name.startswith(".last.ckpt.saving-") for p in tmp_path.iterdir())  # the kill left a staging dir
+    staged = list((tmp_path / checkpoint.STAGING_DIR).iterdir())
+    assert [p.name.startswith("last.ckpt.saving-") for p in staged] == [True]  # the kill left a staging dir
     got, meta = _load(path)
     assert _equal(got, first) and meta == {"seed": 1}  # exactly the previous checkpoint
     third = _save(path, 3)  # the next save completes and removes the killed one's staging directory
@@ -331,3 +332,115 @@ def test_full_optimizer_state_loads_from_either_format(keyed):
         checkpoint.load_full_optimizer_states(fresh, [other], [saved])
     with pytest.raises(ValueError, match="missing .*unexpected"):
         checkpoint.load_full_model_state(fresh, {"0.weight": torch.zeros(4, 3)})
+
+
+# --------------------------------------------------------------------------- staging names, cleanup, failed saves
+def _lightning_max_hpc(directory) -> int | None:
+    """The number Lightning's ``ckpt_path="hpc"`` (a SLURM requeue) resumes from in ``directory``."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    return _CheckpointConnector._CheckpointConnector__max_ckpt_version_in_folder(directory, "hpc_ckpt_")
+
+
+def _killed_hpc_save(tmp_path, monkeypatch) -> None:
+    """A complete hpc_ckpt_1.ckpt, and hpc_ckpt_2.ckpt's save killed once its shards are written."""
+    _save(tmp_path / "hpc_ckpt_1.ckpt", 1)
+    with monkeypatch.context() as patch:
+        _kill_at(patch, "before_meta")
+        with pytest.raises(_Killed):
+            _save(tmp_path / "hpc_ckpt_2.ckpt", 2)
+
+
+def test_killed_save_is_never_taken_for_a_checkpoint(tmp_path, monkeypatch):
+    _killed_hpc_save(tmp_path, monkeypatch)
+    assert _lightning_max_hpc(tmp_path) == 1  # the requeued job resumes from the complete checkpoint
+    assert not [p for p in os.listdir(tmp_path) if "last" in p]  # ckpt_path="last" matches "last" in a name
+    got, meta = _load(tmp_path / "hpc_ckpt_1.ckpt")
+    assert meta == {"seed": 1}
+
+
+def test_negative_control_staging_beside_the_checkpoint_is_parsed_by_lightning(tmp_path, monkeypatch):
+    # the layout before: ``.<name>.saving-<hex>`` beside the checkpoint; Lightning reads its digits
+    monkeypatch.setattr(checkpoint, "_staging_path", lambda path, save_id, kind="saving": path.parent / f".{path.name}.{kind}-{save_id}")
+    _killed_hpc_save(tmp_path, monkeypatch)
+    assert _lightning_max_hpc(tmp_path) not in (None, 1)  # e.g. hpc_ckpt_2203160492.ckpt: every restart fails
+
+
+def test_stale_staging_is_cleaned_but_never_a_complete_orphan(tmp_path, monkeypatch):
+    _killed_hpc_save(tmp_path, monkeypatch)
+    legacy = tmp_path / ".hpc_ckpt_3.ckpt.saving-0a1b2c3d4e5f6071"  # left by an older version
+    legacy.mkdir()
+    writing = tmp_path / checkpoint.STAGING_DIR / "epoch=2-step=6.ckpt.writing-0a1b2c3d4e5f6071"
+    writing.write_bytes(b"partial")
+    removed = checkpoint.clean_stale_staging(tmp_path)
+    assert len(removed) == 3 and sorted(os.listdir(tmp_path)) == ["hpc_ckpt_1.ckpt"]
+    assert _load(tmp_path / "hpc_ckpt_1.ckpt")[1] == {"seed": 1}  # the complete checkpoint is untouched
+    # a complete copy whose checkpoint a kill between two renames left missing: kept (loading names it)
+    path = tmp_path / "last.ckpt"
+    _save(path, 1)
+    with monkeypatch.context() as patch:
+        _kill_at(patch, "between_renames")
+        with pytest.raises(_Killed):
+            _save(path, 2)
+    checkpoint.clean_stale_staging(tmp_path)
+    with pytest.raises(checkpoint.CheckpointError, match=r"rename .*saving-"):
+        _load(path)
+
+
+def _full_disk_writer(monkeypatch):
+    """Writes half of each DCP shard, then fails as a full disk does."""
+    import errno
+
+    def write_half_then_fail(self, plan, planner):
+        os.makedirs(self.path, exist_ok=True)
+        with open(os.path.join(self.path, "__0_0.distcp"), "wb") as f:
+            f.write(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_half_then_fail)
+
+
+def test_failed_sharded_save_names_path_and_cause_and_leaves_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    _save(path, 1)
+    with monkeypatch.context() as patch:
+        _full_disk_writer(patch)
+        with pytest.raises(checkpoint.CheckpointSaveError, match=rf"{path}.*No space left on device"):
+            _save(path, 2)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]  # no staging left, nothing under a final name
+    assert _load(path)[1] == {"seed": 1}
+
+
+def test_failed_single_file_save_names_path_and_cause_and_leaves_nothing(tmp_path):
+    import errno
+
+    path = tmp_path / "epoch=2-step=6.ckpt"
+
+    def write_half(target):
+        with open(target, "wb") as f:
+            f.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device", target)
+
+    with pytest.raises(checkpoint.CheckpointSaveError, match=rf"{path}.*No space left on device.*Nothing was written"):
+        checkpoint.save_single_file(path, write_half)
+    assert os.listdir(tmp_path) == []  # no partial file under the final name, no staging
+    checkpoint.save_single_file(path, lambda target: torch.save({"ok": 1}, target))  # control: a good write lands
+    assert os.listdir(tmp_path) == [path.name] and torch.load(path, weights_only=True) == {"ok": 1}
+
+
+def test_probe_refuses_an_unwritable_directory(tmp_path, monkeypatch):
+    import errno
+
+    target = tmp_path / "ckpts"
+    real_write = checkpoint._write_durably
+
+    def read_only(path, data):
+        if str(path).startswith(str(target)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        real_write(path, data)
+
+    monkeypatch.setattr(checkpoint, "_write_durably", read_only)
+    with pytest.raises(checkpoint.CheckpointSaveError, match=rf"{target} is not writable on rank\(s\) \[0\].*Read-only"):
+        checkpoint.probe_directories([target])
+    checkpoint.probe_directories([tmp_path / "fine"])  # control: a writable directory passes, no probe file left
+    assert os.listdir(tmp_path / "fine") == []

@@ -142,7 +142,9 @@ def test_checkpoint_io_formats_and_defaults():
         io(distributed=True).save({}, "x", {"a": 1}, dims=None, lightning_save=_never)
     calls = []
     plain = io()  # DDP, one file: every hook is Lightning's own
-    plain.save({"k": 1}, "f", None, dims=None, lightning_save=lambda c, p, storage_options: calls.append(("save", p)))
+    # in_place: Lightning's writer gets the final name (a single file is otherwise staged, then renamed)
+    plain.save({"k": 1}, "f", None, dims=None, lightning_save=lambda c, p, storage_options: calls.append(("save", p)),
+               in_place=True)
     assert plain.model_state(nn.Linear(2, 2), None, lambda: "lightning") == "lightning"
     plain.load_model_state(nn.Linear(2, 2), {"state_dict": {}}, True, lambda c, strict: calls.append(("model", strict)))
     assert calls == [("save", "f"), ("model", True)]
