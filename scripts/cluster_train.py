@@ -338,13 +338,17 @@ def train(args: argparse.Namespace, backend: str, sp: int | None, num_nodes: int
               f"{report.losses[0]:.4f} -> {report.losses[-1]:.4f}; report in {args.report}", flush=True)
 
 
+def restore_requeue_signal() -> None:
+    """``torchrun_multinode.sh`` starts torchrun ignoring SIGUSR1 (SLURM's warning signal reaches every process
+    of the step, and its default action would end the agent) and the ranks inherit that; Lightning installs
+    its requeue handler only over the default disposition, so the ranks put the default back."""
+    if signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN:
-        # torchrun_multinode.sh starts torchrun ignoring SIGUSR1 (SLURM's warning signal reaches every process
-        # of the step and would kill the agent) and the ranks inherit that; Lightning installs its requeue
-        # handler only over the default disposition
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    restore_requeue_signal()
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # ranks of a node share its cores
     num_nodes, devices = launch_topology(args.devices)
