@@ -30,8 +30,9 @@ therefore just runs the same command again. Under SLURM (``SLURM_JOB_ID`` set) t
 torchrun's numbering and Lightning's SLURM requeue on the signal ``--signal=USR1@...`` asks for
 (``SlurmRequeueUnderTorchrun``).
 
-``CLUSTER_TRAIN_FAULT=RANK:STEP`` (tests): on torchrun's first attempt only, rank ``RANK`` dies
-(``os._exit``) in the middle of step ``STEP``, between its forward and its backward.
+``CLUSTER_TRAIN_FAULT=RANK:STEP[:node]`` (tests): on torchrun's first attempt only, rank ``RANK`` dies
+(``os._exit``) in the middle of step ``STEP``, between its forward and its backward; with ``:node`` it
+first kills its torchrun agent (``SIGKILL``), as if its node were lost.
 """
 
 from __future__ import annotations
@@ -194,26 +195,31 @@ def newest_checkpoint(ckpt_dir: Path) -> Path | None:
 
 
 class FaultInjection(L.Callback):
-    """``CLUSTER_TRAIN_FAULT=RANK:STEP``: on torchrun's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0 or
-    unset), rank ``RANK`` leaves at once (``os._exit``, no cleanup: a killed process) at step ``STEP``, after
-    its forward and before its backward, so the other ranks are inside that step's collectives."""
+    """``CLUSTER_TRAIN_FAULT=RANK:STEP[:node]``: on torchrun's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0
+    or unset), rank ``RANK`` leaves at once (``os._exit``, no cleanup: a killed process) at step ``STEP``, after
+    its forward and before its backward, so the other ranks are inside that step's collectives. ``node``: it
+    kills its torchrun agent first (``SIGKILL``: the agent's node is gone, its other ranks are orphaned)."""
 
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step = rank, step
+    def __init__(self, rank: int, step: int, node: bool = False) -> None:
+        self.rank, self.step, self.node = rank, step, node
 
     @classmethod
     def from_env(cls) -> "FaultInjection | None":
         spec = os.environ.get("CLUSTER_TRAIN_FAULT")
         if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return None
-        rank, _, step = spec.partition(":")
-        if not (rank.isdigit() and step.isdigit()):
-            raise SystemExit(f"cluster_train: CLUSTER_TRAIN_FAULT wants RANK:STEP such as 1:3, got {spec!r}")
-        return cls(int(rank), int(step))
+        rank, step, *kind = spec.split(":")
+        if not (rank.isdigit() and step.isdigit() and kind in ([], ["node"])):
+            raise SystemExit(f"cluster_train: CLUSTER_TRAIN_FAULT wants RANK:STEP or RANK:STEP:node such as 1:3, "
+                             f"got {spec!r}")
+        return cls(int(rank), int(step), node=bool(kind))
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            print(f"cluster_train: rank {self.rank} killed at step {self.step} (CLUSTER_TRAIN_FAULT)", flush=True)
+            what = "its node lost" if self.node else "killed"
+            print(f"cluster_train: rank {self.rank} {what} at step {self.step} (CLUSTER_TRAIN_FAULT)", flush=True)
+            if self.node:
+                os.kill(os.getppid(), signal.SIGKILL)  # the torchrun agent that started this rank
             os._exit(13)
 
 

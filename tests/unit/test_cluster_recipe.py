@@ -108,12 +108,16 @@ def test_fault_switch_first_attempt_only(environ):
     assert cluster_train.FaultInjection.from_env() is None
     environ(CLUSTER_TRAIN_FAULT="1:5")
     fault = cluster_train.FaultInjection.from_env()
-    assert (fault.rank, fault.step) == (1, 5)
+    assert (fault.rank, fault.step, fault.node) == (1, 5, False)
+    environ(CLUSTER_TRAIN_FAULT="0:2:node")
+    fault = cluster_train.FaultInjection.from_env()
+    assert (fault.rank, fault.step, fault.node) == (0, 2, True)
     environ(TORCHELASTIC_RESTART_COUNT="1")
     assert cluster_train.FaultInjection.from_env() is None  # the restart trains
-    environ(TORCHELASTIC_RESTART_COUNT="0", CLUSTER_TRAIN_FAULT="rank1")
-    with pytest.raises(SystemExit, match="RANK:STEP"):
-        cluster_train.FaultInjection.from_env()
+    for bad in ("rank1", "1:5:disk", "1"):
+        environ(TORCHELASTIC_RESTART_COUNT="0", CLUSTER_TRAIN_FAULT=bad)
+        with pytest.raises(SystemExit, match="RANK:STEP"):
+            cluster_train.FaultInjection.from_env()
 
 
 def test_ckpt_every_must_not_be_negative():
