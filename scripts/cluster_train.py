@@ -276,7 +276,9 @@ def describe_rank(trainer, pl_module) -> dict:
     return info
 
 
-def train(args: argparse.Namespace, backend: str, sp: int | None, num_nodes: int, devices: int) -> None:
+def train(args: argparse.Namespace, backend: str, sp: int | None, num_nodes: int, devices: int) -> bool:
+    """One run; False when it stopped before ``--steps`` (a preemption's save and requeue stop the ranks:
+    the next start resumes it, and the runs after it must wait for that start)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -328,8 +330,13 @@ def train(args: argparse.Namespace, backend: str, sp: int | None, num_nodes: int
     if resume_from is not None and trainer.global_rank == 0:
         print(f"cluster_train: {run}: resuming from {resume_from}", flush=True)
     trainer.fit(model, data, ckpt_path=resume_from)
+    if trainer.global_step < args.steps:
+        if trainer.global_rank == 0:
+            print(f"cluster_train: {run}: stopped at step {trainer.global_step} of {args.steps}; the next start "
+                  "resumes it", flush=True)
+        return False
     if report is None:
-        return
+        return True
     args.report.mkdir(parents=True, exist_ok=True)
     first_step = trainer.global_step if report.first_step is None else report.first_step
     info = {"rank": trainer.global_rank, **report.info, "run": run, "losses": report.losses, "first_step": first_step,
@@ -342,6 +349,7 @@ def train(args: argparse.Namespace, backend: str, sp: int | None, num_nodes: int
     if trainer.global_rank == 0 and report.losses:
         print(f"cluster_train: {run}: steps {first_step + 1}-{first_step + len(report.losses)}, loss "
               f"{report.losses[0]:.4f} -> {report.losses[-1]:.4f}; report in {args.report}", flush=True)
+    return True
 
 
 def restore_requeue_signal() -> None:
@@ -361,7 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"cluster_train: num_nodes={num_nodes} x devices={devices}; runs {args.runs}", flush=True)
     for backend, sp in args.runs[: 1 if args.reference else None]:
-        train(args, backend, sp, num_nodes, devices)
+        if not train(args, backend, sp, num_nodes, devices):
+            break
 
 
 def leave_without_finalizing() -> None:
