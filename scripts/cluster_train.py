@@ -208,11 +208,11 @@ class FaultInjection(L.Callback):
         spec = os.environ.get("CLUSTER_TRAIN_FAULT")
         if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return None
-        rank, step, *kind = spec.split(":")
-        if not (rank.isdigit() and step.isdigit() and kind in ([], ["node"])):
+        parts = spec.split(":")  # RANK, STEP[, "node"]
+        if not (len(parts) in (2, 3) and parts[0].isdigit() and parts[1].isdigit() and parts[2:] in ([], ["node"])):
             raise SystemExit(f"cluster_train: CLUSTER_TRAIN_FAULT wants RANK:STEP or RANK:STEP:node such as 1:3, "
                              f"got {spec!r}")
-        return cls(int(rank), int(step), node=bool(kind))
+        return cls(int(parts[0]), int(parts[1]), node=len(parts) == 3)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
