@@ -5,16 +5,27 @@ checkpoint a restart resumes from, and the test-only fault switch. The launches 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
+from pathlib import Path
 
 import lightning as L
 import pytest
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
-from tests.script_import import load_script
 
-cluster_train = load_script("cluster_train")
+
+def _load_cluster_train():
+    """``scripts/cluster_train.py`` as a module (the scripts are entry points run by path, not a package)."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "cluster_train.py"
+    spec = importlib.util.spec_from_file_location("cluster_train_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cluster_train = _load_cluster_train()
 
 TORCHRUN = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "3", "LOCAL_RANK": "1", "GROUP_RANK": "1",
             "MASTER_ADDR": "node01", "MASTER_PORT": "29555", "TORCHELASTIC_RUN_ID": "77"}
