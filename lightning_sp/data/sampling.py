@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 _CHUNK = 1 << 16  # positions evaluated per vectorised step
 PAD_RECORD = -1
@@ -335,6 +335,11 @@ class ResumableDataLoader(DataLoader):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if isinstance(self.dataset, IterableDataset):
+            raise TypeError("ResumableDataLoader resumes by skipping its sampler's first batches; an IterableDataset "
+                            "has no sampler to skip in: make the dataset itself resumable (state_dict / "
+                            "load_state_dict on the loader, e.g. torchdata's StatefulDataLoader), or use a map-style "
+                            "dataset")
         self._batches_handed_out = 0
         self._epoch_handed_out: int | None = None
         self._resume_at: dict[str, int | None] | None = None  # a loaded position not yet applied

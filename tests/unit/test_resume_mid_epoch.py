@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_sp.data import DigitSequenceDataModule, ProteinDataModule, ResumableDataLoader
 
@@ -171,6 +171,17 @@ def test_loader_state_roundtrip_and_bad_state():
     for bad in ({"batches": -1, "epoch": 0}, {"epoch": 0}, {"batches": 1, "epoch": "1"}):
         with pytest.raises(ValueError, match="ResumableDataLoader state"):
             other.load_state_dict(bad)
+
+
+def test_an_iterable_dataset_is_refused():
+    """Skipping the sampler's first batches would not move an ``IterableDataset``: refused, naming the way out."""
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    with pytest.raises(TypeError, match="IterableDataset.*state_dict"):
+        ResumableDataLoader(Stream(), batch_size=2)
 
 
 def test_lightning_sampler_injection_keeps_the_loader_resumable():
