@@ -2,7 +2,9 @@
 
 Each module is deterministic in ``seed`` and sample index, so every rank of a sequence-parallel
 group builds the same global sample before the strategy shards it. The data-parallel split comes
-from the strategy's ``distributed_sampler_kwargs`` (the data-parallel axis only).
+from the strategy's ``distributed_sampler_kwargs`` (the data-parallel axis only). The training loaders
+are ``ResumableDataLoader``s: a checkpoint written mid-epoch resumes at the next batch of that epoch
+(Note [Resuming mid-epoch]).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing_extensions import override
 
 from lightning_sp.data.multimodal import DigitSequenceDataset, MultimodalDataConfig, MultimodalVocab, collate_stack
 from lightning_sp.data.proteins import ProteinContextDataset, ProteinDataConfig, collate_packed, load_protein_records
-from lightning_sp.data.sampling import PackedContextSampler
+from lightning_sp.data.sampling import PackedContextSampler, ResumableDataLoader
 from lightning_sp.data.tokenizer import ResidueTokenizer
 
 
@@ -128,7 +130,8 @@ class ProteinDataModule(L.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.dataset, batch_size=1, sampler=self.train_sampler(), collate_fn=collate_packed, num_workers=self.num_workers)
+        return ResumableDataLoader(self.dataset, batch_size=1, sampler=self.train_sampler(), collate_fn=collate_packed,
+                                   num_workers=self.num_workers)
 
     @override
     def val_dataloader(self) -> DataLoader | list:
@@ -170,7 +173,8 @@ class DigitSequenceDataModule(L.LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         sampler = data_parallel_sampler(self, self.train_set, shuffle=True, seed=self.config.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=collate_stack, num_workers=self.num_workers)
+        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=collate_stack,
+                                   num_workers=self.num_workers)
 
     @override
     def val_dataloader(self) -> DataLoader | list:

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 _CHUNK = 1 << 16  # positions evaluated per vectorised step
 PAD_RECORD = -1
@@ -272,3 +272,114 @@ class PackedContextSampler(DistributedSampler):
             kind = self.kinds[j % len(self.kinds)]
             sample_seed = int(seeds[j])
             yield ContextSpec(kind, sample_seed, next(singles) if kind == "single" else ())
+
+
+# ------------------------------------------------------------------------------------------ resuming mid-epoch
+# Note [Resuming mid-epoch]
+#     A checkpoint written at step k of an epoch (``ModelCheckpoint(every_n_train_steps=...)``, a preemption)
+#     records the training loader's position; a resume reads the rest of that epoch, so the run sees the same
+#     samples in the same order as one that was never stopped::
+#
+#         save:   fit loop -> CombinedLoader._state_dicts() -> loader.state_dict() = {epoch e, batches k}
+#         resume: fit loop -> loader.load_state_dict(...) before the epoch's iterator starts
+#                 first batch requested: the sampler's epoch is e -> skip k index batches (indices only,
+#                 nothing is loaded), then batches k, k+1, ... of epoch e; another epoch -> no skip
+#
+#     Lightning calls ``state_dict`` / ``load_state_dict`` on a training loader that has both (its
+#     ``_Stateful`` protocol); a plain ``DataLoader`` would restart the epoch from its first sample (Lightning
+#     only warns). The skip is taken from the *index* sampler (batch sampler), so it costs no data reading and
+#     holds with worker processes. The position is counted in batches of the global batch: with the same
+#     global batch size a ``DistributedSampler`` gives replica ``r`` of ``R`` the global samples
+#     ``[k G, (k+1) G)`` at step ``k`` for any ``R``, so a resume under another data-parallel degree is exact
+#     too. Lightning's prefetching is off for loaders with a length, so the batches handed out are the
+#     batches trained on when the checkpoint is written.
+class _SkipFirstBatches:
+    """``index_sampler`` without its first ``skip`` items; ``len`` stays the whole epoch's (Lightning counts
+    the epoch's batches from it, and the restored loop counts the skipped ones as done)."""
+
+    def __init__(self, index_sampler, skip: int) -> None:
+        self.index_sampler, self.skip = index_sampler, skip
+
+    def __len__(self) -> int:
+        return len(self.index_sampler)
+
+    def __iter__(self) -> Iterator:
+        it = iter(self.index_sampler)
+        for _ in range(self.skip):
+            if next(it, _END) is _END:
+                return
+        yield from it
+
+
+_END = object()
+
+
+def _sampler_epoch(loader: DataLoader) -> int | None:
+    """The epoch the loader's sampler plans (``set_epoch``'s), or None for a sampler without epochs."""
+    for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        epoch = getattr(sampler, "epoch", None)
+        if isinstance(epoch, int):
+            return epoch
+    return None
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` that saves and restores its position in the epoch (Note [Resuming mid-epoch]).
+
+    Same arguments as ``DataLoader``. ``state_dict()`` is ``{"epoch": the sampler's epoch (None without
+    ``set_epoch``), "batches": batches handed out this epoch}``; after ``load_state_dict`` the next iterator
+    of that epoch starts at that batch. Lightning's fit loop calls both, so a checkpoint written mid-epoch
+    resumes exactly; Lightning's distributed sampler injection re-creates the loader with its own
+    ``DistributedSampler`` and keeps this class.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if isinstance(self.dataset, IterableDataset):
+            raise TypeError("ResumableDataLoader resumes by skipping its sampler's first batches; an IterableDataset "
+                            "has no sampler to skip in: make the dataset itself resumable (state_dict / "
+                            "load_state_dict on the loader, e.g. torchdata's StatefulDataLoader), or use a map-style "
+                            "dataset")
+        self._batches_handed_out = 0
+        self._epoch_handed_out: int | None = None
+        self._resume_at: dict[str, int | None] | None = None  # a loaded position not yet applied
+        self._skip_now = 0  # read by _index_sampler while an iterator is being built
+
+    @property
+    def _index_sampler(self):  # DataLoader's: what its iterators draw indices (or index batches) from
+        index_sampler = super()._index_sampler
+        return _SkipFirstBatches(index_sampler, self._skip_now) if self._skip_now else index_sampler
+
+    def __iter__(self) -> Iterator:
+        return self._batches()
+
+    def _batches(self) -> Iterator:
+        # a generator: nothing below runs before the first batch is asked for, by when Lightning has called
+        # the sampler's set_epoch for this epoch
+        epoch = _sampler_epoch(self)
+        skip = 0
+        if self._resume_at is not None:
+            if self._resume_at["epoch"] is None or self._resume_at["epoch"] == epoch:
+                skip = int(self._resume_at["batches"])
+            self._resume_at = None  # applies once: to the epoch it was saved in
+        self._skip_now = skip
+        try:
+            iterator = super().__iter__()  # builds the iterator, which reads _index_sampler
+        finally:
+            self._skip_now = 0
+        self._epoch_handed_out, self._batches_handed_out = epoch, min(skip, len(self))
+        for batch in iterator:
+            self._batches_handed_out += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int | None]:
+        """This epoch's position: plain ints (a checkpoint reads it back with ``weights_only``)."""
+        return {"epoch": self._epoch_handed_out, "batches": self._batches_handed_out}
+
+    def load_state_dict(self, state_dict: dict[str, int | None]) -> None:
+        """Start the next iterator of epoch ``state_dict["epoch"]`` at batch ``state_dict["batches"]``."""
+        batches, epoch = state_dict.get("batches"), state_dict.get("epoch")
+        if not isinstance(batches, int) or batches < 0 or not (epoch is None or isinstance(epoch, int)):
+            raise ValueError(f"a ResumableDataLoader state is {{'epoch': int or None, 'batches': int >= 0}}, got "
+                             f"{state_dict!r}: the checkpoint was written for another loader")
+        self._resume_at = {"epoch": epoch, "batches": batches}

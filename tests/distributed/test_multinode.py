@@ -34,7 +34,7 @@ N_IMAGES, D_MODEL, N_HEADS, GLOBAL_BATCH, STEPS = 3, 32, 4, 2, 3
 SEQ_LEN = 21 * N_IMAGES + 9  # 72 tokens
 TRAIN_ARGS = ["--n-images", str(N_IMAGES), "--d-model", str(D_MODEL), "--n-heads", str(N_HEADS), "--n-layers", "2",
               "--steps", str(STEPS), "--global-batch-size", str(GLOBAL_BATCH), "--precision", "64-true",
-              "--hardware", "h100-80gb", "--timeout", "60"]
+              "--hardware", "h100-80gb", "--timeout", "60", "--ckpt-every", "0"]  # restarts: test_restarts.py
 RUNS = {"auto-sp2-dp2": ("auto", 2), "usp-sp4-dp1": ("usp", 4), "auto-sp4-dp1": ("auto", 4)}
 DEADLINE_S = 480  # the launch under heavy load (2 shared cores); a hang fails here, never later
 TOL = 1e-10  # float64: same math, different reduction order
@@ -89,7 +89,7 @@ def launched(tmp_path_factory):
     report = out / "report"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHON": sys.executable,
            "NNODES": "2", "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "RDZV_ID": f"test-{os.getpid()}", "PYTHONWARNINGS": "ignore"}
+           "RDZV_ID": f"test-{os.getpid()}", "PYTHONWARNINGS": "ignore", "MAX_RESTARTS": "0"}  # a failure fails
     args = [*TRAIN_ARGS, "--report", str(report), "--log-dir", str(out / "runs"), "--backend", "auto", "--sp", "2",
             "--also", "usp:4", "--also", "auto:4"]
     cmds = {f"node{n}": (["bash", str(NODE_SCRIPT), *args], {**env, "NODE_RANK": str(n)}) for n in (0, 1)}
@@ -189,10 +189,39 @@ def test_auto_prices_the_node_topology(launched, run, batch):
     assert other != pytest.approx(expected, rel=1e-6)
 
 
+def sbatch_directives(path: Path) -> dict[str, str]:
+    """The ``#SBATCH --name[=value]`` lines of a batch script, as sbatch reads them: from the top, up to the
+    first command (sbatch ignores any after it)."""
+    directives = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("#SBATCH"):
+            name, _, value = line.split(None, 1)[1].partition("=")
+            directives[name] = value
+        elif line.strip() and not line.startswith("#"):
+            break
+    return directives
+
+
+def test_slurm_wrapper_asks_for_the_requeue_signal_and_requeue():
+    """The batch script asks SLURM for a warning signal before the time limit (``--signal=USR1@<s>``, every
+    process of the step: not ``B:``, which reaches the batch shell only), to be requeued (``--requeue``) and
+    for an appending log (``--open-mode=append``); sbatch reads them (they come before the first command)."""
+    import re
+
+    directives = sbatch_directives(SBATCH)
+    assert "--requeue" in directives and directives.get("--open-mode") == "append", directives
+    match = re.fullmatch(r"USR1@(\d+)", directives.get("--signal", ""))
+    assert match and int(match.group(1)) >= 60, directives
+    # the ranks' requeue handler waits for SIGUSR1 (Lightning's SLURMEnvironment default)
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    assert SLURMEnvironment().requeue_signal.name == "SIGUSR1"
+
+
 def test_slurm_wrapper_builds_the_tested_command(tmp_path, launched):
     """``slurm_train.sbatch`` parses, and under stand-ins for ``srun``/``scontrol`` (two nodes) it runs
-    ``torchrun_multinode.sh`` once per node with the same command this test launched, the first node's
-    address as the rendezvous and each node's index."""
+    ``torchrun_multinode.sh`` once per node with the same command this test launched (with restarts and the
+    rendezvous store variable), the first node's address as the rendezvous and each node's index."""
     assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -213,7 +242,9 @@ def test_slurm_wrapper_builds_the_tested_command(tmp_path, launched):
     assert len(lines) == 2, proc.stdout
     for node, line in enumerate(lines):
         cmd = shlex.split(line)
-        assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"], cmd
+        assert cmd[:5] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m",
+                           "torch.distributed.run"], cmd
+        assert "--max-restarts=3" in cmd, cmd
         assert f"--node-rank={node}" in cmd and "--nnodes=2" in cmd and "--nproc-per-node=2" in cmd, cmd
         assert "--rdzv-endpoint=gpu-node-07:29500" in cmd and "--rdzv-id=4242" in cmd, cmd
         assert cmd[cmd.index(str(ROOT / "scripts" / "cluster_train.py")) + 1:] == args, cmd
