@@ -4,7 +4,8 @@ One spawn per world size (2 and 4) runs tiny registry models whose attention lay
 kwargs: Mistral (``sliding_window`` on every layer), Qwen3, Cohere2 and Gemma-3 (a sliding-window layer beside a
 global one), Gemma-2 (``softcap`` and alternating local/global layers), gpt-oss (``s_aux`` sinks and windows) and
 ModernBERT (bidirectional local attention, ``|q - k| <= local_attention // 2``), on every backend, at a global
-length (13) no degree divides, with windows smaller than a shard and spanning shards. Logits, loss and every
+length (13) no degree divides, with windows smaller than a shard and spanning shards (and, for Mistral,
+right-padded rows of different lengths packed into documents). Logits, loss and every
 parameter gradient (gpt-oss's sinks included) must equal the reference to 1e-9 (HF's own float32 roundings kept in
 float64: ``tests.hf_tiny.KeepFloat64``). Negative controls, each on the same run with one mapping broken, must miss:
 the window ignored, the window one token too wide, the soft-cap ignored, the sinks ignored.
@@ -105,6 +106,8 @@ def _case(model_type: str, overrides: dict, controls: tuple, group) -> dict:
     out: dict = {backend: sharded(backend, grads=True) for backend in BACKENDS}
     if model_type == "gpt_oss":  # the sinks' own gradient, by name (it must reach the module's parameter)
         out["sinks_grad_norm"] = float(ref.model.layers[0].self_attn.sinks.grad.abs().max())
+    if model_type == "mistral":  # rows of different lengths (right padding) -> packed documents, windowed
+        out["packed_rows"] = {backend: _packed_rows(base, backend, group) for backend in ("zigzag_ring", "ulysses")}
     right = integration._mask_and_sinks
     out["controls"] = {}
     for control in controls:
@@ -114,6 +117,43 @@ def _case(model_type: str, overrides: dict, controls: tuple, group) -> dict:
         finally:
             integration._mask_and_sinks = right
     return out
+
+
+def _packed_rows(base, backend: str, group) -> dict:
+    """Two right-padded rows (9 and 13 tokens) through ``shard_inputs`` (packed into 22 tokens, two documents) vs
+    the padded batch through HF's eager attention: max differences of the real tokens' logits, the loss and the
+    gradients."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_sp import gather_sequence, sequence_parallel_cross_entropy
+    from lightning_sp.integrations import transformers as integration
+    from tests.hf_tiny import clone, tiny_rows
+
+    lengths = (9, N)
+    batch = tiny_rows("llama", lengths, pad_to=N)
+    ref = clone(base)
+    logits_ref = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [2, N, V]
+    real = torch.cat([logits_ref[i, :n] for i, n in enumerate(lengths)])  # [22, V]
+    loss_ref = F.cross_entropy(torch.cat([logits_ref[i, : n - 1] for i, n in enumerate(lengths)]),
+                               torch.cat([batch["input_ids"][i, 1:n] for i, n in enumerate(lengths)]))
+    loss_ref.backward()
+    model = integration.apply_sequence_parallel(clone(base), group=group, backend=backend)
+    shard = integration.shard_inputs(batch, model)
+    labels = shard.pop("labels")
+    logits = model(**shard).logits
+    loss = sequence_parallel_cross_entropy(logits, labels, group=group)
+    loss.backward()
+    world = dist.get_world_size(group)
+    grad_diff = 0.0
+    for p, p_ref in zip(model.parameters(), ref.parameters()):
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, group=group)
+        g_ref = p_ref.grad if p_ref.grad is not None else torch.zeros_like(p_ref)
+        grad_diff = max(grad_diff, float((g / world - g_ref).abs().max()))
+    full = gather_sequence(logits.detach(), group, layout=integration._sp_modules(model)[0].layout, seq_len=sum(lengths))
+    return {"logits": float((full[0] - real.detach()).abs().max()), "loss": abs(float(loss.detach() - loss_ref.detach())),
+            "grads": grad_diff}
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -155,3 +195,11 @@ def test_sinks_have_a_gradient(results):
     """gpt-oss's sinks are compared with the reference's gradient above; that gradient is not zero."""
     _, per_rank = results
     assert all(res["gpt_oss"]["sinks_grad_norm"] > 1e-6 for res in per_rank)
+
+
+def test_window_over_packed_rows_is_exact(results):
+    """Right-padded rows of different lengths become packed documents; the window stays inside each."""
+    world, per_rank = results
+    for rank, res in enumerate(per_rank):
+        for backend, r in res["mistral"]["packed_rows"].items():
+            assert max(r["logits"], r["loss"], r["grads"]) < TOL, (world, rank, backend, r)
