@@ -1,14 +1,15 @@
 """Hugging Face mask kwargs under sequence parallelism vs the unsharded HF model (its own eager attention), float64.
 
 One spawn per world size (2 and 4) runs tiny registry models whose attention layers pass HF's per-layer mask
-kwargs: Mistral (``sliding_window`` on every layer), Qwen3, Cohere2 and Gemma-3 (a sliding-window layer beside a
-global one), Gemma-2 (``softcap`` and alternating local/global layers), gpt-oss (``s_aux`` sinks and windows) and
-ModernBERT (bidirectional local attention, ``|q - k| <= local_attention // 2``), on every backend, at a global
-length (13) no degree divides, with windows smaller than a shard and spanning shards (and, for Mistral,
-right-padded rows of different lengths packed into documents). Logits, loss and every
-parameter gradient (gpt-oss's sinks included) must equal the reference to 1e-9 (HF's own float32 roundings kept in
-float64: ``tests.hf_tiny.KeepFloat64``). Negative controls, each on the same run with one mapping broken, must miss:
-the window ignored, the window one token too wide, the soft-cap ignored, the sinks ignored.
+kwargs: Mistral (``sliding_window`` on every layer), Qwen2, Qwen3, Cohere2 and Gemma-3 (a sliding-window layer
+beside a global one; Gemma-3 also with bidirectional layers), Gemma-2 (``softcap`` and alternating local/global
+layers), gpt-oss (``s_aux`` sinks and windows) and ModernBERT (bidirectional local attention,
+``|q - k| <= local_attention // 2``), on every backend, at a global length (13) no degree divides, with windows
+smaller than a shard and spanning shards (and, for Mistral, right-padded rows of different lengths packed into
+documents). Logits, loss and every parameter gradient (gpt-oss's sinks included) must equal the reference to 1e-9
+(HF's own float32 roundings kept in float64: ``tests.hf_tiny.KeepFloat64``). Negative controls, each on the same
+run with one mapping broken, must miss: the window ignored, the window one token too wide, the soft-cap ignored,
+the sinks ignored.
 """
 
 from __future__ import annotations
@@ -35,10 +36,15 @@ CASES = (
     ("mistral", "mistral", {"sliding_window": 4}, ("window_ignored", "window_too_wide")),
     ("qwen3", "qwen3", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 0,
                         "layer_types": _TWO_LAYERS}, ("window_ignored", "window_too_wide")),
+    ("qwen2", "qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 0,
+                        "layer_types": _TWO_LAYERS}, ("window_ignored",)),
     ("cohere2", "cohere2", {"sliding_window": 5, "layer_types": _TWO_LAYERS}, ("window_ignored",)),
     ("gemma2", "gemma2", {"sliding_window": 4, "attn_logit_softcapping": 0.5, "final_logit_softcapping": None,
                           "layer_types": _TWO_LAYERS}, ("window_ignored", "softcap_ignored")),
     ("gemma3_text", "gemma3_text", {"sliding_window": 4, "layer_types": _TWO_LAYERS}, ("window_ignored",)),
+    # EmbeddingGemma-style: bidirectional layers, the local ones |q - k| < sliding_window
+    ("gemma3_bidirectional", "gemma3_text", {"sliding_window": 4, "layer_types": _TWO_LAYERS,
+                                             "use_bidirectional_attention": True}, ("window_ignored", "window_too_wide")),
     ("gpt_oss", "gpt_oss", {"sliding_window": 4, "layer_types": _TWO_LAYERS}, ("window_ignored", "sinks_ignored")),
     ("modernbert", "modernbert", {"local_attention": 6, "global_attn_every_n_layers": 2},
      ("window_ignored", "window_too_wide")),
