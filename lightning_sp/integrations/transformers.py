@@ -61,8 +61,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_sp.attention import SequenceParallelAttention
-from lightning_sp.masks import AttentionMask
 from lightning_sp.layout import group_size_and_rank, padded_length, shard_sequence
+from lightning_sp.masks import AttentionMask
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
