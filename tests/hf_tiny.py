@@ -109,7 +109,7 @@ SWEEP_BACKENDS = ("zigzag_ring", "ulysses")
 # (model_type, config overrides): causal LMs from MODEL_FOR_CAUSAL_LM_MAPPING and masked LMs from
 # MODEL_FOR_MASKED_LM_MAPPING, chosen to cover every trap of issue 16 (label shift of *LMHeadModel,
 # length-dependent RoPE, Llama-4 temperature and chunked attention, LFM2-style convolutions, SSM
-# hybrids, MLA, soft-capping, sliding windows, ALiBi) plus the common families
+# hybrids, MLA, soft-capping, sliding windows, sinks, ALiBi) plus the common families
 SWEEP: tuple[tuple[str, dict], ...] = (
     ("llama", {}),
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "max_position_embeddings": 8}),
@@ -118,14 +118,16 @@ SWEEP: tuple[tuple[str, dict], ...] = (
               "original_max_position_embeddings": 8}),  # Phi-3 copies its own field into rope_parameters
     ("qwen2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                "original_max_position_embeddings": 8}}),
-    ("mistral", {"sliding_window": None}),
+    ("mistral", {"sliding_window": 4}),  # windows shorter than the sequence (13)
     ("mixtral", {"sliding_window": None}),
     ("qwen3", {}),
     ("qwen3_moe", {}),
     ("qwen2_moe", {}),
     ("gemma", {}),
-    ("gemma2", {}),
-    ("gemma3_text", {}),
+    ("gemma2", {"sliding_window": 4}),  # soft-capping, local and global layers
+    ("gemma3_text", {"sliding_window": 4}),
+    ("cohere2", {"sliding_window": 4}),
+    ("gpt_oss", {"sliding_window": 4}),  # sinks and windows
     ("phi", {}),
     ("gpt2", {}),
     ("gpt_neox", {}),

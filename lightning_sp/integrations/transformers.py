@@ -38,6 +38,8 @@ Note [Hugging Face under sequence parallelism]
     Llama-4 NoPE temperature from local columns  rescaled to global columns (``token_index``)
     Llama-4 chunked attention (only in the mask)  packed documents cut at chunk boundaries
     MLA: value head dim != query/key head dim    zero-padded to one head dim, sliced after
+    ``sliding_window`` / ``softcap`` / ``s_aux``  an ``AttentionMask`` and sinks per layer call
+      per layer (Gemma, Mistral, gpt-oss)          (Note [Hugging Face's mask kwargs])
     convolutions / SSMs mix tokens per shard     refused, naming the module (``token_mixers_...``)
     ==========================================  ==================================================
 
@@ -92,6 +94,7 @@ from lightning_sp.attention import SequenceParallelAttention
 from lightning_sp.comm.collectives import all_reduce_sum
 from lightning_sp.layout import group_size_and_rank, padded_length, shard_sequence
 from lightning_sp.loss import cross_entropy_sum
+from lightning_sp.masks import AttentionMask
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -201,12 +204,7 @@ def _reject_unsupported(module: nn.Module, dropout: float, kwargs: dict) -> None
             f"attention dropout ({dropout}) is not supported under sequence parallelism (every rank would need the "
             "same RNG stream); set config.attention_dropout = 0 (for ESM: attention_probs_dropout_prob = 0)"
         )
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(
-            "attention logit soft-capping is not supported; use a model config without it (e.g. "
-            "attn_logit_softcapping=None) or train without sequence parallelism"
-        )
-    for name in ("s_aux", "sinks", "position_bias"):
+    for name in ("sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(
                 f"attention with {name!r} (sinks / additive position biases) is not supported by the exact backends; "
@@ -223,12 +221,6 @@ def _reject_unsupported(module: nn.Module, dropout: float, kwargs: dict) -> None
                 f"{name} passed to the model directly is not used by lightning_sp; put the global 'cu_seqlens' "
                 "(or packed position_ids) in the batch given to shard_inputs"
             )
-
-
-def _longest_document(info_seq_len: int, cu_seqlens: torch.Tensor | None) -> int:
-    if cu_seqlens is None:
-        return info_seq_len
-    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
 
 def _shard_info_of_call(module: nn.Module, state: _State, kwargs: dict) -> ShardInfo | None:
@@ -312,14 +304,35 @@ def _checked_arguments(module: nn.Module, sp: SequenceParallelAttention, state: 
                              "with shard_inputs(global_batch, model) after apply_sequence_parallel(model)")
         else:
             cu_seqlens = info.chunk_cu_seqlens
-    window = kwargs.get("sliding_window")
-    if window is not None and _longest_document(seq_len, cu_seqlens) > int(window):
-        raise NotImplementedError(
-            f"sliding_window={window} would change the result for a sequence of {_longest_document(seq_len, cu_seqlens)} "
-            "tokens and is not supported by the exact backends; use sequences (documents) of at most that length, "
-            "or set config.sliding_window = None (and use_sliding_window = False) to attend over the whole sequence"
-        )
     return seq_len, cu_seqlens, info
+
+
+def _mask_and_sinks(query: torch.Tensor, causal: bool, kwargs: dict) -> tuple[AttentionMask | None, torch.Tensor | None]:
+    """Note [Hugging Face's mask kwargs]: the per-layer kwargs HF passes to the attention function, as an
+    ``AttentionMask`` and sinks (each layer call carries its own, so local and global layers differ):
+
+    - ``sliding_window=W`` (Mistral, Qwen2/3, Gemma-2/3, Cohere2, gpt-oss, ModernBERT): HF's masks let ``q`` see
+      ``k`` iff ``q - k < W`` (causal; ``sliding_window_overlay``) or ``|q - k| < W`` (bidirectional: Gemma-3's
+      bidirectional overlay; ModernBERT passes ``config.sliding_window + 1`` for its mask ``|q - k| <= half``),
+      i.e. ``window=(W - 1, 0)`` causal and ``(W - 1, W - 1)`` bidirectional, on global positions;
+    - ``softcap=c`` (Gemma-2): ``c * tanh(s / c)`` on the scaled scores, as HF's eager attention;
+    - ``s_aux`` (gpt-oss): one learned logit per query head joining each row's softmax (HF's eager
+      ``cat([scores, sinks])``), passed as the module's parameter so its gradient reaches it.
+
+    ``None`` where a kwarg is absent, so layers without them run the plain kernels."""
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise NotImplementedError(f"sliding_window={window!r} is not a positive int; cannot map it to a window")
+        window = (window - 1, 0 if causal else window - 1)
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.numel() != query.size(1):
+            raise NotImplementedError(
+                f"s_aux of shape {tuple(getattr(sinks, 'shape', ()))} is not one sink logit per query head "
+                f"([{query.size(1)}], gpt-oss's); only per-head attention sinks are supported")
+    if window is None and softcap is None:
+        return None, sinks
+    return AttentionMask(window=window, softcap=None if softcap is None else float(softcap)), sinks
 
 
 def sequence_parallel_attention(
@@ -346,8 +359,10 @@ def sequence_parallel_attention(
             f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} but apply_sequence_parallel "
             "did not give it a SequenceParallelAttention; call apply_sequence_parallel(model) on the whole model"
         )
+    causal = bool(is_causal) if is_causal is not None else bool(getattr(module, "is_causal", True))
     try:  # a rejection on one rank must not leave its peers waiting in their attention's collectives
         seq_len, cu_seqlens, info = _checked_arguments(module, sp, state, query, key, attention_mask, dropout, kwargs)
+        mask, sinks = _mask_and_sinks(query, causal, kwargs)  # Note [Hugging Face's mask kwargs]
     except (ValueError, NotImplementedError, TypeError) as err:
         sp.raise_on_every_rank(err, query)
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
@@ -356,7 +371,6 @@ def sequence_parallel_attention(
     if torch.is_autocast_enabled(device_type):  # as autocast runs HF's sdpa: q, k, v in the autocast dtype
         dtype = torch.get_autocast_dtype(device_type)  # (rotary often leaves q, k in float32 and v in bf16)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    causal = bool(is_causal) if is_causal is not None else bool(getattr(module, "is_causal", True))
     sp.causal = causal  # HF decides causality per call (e.g. is_causal=False turns a decoder bidirectional)
     head_dim, value_dim = query.size(-1), value.size(-1)
     if scaling is None:
@@ -370,7 +384,7 @@ def sequence_parallel_attention(
         value = F.pad(value, (0, width - value_dim))
     out = sp(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, H, S, D] -> [B, S, H, D]
-        cu_seqlens=cu_seqlens, seq_len=seq_len, softmax_scale=scaling,
+        cu_seqlens=cu_seqlens, seq_len=seq_len, softmax_scale=scaling, mask=mask, sinks=sinks,
     )
     return out[..., :value_dim], None  # [B, S_local, H, D_v], no weights
 

@@ -133,6 +133,9 @@ def test_sweep_is_broad_and_has_both_outcomes(results):
     for case in ("gpt2", "ctrl", "bert", "llama[dynamic]", "phi3[longrope]", "llama4_text", "deepseek_v2", "deepseek_v3"):
         assert all("refused" not in sweep[case][b] for b in SWEEP_BACKENDS), (case, sweep[case])
     assert "Lfm2ShortConv" in sweep["lfm2"]["zigzag_ring"]["refused"]
+    # windows shorter than the sequence, soft-capping and sinks: exact (tests/distributed/test_hf_masks.py has more)
+    for case in ("mistral", "gemma2", "gemma3_text", "cohere2", "gpt_oss", "modernbert"):
+        assert all("refused" not in sweep[case][b] for b in SWEEP_BACKENDS), (case, sweep[case])
 
 
 def test_each_trap_reproduced_with_its_fix_off(results):

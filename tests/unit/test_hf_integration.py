@@ -103,14 +103,23 @@ def test_causal_labels_are_shifted_globally_and_padding_ignored():
 
 
 # ------------------------------------------------------------------------------ loud refusals
-def test_sliding_window_refused_only_when_it_changes_the_result():
+def test_sliding_window_shorter_than_the_sequence_is_exact():
     batch = tiny_batch("mistral", 12)
-    short = apply_sequence_parallel(tiny_model("mistral", sliding_window=8))
-    with pytest.raises(NotImplementedError, match="sliding_window=8 would change the result"):
-        _sp_logits(short, batch)
-    base = tiny_model("mistral", sliding_window=16)  # covers the whole sequence: same result
+    base = tiny_model("mistral", sliding_window=5)  # HF: q sees k iff q - k < 5, so the window changes the result
     ref_logits, _ = reference(clone(base), "mistral", batch)
-    assert (_sp_logits(apply_sequence_parallel(clone(base)), batch) - ref_logits).abs().max() < TOL
+    full_logits, _ = reference(tiny_model("mistral"), "mistral", batch)
+    logits = _sp_logits(apply_sequence_parallel(clone(base)), batch)
+    assert (logits - ref_logits).abs().max() < TOL
+    assert (logits - full_logits).abs().max() > 1e-6  # negative control: the window is not a no-op here
+
+
+def test_unknown_sinks_and_position_bias_refused():
+    from lightning_sp.integrations.transformers import _reject_unsupported
+
+    module = torch.nn.Linear(1, 1)
+    for name in ("sinks", "position_bias"):
+        with pytest.raises(NotImplementedError, match=f"attention with '{name}' .* not supported"):
+            _reject_unsupported(module, 0.0, {name: torch.zeros(4)})
 
 
 def test_attention_dropout_refused_in_training_only():
@@ -310,3 +319,19 @@ def test_keep_float64_keeps_only_transformers_own_float32_roundings():
     assert kept.dtype == torch.float64 and (kept - by_hand).abs().max() < 1e-15
     assert (norm(x) - by_hand).abs().max() > 1e-9  # control: as HF wrote it, the norm rounds through float32
     assert ours.dtype == torch.float32 and ours_float.dtype == torch.float32
+
+
+def test_mask_kwargs_map_to_hf_conventions():
+    from lightning_sp.integrations.transformers import _mask_and_sinks
+
+    q = torch.zeros(1, 4, 3, 8)  # [B, H, S, D]
+    assert _mask_and_sinks(q, True, {}) == (None, None)
+    mask, sinks = _mask_and_sinks(q, True, {"sliding_window": 5, "softcap": 30.0})
+    assert mask.window == (4, 0) and mask.softcap == 30.0 and sinks is None  # causal: q - k < 5
+    assert _mask_and_sinks(q, False, {"sliding_window": 5})[0].window == (4, 4)  # bidirectional: |q - k| < 5
+    s_aux = torch.zeros(4)
+    assert _mask_and_sinks(q, True, {"s_aux": s_aux}) == (None, s_aux)
+    with pytest.raises(NotImplementedError, match=r"s_aux of shape \(2,\) is not one sink logit per query head"):
+        _mask_and_sinks(q, True, {"s_aux": torch.zeros(2)})
+    with pytest.raises(NotImplementedError, match="sliding_window=0 is not a positive int"):
+        _mask_and_sinks(q, True, {"sliding_window": 0})
