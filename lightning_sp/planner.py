@@ -25,8 +25,8 @@ Note [Step model]
       attention    one attention call's own peak beyond its inputs: the backend's K/V buffers in flight (the
                    rings' blocks, all-gather's whole K/V, Ulysses' gathered heads); on CPU the blockwise kernel's
                    fitted peak (``choices``)
-      logits       ``[T, V]`` logits and their gradient, or one tile of them with the tiled loss
-                   (``sequence_parallel_cross_entropy(hidden, labels, weight=...)``)
+      logits       ``[T, V]`` logits and their gradient and the loss's float32 chunks, or a few float32 tiles
+                   with the tiled loss (``sequence_parallel_cross_entropy(hidden, labels, weight=...)``)
 
     time = L x (attention fwd+bwd + the linear layers' FLOPs at ``matmul_flops``) + the output head
            + TP's all-gathers/reduce-scatters + the part of the gradient all-reduce not hidden by backward,
@@ -53,6 +53,9 @@ DATA_PARALLEL = ("ddp", "fsdp")
 USABLE_MEMORY_SHARE = 0.92
 """Share of a device's memory a plan may fill (assumption: the CUDA context, the caching allocator's
 fragmentation and NCCL's buffers take the rest)."""
+
+LOSS_CHUNK_ELEMENTS = 1 << 24
+"""Logits the loss upcasts at a time (``lightning_sp.loss``'s chunk; a test keeps the two equal)."""
 
 NEAR_TIE = 0.97
 """Layouts predicted within 3% of the fastest count as tied (the cost model's own error is larger); among them
@@ -436,15 +439,21 @@ def memory_bytes(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precis
     stored = m.num_layers * (layer_input if c.activation_checkpointing else per_layer_saved)
     layer_in_backward = (per_layer_saved if c.activation_checkpointing else 0.0) + 3 * layer_input
     vocab_rank = m.vocab / tp
-    logits = (min(tokens * vocab_rank, tile_elements) * 4 if c.tiled_loss
-              else 2 * tokens * vocab_rank * act)  # logits + their gradient, or one float32 tile
+    chunk = min(tokens * vocab_rank, LOSS_CHUNK_ELEMENTS) * max(act, 4)  # one float32 chunk of the loss
+    if c.tiled_loss:  # one tile's logits, their float32 copy, and the backward's softmax and its gradient
+        logits = 4 * chunk
+    else:  # the logits and their gradient, and two float32 chunks of the loss's exp(logits - lse) in backward
+        logits = 2 * tokens * vocab_rank * act + 2 * chunk
     parts = {
         "parameters": 4 * params / shard_over,
         "gradients": 4 * params / shard_over,
         "optimizer": 8 * params / shard_over,
         "ddp_buckets": 4 * params if data_parallel == "ddp" and dp * sp > 1 else 0.0,
         "weight_copies": 2 * m.layer_params() / tp if act == 2 else 0.0,
-        "fsdp_gathered": (2 * 4 * m.layer_params() / m.num_layers / tp) if data_parallel == "fsdp" and shard_over > 1 else 0.0,
+        # FSDP: two layers' parameters gathered (the one running, the one prefetched), and the root's (embedding,
+        # head, final norm) gathered with their whole gradients until the backward ends
+        "fsdp_gathered": (2 * 4 * m.layer_params() / m.num_layers / tp + 8 * m.embedding_params() / tp)
+        if data_parallel == "fsdp" and shard_over > 1 else 0.0,
         "stored_activations": stored,
         "layer_in_backward": layer_in_backward,
         "attention": attention_temporary_bytes(m, c, seq_len, batch, act, hw),

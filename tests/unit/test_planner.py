@@ -83,9 +83,9 @@ def test_memory_parts_follow_the_layout():
     ckpt = memory_bytes(spec, Candidate(**{**base.__dict__, "activation_checkpointing": True}), data_parallel="ddp", **kw)
     assert ckpt["stored_activations"] < ddp["stored_activations"] / 10
     tiled = memory_bytes(spec, Candidate(**{**base.__dict__, "tiled_loss": True}), data_parallel="ddp", **kw)
-    # [N/P, V] logits and their gradient in bf16: 16384 x 128256 x 2 x 2 bytes; tiled: one float32 tile
-    assert ddp["logits"] == pytest.approx(2 * 16384 * 128256 * 2)
-    assert tiled["logits"] == pytest.approx((1 << 24) * 4)
+    # [N/P, V] logits and their gradient in bf16 + two float32 chunks of the loss; tiled: four float32 tiles
+    assert ddp["logits"] == pytest.approx(2 * 16384 * 128256 * 2 + 2 * (1 << 24) * 4)
+    assert tiled["logits"] == pytest.approx(4 * (1 << 24) * 4)
     allgather = memory_bytes(spec, Candidate(**{**base.__dict__, "backend": "allgather_kv"}), data_parallel="ddp", **kw)
     assert allgather["attention"] > 3 * ddp["attention"]  # the whole K/V against the ring's blocks in flight
 
@@ -158,6 +158,12 @@ def test_a_calibrated_profile_file_is_a_hardware(tmp_path):
     path.write_text(json.dumps({"profile": profile}))
     assert hardware_profile(path).name == "h100-80gb"
     assert plan(ESM2_650M, seq_len=4096, devices=2, hardware=path).recommended.fits
+
+
+def test_the_loss_chunk_is_the_loss_modules():
+    from lightning_sp import loss, planner
+
+    assert planner.LOSS_CHUNK_ELEMENTS == loss._CHUNK_ELEMENTS
 
 
 def test_plan_is_exported_lazily():
