@@ -26,6 +26,7 @@ from lightning_sp.masks import AttentionMask
 if TYPE_CHECKING:
     from lightning_sp.callbacks import SequenceParallelMonitor
     from lightning_sp.metrics import TokenAccuracy, TokenCrossEntropy, TokenPerplexity
+    from lightning_sp.planner import plan
     from lightning_sp.strategy import SequenceParallelStrategy
 
 # name -> module, imported on first access (PEP 562): these pull in Lightning / torchmetrics
@@ -35,6 +36,7 @@ _LAZY = {
     "TokenAccuracy": "lightning_sp.metrics",
     "TokenCrossEntropy": "lightning_sp.metrics",
     "TokenPerplexity": "lightning_sp.metrics",
+    "plan": "lightning_sp.planner",
 }
 
 
@@ -65,6 +67,7 @@ __all__ = [
     "TokenPerplexity",
     "gather_sequence",
     "layout_for_backend",
+    "plan",
     "sequence_parallel_cross_entropy",
     "sequence_positions",
     "shard_sequence",

@@ -485,6 +485,32 @@ def activation_bytes_per_layer(shape: AttentionShape, backend: str, world: int, 
     return s * b * h * (34 * scale + scores) / world
 
 
+def attention_transient_bytes(backend: str, shape: AttentionShape, world: int, *,
+                              ulysses_degree: int | None = None) -> float:
+    """Per-rank bytes of the buffers ``backend`` holds during one attention call beyond the layer's stored
+    activations: the rings' K/V blocks in flight, all-gather's whole K/V, Ulysses' gathered heads, Megatron's
+    gathered layer input. ``ulysses_degree``: ``usp``'s inner degree."""
+    p, n, h, hkv, d = world, shape.seq_len, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    eb = shape.dtype_bytes * shape.batch
+    if p == 1:
+        return 0.0
+    if backend == "ulysses":
+        return 3 * n / p * (h + 2 * replicated_kv_heads(h, hkv, p)) * d * eb
+    if backend in ("ring", "zigzag_ring"):
+        return 4 * n / p * hkv * d * eb
+    if backend == "allgather_kv":
+        return 2 * n * hkv * d * eb
+    if backend == "usp":
+        u = ulysses_degree
+        h_kv = replicated_kv_heads(h, hkv, u)
+        return 3 * n / p * (h + 2 * h_kv) * d * eb + 4 * (n / (p // u)) * (h_kv / u) * d * eb
+    if backend == "colossal":
+        return 2 * n / p * hkv * d * eb
+    if backend == "megatron_sp":
+        return n * h * d * eb  # the gathered layer input
+    raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {backend!r}")
+
+
 def predict_attention(backend: str, shape: AttentionShape, world: int, hw: HardwareProfile, *,
                       ulysses_degree: int | None = None, kv_pieces: int = 1) -> Prediction:
     """Model fwd+bwd time of one attention layer on one of ``world`` ranks (Note [Cost model of one
@@ -506,16 +532,11 @@ def predict_attention(backend: str, shape: AttentionShape, world: int, hw: Hardw
     if backend == "ulysses":
         if h % p:
             raise ValueError(f"ulysses needs num_heads ({h}) divisible by world ({p})")
-        h_kv = replicated_kv_heads(h, hkv, p)
         comm_bytes = 2 * vol("ulysses")
-        transient = 3 * n / p * (h + 2 * h_kv) * d * eb
     elif backend in ("ring", "zigzag_ring"):
-        c = n / p
         comm_bytes = 2 * vol(backend)
-        transient = 4 * c * hkv * d * eb
     elif backend == "allgather_kv":
         comm_bytes = 3 * vol("allgather_kv")
-        transient = 2 * n * hkv * d * eb
     elif backend == "usp":
         u = ulysses_degree
         if u is None or p % u or not 1 <= u <= p:
@@ -523,13 +544,10 @@ def predict_attention(backend: str, shape: AttentionShape, world: int, hw: Hardw
         if h % u:
             raise ValueError(f"usp needs num_heads ({h}) divisible by ulysses_degree ({u})")
         r = p // u
-        h_kv = replicated_kv_heads(h, hkv, u)
         comm_bytes = 2 * vol("usp", ulysses_degree=u)
-        transient = 3 * n / p * (h + 2 * h_kv) * d * eb + 4 * (n / r) * (h_kv / u) * d * eb
         notes = f"U={u} x R={r}"
     elif backend == "colossal":
         comm_bytes = 3 * vol("colossal")
-        transient = 2 * n / p * hkv * d * eb
     if backend != "megatron_sp":
         total, compute, comm = _schedule_time(backend, shape, p, hw, u, kv_pieces)
         exposed = total - compute
@@ -546,8 +564,7 @@ def predict_attention(backend: str, shape: AttentionShape, world: int, hw: Hardw
         comm = 4 * one
         total, exposed = compute + comm, comm
         comm_bytes = 4 * (p - 1) / p * n * hidden * eb
-        transient = n * hidden * eb  # the gathered layer input
-    act = activation_bytes_per_layer(shape, backend, p) + transient
+    act = activation_bytes_per_layer(shape, backend, p) + attention_transient_bytes(backend, shape, p, ulysses_degree=u)
     return Prediction(backend=backend, world=p, ulysses_degree=u, compute_s=compute, comm_s=comm,
                       exposed_comm_s=max(exposed, 0.0), total_s=total, comm_bytes=comm_bytes,
                       activation_bytes=act, notes=notes)

@@ -1,0 +1,243 @@
+"""The planner against measurement: predicted vs measured peak memory per rank and step time of whole training
+steps (forward, backward, optimizer step) under ``SequenceParallelStrategy``, on CPU gloo ranks.
+
+    OMP_NUM_THREADS=1 python -m experiments.planner.run                 # the committed grid (P = 2 and 4)
+    OMP_NUM_THREADS=1 python -m experiments.planner.run --smoke         # two rows, a few seconds
+
+Measured peak: PyTorch's CPU allocator peak (``AllocatorPeak``) over building the model and two optimizer
+steps of ``Trainer.fit`` on one rank (the max over ranks): parameters, gradients, DDP's buckets, AdamW's state,
+activations and every temporary the allocator served; not gloo's own buffers nor Python objects. Measured
+step time: the median over steps 3-5 of a second, unprofiled fit (``on_train_batch_start`` to
+``on_train_batch_end``, the optimizer step included), max over ranks. Predicted: ``lightning_sp.planner``'s
+``memory_bytes`` / ``step_time`` for the same layout, ``32-true``, the committed CPU calibration of the cost
+model. Nothing in the planner is fitted to these rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "planner_validation.json"
+CPU_PROFILE = HERE.parents[0] / "cost_model" / "results" / "new_machine" / "cost_model_cpu_profile.json"
+
+# (name, how to build, its planner spec source)
+MODELS = {
+    "protein_encoder": dict(kind="project", cls="ProteinEncoder", init=dict(d_model=128, n_layers=2, n_heads=4)),
+    "multimodal_decoder": dict(kind="project", cls="MultimodalDecoder",
+                               init=dict(d_model=128, n_layers=2, n_heads=8, n_kv_heads=2)),
+    "llama_gqa": dict(kind="hf", model_type="llama", task="causal_lm",
+                      config=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                  intermediate_size=256, vocab_size=4096, tie_word_embeddings=False)),
+    "qwen3": dict(kind="hf", model_type="qwen3", task="causal_lm",
+                  config=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, intermediate_size=256, vocab_size=4096)),
+    "esm": dict(kind="hf", model_type="esm", task="masked_lm",
+                config=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                            vocab_size=33, position_embedding_type="rotary", pad_token_id=1, mask_token_id=32,
+                            attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)),
+    "deepseek_mla": dict(kind="hf", model_type="deepseek_v3", task="causal_lm",
+                         config=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                     intermediate_size=256, moe_intermediate_size=64, vocab_size=4096,
+                                     n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                     first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+                                     qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1)),
+}
+
+BACKENDS = ("ring", "zigzag_ring", "allgather_kv", "ulysses", "usp")
+
+
+def grid(smoke: bool = False) -> list[dict]:
+    """Rows: every model at P = 2 and 4, DDP and FSDP, checkpointing on and off, the backends in rotation."""
+    rows, i = [], 0
+    for world in (2, 4):
+        for model in MODELS:
+            for dp in ("ddp", "fsdp"):
+                for ckpt in (False, True):
+                    backend = BACKENDS[i % len(BACKENDS)]
+                    i += 1
+                    if backend == "usp" and world == 2:
+                        backend = "ulysses"
+                    if backend == "zigzag_ring" and model in ("protein_encoder", "esm"):
+                        backend = "ring"
+                    rows.append(dict(model=model, world=world, backend=backend, data_parallel=dp,
+                                     activation_checkpointing=ckpt, seq_len=2048 if world == 2 else 4096))
+    if smoke:
+        return [dict(rows[0], seq_len=256), dict(rows[3], seq_len=256)]
+    return rows
+
+
+def planner_spec(name: str):
+    from lightning_sp.planner import ModelSpec
+
+    m = MODELS[name]
+    if m["kind"] == "hf":
+        cfg = {"model_type": m["model_type"], **m["config"]}
+        if m["task"] == "masked_lm":
+            cfg["architectures"] = ["MaskedLM"]
+        return ModelSpec.from_hf_config(cfg, name=name)
+    init = m["init"]
+    encoder = m["cls"] == "ProteinEncoder"
+    return ModelSpec(name=name, num_layers=init["n_layers"], hidden=init["d_model"], num_heads=init["n_heads"],
+                     num_kv_heads=init.get("n_kv_heads"), vocab=31 if encoder else 279, causal=not encoder, biases=True)
+
+
+def _build(name: str, ckpt: bool):
+    m = MODELS[name]
+    if m["kind"] == "project":
+        import lightning_sp.models as models
+
+        return getattr(models, m["cls"])(**m["init"], activation_checkpointing=ckpt, warmup_steps=0)
+    from lightning_sp.integrations.hf_module import HFSequenceParallelModule
+
+    module = HFSequenceParallelModule(model_type=m["model_type"], task=m["task"], config=m["config"])
+    if ckpt:
+        module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return module
+
+
+def _batches(name: str, seq_len: int, steps: int) -> list[dict]:
+    import torch
+
+    m = MODELS[name]
+    vocab = m["config"]["vocab_size"] if m["kind"] == "hf" else (31 if m["cls"] == "ProteinEncoder" else 279)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(4, vocab, (seq_len + 1,), generator=g)
+        if m["kind"] == "hf":
+            out.append({"input_ids": tokens[:-1], "labels": tokens[:-1].clone() if m["task"] == "masked_lm" else tokens[:-1]})
+        elif m["cls"] == "ProteinEncoder":
+            out.append({"input_ids": tokens[:-1], "labels": tokens[:-1]})
+        else:
+            out.append({"input_ids": tokens[:-1], "labels": tokens[1:]})
+    return out
+
+
+def _fit(row: dict, steps: int, callbacks=()):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_sp.strategy import SequenceParallelStrategy
+
+    # HF's ESM carries a contact head the loss never uses, and an MoE step may leave an expert idle
+    unused = {"find_unused_parameters": True} if MODELS[row["model"]]["kind"] == "hf" and row["data_parallel"] == "ddp" else {}
+    strategy = SequenceParallelStrategy(row["world"], backend=row["backend"], data_parallel=row["data_parallel"],
+                                        process_group_timeout=120, shuffle=False, **unused)
+    trainer = L.Trainer(accelerator="cpu", devices=row["world"], strategy=strategy, precision="32-true",
+                        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        callbacks=list(callbacks))
+    model = _build(row["model"], row["activation_checkpointing"])
+    trainer.fit(model, DataLoader(_batches(row["model"], row["seq_len"], steps), batch_size=1))
+
+
+class _StepTimer:
+    def __init__(self):
+        import lightning as L
+
+        class Timer(L.Callback):
+            def __init__(self):
+                self.times, self._t = [], 0.0
+
+            def on_train_batch_start(self, *a):
+                self._t = time.perf_counter()
+
+            def on_train_batch_end(self, *a):
+                self.times.append(time.perf_counter() - self._t)
+
+        self.callback = Timer()
+
+
+def _worker(rank: int, world: int, rows: list[dict], timed: bool) -> list[dict]:
+    import os
+
+    import torch
+
+    from experiments.peak_memory import AllocatorPeak
+
+    torch.set_num_threads(1)
+    out = []
+    for row in rows:
+        if row["world"] != world:
+            continue
+        os.environ["WORLD_SIZE"] = str(world)
+        with AllocatorPeak() as peak:
+            _fit(row, steps=2)
+        got = {"peak_bytes": peak.peak_bytes}
+        if timed:
+            os.environ["WORLD_SIZE"] = str(world)
+            timer = _StepTimer()
+            _fit(row, steps=5, callbacks=[timer.callback])
+            got["step_s"] = statistics.median(timer.callback.times[2:])
+        out.append(got)
+    return out
+
+
+def predict(row: dict, hw) -> dict:
+    from lightning_sp.planner import Candidate, memory_bytes, step_time
+
+    spec = planner_spec(row["model"])
+    cand = Candidate(backend=row["backend"], sequence_parallel_size=row["world"], data_parallel_size=1,
+                     tensor_parallel_size=1, ulysses_degree=2 if row["backend"] == "usp" else None, kv_pieces=1,
+                     activation_checkpointing=row["activation_checkpointing"], tiled_loss=False)
+    kw = dict(seq_len=row["seq_len"], batch=1, precision="32-true", data_parallel=row["data_parallel"], hw=hw)
+    mem = memory_bytes(spec, cand, **kw)
+    t = step_time(spec, cand, **kw)
+    return {"memory": mem, "peak_bytes": sum(mem.values()), "time": t, "step_s": sum(t.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from experiments.common import run_metadata, run_on_ranks
+    from lightning_sp.planner import hardware_profile
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--memory-only", action="store_true",
+                    help="measure the peaks only (they do not depend on the machine's load; step times do)")
+    args = ap.parse_args(argv)
+    rows = grid(args.smoke)
+    hw = hardware_profile(CPU_PROFILE)
+    measured: dict[int, list[dict]] = {}
+    for world in sorted({r["world"] for r in rows}):
+        per_rank = run_on_ranks(_worker, world, (rows, not args.memory_only), timeout_s=3000)
+        measured[world] = [{key: max(r[i][key] for r in per_rank) for key in per_rank[0][i]}
+                           for i in range(len(per_rank[0]))]
+    results = []
+    index = {w: 0 for w in measured}
+    for row in rows:
+        got = measured[row["world"]][index[row["world"]]]
+        index[row["world"]] += 1
+        pred = predict(row, hw)
+        result = {**row, "measured": got, "predicted": pred, "memory_error": pred["peak_bytes"] / got["peak_bytes"] - 1}
+        if "step_s" in got:
+            result["time_error"] = pred["step_s"] / got["step_s"] - 1
+        results.append(result)
+    mem_err = [abs(r["memory_error"]) for r in results]
+    summary = {"rows": len(results), "memory_mean_abs_error": statistics.mean(mem_err),
+               "memory_max_abs_error": max(mem_err)}
+    if not args.memory_only:
+        time_err = [abs(r["time_error"]) for r in results]
+        summary.update(time_mean_abs_error=statistics.mean(time_err), time_max_abs_error=max(time_err))
+    doc = {**run_metadata(__file__, argv), "method": __doc__.split("\n\n", 2)[2].strip(), "summary": summary, "rows": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    for r in results:
+        line = (f"{r['model']:<19} P={r['world']} {r['backend']:<12} {r['data_parallel']:<4} "
+                f"ckpt={int(r['activation_checkpointing'])} mem {r['measured']['peak_bytes'] / 2**20:8.1f} MiB pred "
+                f"{r['predicted']['peak_bytes'] / 2**20:8.1f} ({100 * r['memory_error']:+6.1f}%)")
+        if "time_error" in r:
+            line += (f"  step {r['measured']['step_s']:6.3f} s pred {r['predicted']['step_s']:6.3f} "
+                     f"({100 * r['time_error']:+6.1f}%)")
+        print(line)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

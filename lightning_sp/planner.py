@@ -1,0 +1,693 @@
+"""Plan a training run before it runs: which layout and backend, the memory per rank, the step time and the
+longest sequence that fits (``lightning-sp plan``, ``lightning_sp.plan``).
+
+    plan = lightning_sp.plan("config.json", seq_len=65536, devices=8, hardware="h100")
+    print(plan.summary())              # the candidates, the recommendation and why
+    plan.to_dict()["recommended"]      # backend, degrees, kv_pieces, checkpointing, bytes, seconds, max_seq_len
+
+Every figure is a **prediction** (Note [Step model]) from the hardware's parameters: datasheet ones for the GPU
+presets, never a measurement. The memory model is validated against measured CPU peaks of whole training steps
+(``experiments/planner``); the attention's time is ``cost_model.predict_attention``'s.
+
+Note [Step model]
+    Per rank, for one optimizer step on ``B`` sequences of ``N`` tokens, ``T = B N / sp`` tokens per rank:
+
+    memory = states + stored activations + the layer in backward + attention temporaries + logits
+      states       parameters, gradients and AdamW's two moments (4 + 4 + 8 bytes per parameter under
+                   ``32-true`` and ``bf16-mixed``, whose master weights are float32), divided by ``tp`` for the
+                   layers' weights and the vocabulary; FSDP shards them over ``dp x sp``; DDP keeps a second
+                   copy of the gradients in its buckets; ``bf16-mixed`` keeps a bfloat16 copy of every weight a
+                   matmul saved for backward
+      stored       per layer and token: the block's input only with activation checkpointing, else every
+                   tensor the layer saves for backward (``ModelSpec.saved_per_token``)
+      layer        one layer's saved tensors and its gradients alive during its backward (the recompute, with
+                   checkpointing)
+      attention    one attention call's own peak beyond its inputs: the backend's K/V buffers in flight (the
+                   rings' blocks, all-gather's whole K/V, Ulysses' gathered heads); on CPU the blockwise kernel's
+                   fitted peak (``choices``)
+      logits       ``[T, V]`` logits and their gradient and the loss's float32 chunks, or a few float32 tiles
+                   with the tiled loss (``sequence_parallel_cross_entropy(hidden, labels, weight=...)``)
+
+    time = L x (attention fwd+bwd + the linear layers' FLOPs at ``matmul_flops``) + the output head
+           + TP's all-gathers/reduce-scatters + the part of the gradient all-reduce not hidden by backward,
+    with one more forward of every layer under activation checkpointing. Not modelled: the optimizer's own
+    update, the data loader, kernel launch gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from lightning_sp import cost_model
+
+PRECISIONS = {"bf16-mixed": 2, "16-mixed": 2, "32-true": 4}
+"""Activation bytes per element of each Lightning precision the planner knows."""
+
+DATA_PARALLEL = ("ddp", "fsdp")
+
+USABLE_MEMORY_SHARE = 0.92
+"""Share of a device's memory a plan may fill (assumption: the CUDA context, the caching allocator's
+fragmentation and NCCL's buffers take the rest)."""
+
+LOSS_CHUNK_ELEMENTS = 1 << 24
+"""Logits the loss upcasts at a time (``lightning_sp.loss``'s chunk; a test keeps the two equal)."""
+
+NEAR_TIE = 0.97
+"""Layouts predicted within 3% of the fastest count as tied (the cost model's own error is larger); among them
+the recommendation takes the one that leaves the most memory room."""
+
+HARDWARE_ALIASES = {"cpu": "cpu-default", "a100": "a100-80gb", "h100": "h100-80gb", "h800": "h800-80gb",
+                    "h200": "h200-141gb", "b200": "b200-180gb"}
+
+_GATED_ACTIVATIONS = ("silu", "swiglu", "swish")
+_ENCODER_TYPES = ("esm", "bert", "roberta", "modernbert", "deberta", "deberta-v2", "distilbert", "electra")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelSpec:
+    """The sizes a plan needs. Dense, GQA/MQA, MLA (DeepSeek) and MoE transformers, encoder or decoder."""
+
+    num_layers: int
+    hidden: int
+    """Model width ``C``."""
+    num_heads: int
+    num_kv_heads: int | None = None
+    """``None``: ``num_heads`` (MHA)."""
+    head_dim: int | None = None
+    """``None``: ``hidden // num_heads``."""
+    ffn_hidden: int | None = None
+    """The MLP's inner width; ``None``: ``4 x hidden``."""
+    gated_mlp: bool = False
+    """SwiGLU/GeGLU (three matrices) rather than two."""
+    vocab: int = 32000
+    tied_embeddings: bool = True
+    causal: bool = True
+    """Decoder (causal) or encoder (bidirectional)."""
+    num_experts: int = 0
+    """MoE: routed experts per layer (0: dense)."""
+    experts_per_token: int = 0
+    moe_ffn_hidden: int | None = None
+    shared_experts: int = 0
+    dense_layers: int = 0
+    """MoE: the first layers that keep a dense MLP (DeepSeek's ``first_k_dense_replace``)."""
+    kv_lora_rank: int = 0
+    """MLA: the compressed K/V width (0: not MLA)."""
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int | None = None
+    biases: bool = False
+    """Linear layers and norms with biases (BERT/ESM style)."""
+    lm_head_transform: bool = False
+    """A dense + norm before the output projection (BERT/ESM masked-LM heads)."""
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden", "num_heads", "vocab"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"ModelSpec.{f} must be >= 1, got {getattr(self, f)}")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.kv_heads}")
+        if self.num_experts and not self.experts_per_token:
+            raise ValueError("an MoE model needs experts_per_token (num_experts_per_tok) >= 1")
+
+    # ---- derived sizes
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.kv_lora_rank else (self.num_kv_heads or self.num_heads)
+
+    @property
+    def qk_dim(self) -> int:
+        """Query/key head dim (MLA: nope + rope parts)."""
+        return self.head_dim or self.hidden // self.num_heads
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.qk_dim
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+    def attention_params(self) -> int:
+        c, h, hkv, d, dv = self.hidden, self.num_heads, self.kv_heads, self.qk_dim, self.v_dim
+        if self.kv_lora_rank:  # MLA: down-projections to latents, up-projections to heads
+            q = c * self.q_lora_rank + self.q_lora_rank * h * d if self.q_lora_rank else c * h * d
+            kv = c * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * h * (d - self.qk_rope_head_dim + dv)
+            return q + kv + h * dv * c
+        return c * h * d + 2 * c * hkv * d + h * d * c
+
+    def mlp_params(self, *, active: bool, moe_layer: bool = True) -> int:
+        mats = 3 if self.gated_mlp else 2
+        if not (self.num_experts and moe_layer):
+            return mats * self.hidden * self.ffn
+        per_expert = mats * self.hidden * (self.moe_ffn_hidden or self.ffn)
+        experts = (self.experts_per_token if active else self.num_experts) + self.shared_experts
+        return experts * per_expert + self.hidden * self.num_experts  # + the router
+
+    def layer_params(self, *, active: bool = False) -> float:
+        moe = self.num_layers - self.dense_layers if self.num_experts else 0
+        dense = self.num_layers - moe
+        c = self.hidden
+        per = self.attention_params() + 2 * c  # + the two norms' weights
+        if self.biases:  # q, k, v, o, the MLP's two, the norms'
+            per += (self.num_heads + 2 * self.kv_heads) * self.qk_dim + c + self.ffn + c + 2 * c
+        return (self.num_layers * per + dense * self.mlp_params(active=active, moe_layer=False)
+                + moe * self.mlp_params(active=active))
+
+    def embedding_params(self) -> int:
+        """The embedding, the output projection (unless tied), the final norm and a masked-LM head's transform."""
+        c = self.hidden
+        extra = c * (2 if self.biases else 1)
+        if self.lm_head_transform:
+            extra += c * c + c + 2 * c + self.vocab  # dense, its bias, a norm, the output bias
+        return self.vocab * c * (1 if self.tied_embeddings else 2) + extra
+
+    @property
+    def params(self) -> float:
+        return self.layer_params() + self.embedding_params()
+
+    def saved_per_token(self, *, tp: int = 1) -> float:
+        """Elements one layer saves for backward per token (no checkpointing), per rank under ``tp``:
+        the two norms' inputs and outputs, q/k/v, the attention's output (and its log-sum-exp), the MLP's
+        inner activations (two for GELU MLPs, four for gated ones: gate, up, their product's inputs)."""
+        c, h, hkv = self.hidden, self.num_heads, self.kv_heads
+        attn = (h * self.qk_dim + hkv * self.qk_dim + hkv * self.v_dim + h * self.v_dim + h) / tp
+        width = (self.moe_ffn_hidden or self.ffn) * self.experts_per_token if self.num_experts else self.ffn
+        mlp = (4 if self.gated_mlp else 2) * width / tp
+        return 4 * c + attn + mlp
+
+    # ---- constructors
+    @classmethod
+    def from_hf_config(cls, cfg: dict, *, name: str | None = None) -> "ModelSpec":
+        """From a transformers ``config.json`` (as a dict): Llama/Qwen/Mistral/Gemma-style decoders, ESM/BERT-style
+        encoders, Mixtral/Qwen-MoE/DeepSeek MoE and MLA."""
+        if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrappers: plan the language model
+            cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ValueError(f"the config has no {missing}: pass a transformers config.json of a transformer model, "
+                             "or the sizes explicitly (--layers/--hidden/--heads)")
+        model_type = str(cfg.get("model_type", ""))
+        archs = " ".join(cfg.get("architectures") or [])
+        encoder = model_type in _ENCODER_TYPES or "MaskedLM" in archs or cfg.get("is_decoder") is False and not archs
+        act = str(cfg.get("hidden_act", cfg.get("hidden_activation", "")))
+        experts = int(cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+        return cls(
+            name=name or model_type or "hf-model",
+            num_layers=int(cfg["num_hidden_layers"]), hidden=int(cfg["hidden_size"]),
+            num_heads=int(cfg["num_attention_heads"]),
+            num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+            head_dim=(int(cfg.get("qk_nope_head_dim", 0)) + int(cfg.get("qk_rope_head_dim", 0))
+                      if cfg.get("kv_lora_rank") else cfg.get("head_dim")),
+            ffn_hidden=int(cfg.get("intermediate_size") or 4 * int(cfg["hidden_size"])),
+            gated_mlp=act in _GATED_ACTIVATIONS or model_type.startswith("gemma"),
+            vocab=int(cfg.get("vocab_size", 32000)),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", encoder)),
+            causal=not encoder,
+            num_experts=experts,
+            experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            moe_ffn_hidden=cfg.get("moe_intermediate_size"),
+            shared_experts=int(cfg.get("n_shared_experts") or 0),
+            dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+            kv_lora_rank=int(cfg.get("kv_lora_rank") or 0), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+            qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0), v_head_dim=cfg.get("v_head_dim"),
+            biases=encoder, lm_head_transform=encoder,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelSpec":
+        """A transformers ``config.json``, or a ``lightning-sp fit`` YAML of this project's models
+        (``lightning_sp.models.*`` or ``HFSequenceParallelModule`` with an inline config)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no model file {path}: pass a transformers config.json, a lightning-sp YAML "
+                                    "config, or explicit sizes (--layers/--hidden/--heads)")
+        text = path.read_text()
+        if path.suffix == ".json":
+            return cls.from_hf_config(json.loads(text), name=path.parent.name or path.stem)
+        import yaml
+
+        doc = yaml.safe_load(text) or {}
+        model = doc.get("model", doc)
+        init = model.get("init_args", model)
+        class_path = str(model.get("class_path", ""))
+        if "config" in init and isinstance(init["config"], dict):  # HFSequenceParallelModule
+            cfg = {"model_type": init.get("model_type", ""), **init["config"]}
+            if init.get("task") == "masked_lm":
+                cfg.setdefault("architectures", ["MaskedLM"])
+            return cls.from_hf_config(cfg, name=path.stem)
+        if "d_model" not in init:
+            raise ValueError(f"{path}: no model sizes found (expected model.init_args.d_model/n_layers/n_heads "
+                             "or model.init_args.config)")
+        encoder = class_path.endswith("ProteinEncoder")
+        vocab = init.get("vocab_size") or (31 if encoder else 279)  # the models' default vocabularies
+        return cls(name=path.parent.name or path.stem, num_layers=int(init.get("n_layers", 4)),
+                   hidden=int(init["d_model"]), num_heads=int(init.get("n_heads", 4)),
+                   num_kv_heads=init.get("n_kv_heads"), ffn_hidden=int(float(init.get("mlp_ratio", 4.0)) * int(init["d_model"])),
+                   vocab=int(vocab), tied_embeddings=True, causal=not encoder, biases=True)
+
+
+@dataclass(kw_only=True)
+class Candidate:
+    """One layout and its predictions (per rank; seconds per optimizer step)."""
+
+    backend: str
+    sequence_parallel_size: int
+    data_parallel_size: int
+    tensor_parallel_size: int
+    ulysses_degree: int | None
+    kv_pieces: int
+    activation_checkpointing: bool
+    tiled_loss: bool
+    memory: dict[str, float] = field(default_factory=dict)
+    """Bytes per rank by part; ``peak_bytes_per_rank`` is their sum."""
+    peak_bytes_per_rank: float = 0.0
+    fits: bool = False
+    time: dict[str, float] = field(default_factory=dict)
+    """Seconds per step by part (attention compute, exposed communication, the rest)."""
+    step_time_s: float = 0.0
+    tokens_per_s_per_device: float = 0.0
+    max_seq_len: int = 0
+
+    @property
+    def label(self) -> str:
+        name = f"usp(ulysses={self.ulysses_degree})" if self.backend == "usp" else self.backend
+        return (f"sp={self.sequence_parallel_size} dp={self.data_parallel_size} tp={self.tensor_parallel_size} "
+                f"{name} kv_pieces={self.kv_pieces} ckpt={'on' if self.activation_checkpointing else 'off'} "
+                f"loss={'tiled' if self.tiled_loss else 'whole'}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(kw_only=True)
+class Plan:
+    model: ModelSpec
+    seq_len: int
+    devices: int
+    nodes: int
+    hardware: str
+    hardware_source: str
+    precision: str
+    data_parallel: str
+    batch: int
+    memory_budget_bytes: float
+    candidates: list[Candidate]
+    recommended: Candidate | None
+    reason: str
+    cheapest_change: str
+
+    def to_dict(self) -> dict:
+        rec = self.recommended
+        return {
+            "kind": "prediction (Note [Step model] in lightning_sp.planner; not a measurement)",
+            "model": {**asdict(self.model), "params": self.model.params},
+            "request": {"seq_len": self.seq_len, "devices": self.devices, "nodes": self.nodes, "batch": self.batch,
+                        "hardware": self.hardware, "hardware_source": self.hardware_source,
+                        "precision": self.precision, "data_parallel": self.data_parallel,
+                        "memory_budget_bytes": self.memory_budget_bytes},
+            "recommended": None if rec is None else {
+                "backend": rec.backend, "sequence_parallel_size": rec.sequence_parallel_size,
+                "data_parallel_size": rec.data_parallel_size, "tensor_parallel_size": rec.tensor_parallel_size,
+                "ulysses_degree": rec.ulysses_degree, "kv_pieces": rec.kv_pieces,
+                "activation_checkpointing": rec.activation_checkpointing, "tiled_loss": rec.tiled_loss,
+                "peak_bytes_per_rank": rec.peak_bytes_per_rank, "step_time_s": rec.step_time_s,
+                "tokens_per_s_per_device": rec.tokens_per_s_per_device, "max_seq_len": rec.max_seq_len,
+            },
+            "reason": self.reason,
+            "cheapest_change": self.cheapest_change,
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+    def summary(self, top: int = 12) -> str:
+        gib = 2.0 ** 30
+        m = self.model
+        lines = [
+            f"Plan for {m.name} ({m.params / 1e9:.2f} B parameters, {m.num_layers} layers, {m.num_heads} heads / "
+            f"{m.kv_heads} K/V, {'decoder' if m.causal else 'encoder'}) at N={self.seq_len} x batch {self.batch} on "
+            f"{self.nodes} x {self.devices // self.nodes} {self.hardware}, {self.precision}, {self.data_parallel}",
+            f"PREDICTED from {self.hardware_source.split(':')[0]} parameters (not measured); memory budget "
+            f"{self.memory_budget_bytes / gib:.1f} GiB per device",
+            "",
+            f"{'layout':<78} {'GiB/rank':>9} {'fits':>4} {'step s':>8} {'tok/s/dev':>10} {'max N':>9}",
+        ]
+        for c in self.candidates[:top]:
+            lines.append(f"{c.label:<78} {c.peak_bytes_per_rank / gib:9.2f} {'yes' if c.fits else 'no':>4} "
+                         f"{c.step_time_s:8.3f} {c.tokens_per_s_per_device:10.0f} {c.max_seq_len:9d}")
+        if len(self.candidates) > top:
+            lines.append(f"... {len(self.candidates) - top} more (--json lists all)")
+        rec = self.recommended
+        lines.append("")
+        if rec is not None:
+            lines.append(f"Recommended: {rec.label}")
+            parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in rec.memory.items() if v)
+            lines.append(f"  memory per rank (GiB): {parts}")
+            tparts = ", ".join(f"{k} {v:.3f}" for k, v in rec.time.items())
+            lines.append(f"  step time (s): {tparts}")
+        lines.append(f"Why: {self.reason}")
+        lines.append(f"Longer sequences: {self.cheapest_change}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ hardware
+
+def _gpu_preset(name, peak, source, *, memory, intra, inter, efficiency=0.55, half_block=2048, matmul=0.70):
+    return cost_model.HardwareProfile(
+        name=name, source=source, attention_curve=cost_model.saturating_curve(peak, efficiency, half_block),
+        matmul_flops=matmul * peak, intra_bandwidth=intra, intra_latency=10e-6, inter_bandwidth=inter,
+        inter_latency=20e-6, ranks_per_node=8, memory_bytes=memory)
+
+
+_EXTRA_PRESETS = {
+    "h200-141gb": _gpu_preset(
+        "h200-141gb", 989e12, "datasheet: H200 SXM 989 TFLOP/s bf16 dense, 141 GB HBM3e, NVLink4 900 GB/s total; "
+        "8 GPUs/node, 400 Gb/s NDR per GPU. assumption: as h100-80gb (attention 55% of peak, matmuls 70%)",
+        memory=141e9, intra=450e9, inter=50e9),
+    "b200-180gb": _gpu_preset(
+        "b200-180gb", 2250e12, "datasheet: DGX B200, 2.25 PFLOP/s bf16 dense per GPU, 180 GB HBM3e, NVLink5 1.8 TB/s "
+        "total; 8 GPUs/node, 400 Gb/s per GPU. assumption: attention 55% of peak, matmuls 70% (no B200 measurement)",
+        memory=180e9, intra=900e9, inter=50e9),
+}
+
+
+def hardware_profile(name_or_path: str | Path) -> cost_model.HardwareProfile:
+    """A preset by name (``cpu``, ``a100``, ``h100``, ``h800``, ``h200``, ``b200`` or the cost model's full
+    names) or a calibrated profile file (the JSON of ``HardwareProfile.to_dict``, as the cost-model
+    calibration writes; a top-level ``"profile"`` key is accepted)."""
+    key = str(name_or_path)
+    key = HARDWARE_ALIASES.get(key, key)
+    if key in _EXTRA_PRESETS:
+        return _EXTRA_PRESETS[key]
+    if key in cost_model.PRESETS:
+        return cost_model.PRESETS[key]
+    path = Path(name_or_path)
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return cost_model.HardwareProfile.from_dict(data.get("profile", data))
+    names = sorted(set(HARDWARE_ALIASES) | set(cost_model.PRESETS) | set(_EXTRA_PRESETS))
+    raise ValueError(f"unknown hardware {name_or_path!r}: a preset ({', '.join(names)}) or a calibrated profile file")
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _attention_shape(m: ModelSpec, seq_len: int, batch: int, tp: int, act_bytes: int) -> cost_model.AttentionShape:
+    return cost_model.AttentionShape(seq_len=seq_len, num_heads=m.num_heads // tp, num_kv_heads=max(1, m.kv_heads // tp),
+                                     head_dim=max(m.qk_dim, m.v_dim), batch=batch, dtype_bytes=act_bytes, causal=m.causal)
+
+
+def attention_temporary_bytes(m: ModelSpec, c: Candidate, seq_len: int, batch: int, act_bytes: int,
+                              hw: cost_model.HardwareProfile) -> float:
+    """One attention call's peak beyond its inputs q, k, v and the output's gradient, per rank."""
+    sp, tp = c.sequence_parallel_size, c.tensor_parallel_size
+    if sp == 1 and hw.memory_bytes is not None:  # a GPU kernel: flash-style, the log-sum-exp only
+        return 0.0
+    heads, kv_heads, d = m.num_heads // tp, max(1, m.kv_heads // tp), max(m.qk_dim, m.v_dim)
+    shard = math.ceil(seq_len / sp)
+    if hw.memory_bytes is None:  # CPU: the blockwise kernel's fitted peak, less the inputs it includes
+        from lightning_sp.choices import PEAK_MARGIN, predicted_peak_bytes
+
+        backend = "ring" if c.backend in ("local", "colossal") else c.backend
+        peak = predicted_peak_bytes(backend, batch=batch, shard_len=shard, num_heads=heads, num_kv_heads=kv_heads,
+                                    head_dim=d, element_size=act_bytes, world=max(sp, 2), pieces=c.kv_pieces,
+                                    ulysses_degree=c.ulysses_degree) / PEAK_MARGIN
+        inputs = batch * shard * (2 * heads + 2 * kv_heads) * d * act_bytes
+        return max(0.0, peak - inputs)
+    shape = _attention_shape(m, seq_len, batch, tp, act_bytes)
+    buffers = cost_model.attention_transient_bytes(c.backend, shape, sp, ulysses_degree=c.ulysses_degree)
+    return buffers / c.kv_pieces if c.backend == "allgather_kv" else buffers  # pieces: K/V gathered piece by piece
+
+
+def memory_bytes(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision: str, data_parallel: str,
+                 hw: cost_model.HardwareProfile, tile_elements: int = 1 << 24) -> dict[str, float]:
+    """Per-rank bytes by part (Note [Step model])."""
+    act = PRECISIONS[precision]
+    tp, sp, dp = c.tensor_parallel_size, c.sequence_parallel_size, c.data_parallel_size
+    params = m.layer_params() / tp + m.embedding_params() / tp
+    shard_over = dp * sp if data_parallel == "fsdp" else 1
+    tokens = batch * math.ceil(seq_len / sp)  # T: this rank's tokens
+    per_layer_saved = m.saved_per_token(tp=tp) * tokens * act
+    layer_input = tokens * m.hidden * act
+    stored = m.num_layers * (layer_input if c.activation_checkpointing else per_layer_saved)
+    layer_in_backward = (per_layer_saved if c.activation_checkpointing else 0.0) + 3 * layer_input
+    vocab_rank = m.vocab / tp
+    chunk = min(tokens * vocab_rank, LOSS_CHUNK_ELEMENTS) * max(act, 4)  # one float32 chunk of the loss
+    if c.tiled_loss:  # one tile's logits, their float32 copy, and the backward's softmax and its gradient
+        logits = 4 * chunk
+    else:  # the logits and their gradient, and two float32 chunks of the loss's exp(logits - lse) in backward
+        logits = 2 * tokens * vocab_rank * act + 2 * chunk
+    parts = {
+        "parameters": 4 * params / shard_over,
+        "gradients": 4 * params / shard_over,
+        "optimizer": 8 * params / shard_over,
+        "ddp_buckets": 4 * params if data_parallel == "ddp" and dp * sp > 1 else 0.0,
+        "weight_copies": 2 * m.layer_params() / tp if act == 2 else 0.0,
+        # FSDP: two layers' parameters gathered (the one running, the one prefetched), and the root's (embedding,
+        # head, final norm) gathered with their whole gradients until the backward ends
+        "fsdp_gathered": (2 * 4 * m.layer_params() / m.num_layers / tp + 8 * m.embedding_params() / tp)
+        if data_parallel == "fsdp" and shard_over > 1 else 0.0,
+        "stored_activations": stored,
+        "layer_in_backward": layer_in_backward,
+        "attention": attention_temporary_bytes(m, c, seq_len, batch, act, hw),
+        "logits": logits,
+    }
+    return parts
+
+
+def step_time(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision: str, data_parallel: str,
+              hw: cost_model.HardwareProfile) -> dict[str, float]:
+    """Seconds per optimizer step on one rank, by part (Note [Step model])."""
+    act = PRECISIONS[precision]
+    tp, sp, dp = c.tensor_parallel_size, c.sequence_parallel_size, c.data_parallel_size
+    tokens = batch * math.ceil(seq_len / sp)
+    recompute = 1.0 if c.activation_checkpointing else 0.0
+    shape = _attention_shape(m, seq_len, batch, tp, act)
+    if sp > 1:
+        pred = cost_model.predict_attention(c.backend, shape, sp, hw, ulysses_degree=c.ulysses_degree,
+                                            kv_pieces=c.kv_pieces)
+        attn_compute, attn_exposed = pred.compute_s, pred.exposed_comm_s
+    else:
+        pred = cost_model.predict_attention("ring", shape, 1, hw)
+        attn_compute, attn_exposed = pred.total_s, 0.0
+    fwd_share = 1.0 / cost_model.FWD_BWD_FACTOR
+    attention = m.num_layers * attn_compute * (1 + recompute * fwd_share)
+    exposed = m.num_layers * attn_exposed * (1 + recompute * fwd_share)
+    linear_flops = 2.0 * tokens * m.layer_params(active=True) / tp * (3 + recompute)
+    head_flops = 2.0 * tokens * m.hidden * m.vocab / tp * (4 if c.tiled_loss else 3)
+    rest = (linear_flops + head_flops) / hw.matmul_flops
+    if tp > 1:  # Megatron-SP: all-gather before and reduce-scatter after attention and MLP, fwd and bwd
+        bw, lat = hw.link(tp)
+        one = (tp - 1) * (lat + tokens * m.hidden * act / tp / bw)
+        exposed += m.num_layers * 8 * one * (1 + recompute / 2)
+    ranks = dp * sp
+    if ranks > 1:  # the gradient all-reduce (DDP) / reduce-scatter + all-gathers (FSDP) over dp x sp
+        bw, lat = hw.link(ranks)
+        grad_bytes = 4 * (m.layer_params() + m.embedding_params()) / tp
+        sync = 2 * (ranks - 1) / ranks * grad_bytes / bw + 2 * (ranks - 1) * lat
+        if data_parallel == "fsdp":
+            sync *= 1.5  # + the parameters' all-gather in forward (and again in backward)
+        backward = (attention + rest) * 2 / 3
+        exposed += max(0.0, sync - backward)  # overlapped with the backward's compute
+    return {"attention_compute_s": attention, "exposed_comm_s": exposed, "other_compute_s": rest}
+
+
+def _candidates(m: ModelSpec, world: int, hw: cost_model.HardwareProfile, *, tensor_parallel: int | None,
+                sequence_parallel: int | None) -> list[Candidate]:
+    out = []
+    tps = [tensor_parallel] if tensor_parallel else [t for t in _divisors(world) if t <= hw.ranks_per_node
+                                                     and m.num_heads % t == 0 and m.kv_heads % t == 0]
+    for tp in tps:
+        if world % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the {world} devices")
+        sps = [sequence_parallel] if sequence_parallel else _divisors(world // tp)
+        for sp in sps:
+            if (world // tp) % sp:
+                raise ValueError(f"sequence_parallel_size={sp} does not divide {world} devices / tp={tp}")
+            dp = world // tp // sp
+            heads = m.num_heads // tp
+            layouts: list[tuple[str, int | None]] = []
+            if sp == 1:
+                layouts.append(("local", None))
+            else:
+                if heads % sp == 0:
+                    layouts.append(("ulysses", None))
+                layouts += [("zigzag_ring" if m.causal else "ring", None), ("allgather_kv", None)]
+                layouts += [("usp", u) for u in _divisors(sp) if 1 < u < sp and heads % u == 0 and u <= hw.ranks_per_node]
+            for backend, u in layouts:
+                pieces = (1,) if backend in ("local", "ulysses") else (1, 4)
+                for kv_pieces in pieces:
+                    for ckpt in (False, True):
+                        for tiled in (False, True):
+                            out.append(Candidate(backend=backend, sequence_parallel_size=sp, data_parallel_size=dp,
+                                                 tensor_parallel_size=tp, ulysses_degree=u, kv_pieces=kv_pieces,
+                                                 activation_checkpointing=ckpt, tiled_loss=tiled))
+    return out
+
+
+def _max_seq_len(m, c, budget, grid, **kw) -> int:
+    fits = lambda n: sum(memory_bytes(m, c, seq_len=n, **kw).values()) <= budget  # noqa: E731
+    if not fits(grid):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi * grid):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 22:
+            return lo * grid
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * grid) else (lo, mid)
+    return lo * grid
+
+
+def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, nodes: int = 1,
+         hardware: str | Path = "h100", precision: str = "bf16-mixed", data_parallel: str = "ddp",
+         tensor_parallel: int | None = None, sequence_parallel: int | None = None, batch: int = 1,
+         memory_budget_bytes: float | None = None) -> Plan:
+    """Predict every candidate layout for ``model`` on ``nodes x devices`` and recommend one (Note [Step model]).
+
+    ``model``: a ``ModelSpec``, a transformers config dict, or a path (``config.json`` or a lightning-sp YAML).
+    ``devices``: devices per node. ``hardware``: a preset name or a calibrated profile file
+    (``hardware_profile``). ``tensor_parallel`` / ``sequence_parallel``: fix a degree (``None``: every divisor).
+    ``memory_budget_bytes``: per device (default: the preset's memory x ``USABLE_MEMORY_SHARE``; needed for a
+    profile without memory, e.g. CPU)."""
+    if isinstance(model, dict):
+        model = ModelSpec.from_hf_config(model)
+    elif not isinstance(model, ModelSpec):
+        model = ModelSpec.from_file(model)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
+    for name, value in (("seq_len", seq_len), ("devices", devices), ("nodes", nodes), ("batch", batch)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    hw = hardware_profile(hardware)
+    hw = replace(hw, ranks_per_node=devices) if hw.memory_bytes is not None else hw
+    if memory_budget_bytes is None:
+        if hw.memory_bytes is None:
+            raise ValueError(f"hardware {hw.name!r} has no memory size: pass memory_budget_bytes (--memory-gib)")
+        memory_budget_bytes = hw.memory_bytes * USABLE_MEMORY_SHARE
+    world = devices * nodes
+    kw = dict(batch=batch, precision=precision, data_parallel=data_parallel, hw=hw)
+    cands = _candidates(model, world, hw, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel)
+    attention_times: dict[tuple, dict[str, float]] = {}
+    for c in cands:
+        c.memory = memory_bytes(model, c, seq_len=seq_len, **kw)
+        c.peak_bytes_per_rank = sum(c.memory.values())
+        c.fits = c.peak_bytes_per_rank <= memory_budget_bytes
+        key = (c.backend, c.sequence_parallel_size, c.data_parallel_size, c.tensor_parallel_size, c.ulysses_degree,
+               c.kv_pieces, c.activation_checkpointing, c.tiled_loss)
+        if key not in attention_times:
+            attention_times[key] = step_time(model, c, seq_len=seq_len, **kw)
+        c.time = attention_times[key]
+        c.step_time_s = sum(c.time.values())
+        c.tokens_per_s_per_device = batch * seq_len * c.data_parallel_size / c.step_time_s / world
+        c.max_seq_len = _max_seq_len(model, c, memory_budget_bytes, 128 * c.sequence_parallel_size, **kw)
+    cands.sort(key=lambda c: (not c.fits, -c.tokens_per_s_per_device if c.fits else -c.max_seq_len))
+    fitting = [c for c in cands if c.fits]
+    if fitting:
+        # the fastest, and among layouts within NEAR_TIE of it, the one with the most room (longest sequence)
+        best = fitting[0].tokens_per_s_per_device
+        near = [c for c in fitting if c.tokens_per_s_per_device >= NEAR_TIE * best]
+        rec = max(near, key=lambda c: (c.max_seq_len, -c.peak_bytes_per_rank))
+        reason = (f"the fastest predicted layout that fits ({rec.peak_bytes_per_rank / 2**30:.1f} of "
+                  f"{memory_budget_bytes / 2**30:.1f} GiB per rank)")
+        if len(near) > 1:
+            reason += (f"; {len(near) - 1} other layouts are within {100 * (1 - NEAR_TIE):.0f}% of its tokens/s "
+                       f"(below the model's resolution), and this one leaves the most room (N up to {rec.max_seq_len})")
+        slower = next((c for c in fitting if c.tokens_per_s_per_device < NEAR_TIE * best), None)
+        if slower is not None:
+            reason += (f"; the next slower: {slower.label} at "
+                       f"{slower.tokens_per_s_per_device / rec.tokens_per_s_per_device:.2f}x its tokens/s")
+    else:
+        rec = cands[0] if cands else None
+        reason = (f"no layout fits N={seq_len} in {memory_budget_bytes / 2**30:.1f} GiB per device; shown: the one "
+                  f"that reaches the longest sequence ({rec.max_seq_len if rec else 0} tokens)")
+    return Plan(model=model, seq_len=seq_len, devices=world, nodes=nodes, hardware=hw.name, hardware_source=hw.source,
+                precision=precision, data_parallel=data_parallel, batch=batch,
+                memory_budget_bytes=memory_budget_bytes, candidates=cands, recommended=rec, reason=reason,
+                cheapest_change=_cheapest_change(model, rec, memory_budget_bytes, data_parallel, kw) if rec else "")
+
+
+def _cheapest_change(m: ModelSpec, rec: Candidate, budget: float, data_parallel: str, kw: dict) -> str:
+    """The first change, cheapest first, that raises the recommended layout's longest sequence."""
+    base = rec.max_seq_len
+    grid = 128 * rec.sequence_parallel_size
+    changes = [("the tiled loss (sequence_parallel_cross_entropy(hidden, labels, weight=...))", {"tiled_loss": True}, {}),
+               ("kv_pieces=4", {"kv_pieces": 4}, {}) if rec.backend not in ("local", "ulysses") else None,
+               ("activation checkpointing (one more forward per step)", {"activation_checkpointing": True}, {}),
+               ("FSDP (data_parallel='fsdp')", {}, {"data_parallel": "fsdp"}) if data_parallel == "ddp" else None]
+    for text, cand_change, kw_change in filter(None, changes):
+        if all(getattr(rec, k) == v for k, v in cand_change.items()) and not kw_change:
+            continue
+        longer = _max_seq_len(m, replace(rec, **cand_change), budget, grid, **{**kw, **kw_change})
+        if longer > base:
+            return f"{text}: up to N={longer} (from {base})"
+    twice = replace(rec, sequence_parallel_size=2 * rec.sequence_parallel_size)
+    longer = _max_seq_len(m, twice, budget, 2 * grid, **kw)
+    return (f"twice the sequence-parallel degree (sp={twice.sequence_parallel_size}, twice the devices): up to "
+            f"N={longer} (from {base})")
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lightning-sp plan",
+        description="Predict the memory per rank, the step time and the longest sequence of every layout for a "
+                    "model on a cluster, and recommend one. Figures are predictions from hardware parameters "
+                    "(datasheets for GPUs), not measurements.")
+    p.add_argument("--model", help="a transformers config.json or a lightning-sp YAML config")
+    p.add_argument("--layers", type=int, help="explicit sizes instead of --model: transformer layers")
+    p.add_argument("--hidden", type=int, help="model width")
+    p.add_argument("--heads", type=int, help="query heads")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (GQA/MQA; default: --heads)")
+    p.add_argument("--ffn", type=int, help="MLP inner width (default 4 x hidden)")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
+    p.add_argument("--encoder", action="store_true", help="bidirectional encoder (default: causal decoder)")
+    p.add_argument("--seq-len", type=int, required=True, help="global tokens per sequence")
+    p.add_argument("--devices", type=int, required=True, help="devices per node")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--hardware", default="h100", help="cpu, a100, h100, h800, h200, b200, or a calibrated profile file")
+    p.add_argument("--memory-gib", type=float, help="memory per device to plan for (default: the preset's x 0.92)")
+    p.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
+    p.add_argument("--data-parallel", default="ddp", choices=DATA_PARALLEL)
+    p.add_argument("--tensor-parallel", type=int, help="fix the tensor-parallel degree (default: try each)")
+    p.add_argument("--sequence-parallel", type=int, help="fix the sequence-parallel degree (default: try each)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel replica per step")
+    p.add_argument("--top", type=int, default=12, help="candidates to print")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.model:
+            model: ModelSpec | str = args.model
+        elif args.layers and args.hidden and args.heads:
+            model = ModelSpec(name="explicit", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
+                              num_kv_heads=args.kv_heads, ffn_hidden=args.ffn, vocab=args.vocab, causal=not args.encoder)
+        else:
+            raise ValueError("pass --model PATH, or --layers, --hidden and --heads")
+        result = plan(model, seq_len=args.seq_len, devices=args.devices, nodes=args.nodes, hardware=args.hardware,
+                      precision=args.precision, data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel,
+                      sequence_parallel=args.sequence_parallel, batch=args.batch,
+                      memory_budget_bytes=args.memory_gib * 2**30 if args.memory_gib else None)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"lightning-sp plan: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=1) if args.json else result.summary(args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

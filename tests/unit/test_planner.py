@@ -1,0 +1,173 @@
+"""``lightning_sp.planner``: the parameter counts of real models, the memory parts, the recommendation's rules,
+the JSON schema and the command line on fixed inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_sp.planner import Candidate, ModelSpec, hardware_profile, main, memory_bytes, plan
+
+ESM2_650M = {"architectures": ["EsmForMaskedLM"], "model_type": "esm", "hidden_size": 1280, "num_hidden_layers": 33,
+             "num_attention_heads": 20, "intermediate_size": 5120, "vocab_size": 33, "hidden_act": "gelu",
+             "tie_word_embeddings": True}
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+             "hidden_act": "silu", "tie_word_embeddings": False}
+
+
+def _hf_models():
+    import transformers as T
+
+    yield "llama", T.LlamaForCausalLM, T.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        vocab_size=100, tie_word_embeddings=False)
+    yield "qwen3", T.Qwen3ForCausalLM, T.Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=96, vocab_size=100)
+    yield "esm", T.EsmForMaskedLM, T.EsmConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=33,
+        position_embedding_type="rotary", pad_token_id=1, mask_token_id=32)
+    yield "mixtral", T.MixtralForCausalLM, T.MixtralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        vocab_size=100, num_local_experts=4, num_experts_per_tok=2)
+    yield "deepseek_v3", T.DeepseekV3ForCausalLM, T.DeepseekV3Config(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+        moe_intermediate_size=32, vocab_size=100, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_group=1, topk_group=1)
+
+
+def test_parameter_counts_of_real_models_from_their_configs():
+    """Dense GQA, per-head norms, an encoder with biases and an LM-head transform, MoE, MLA: the count from the
+    config is the real model's within 0.2% (what is left: per-head q/k norms, MLA's latent norms, ESM's contact
+    head)."""
+    for name, cls, cfg in _hf_models():
+        real = sum(p.numel() for p in cls(cfg).parameters())
+        spec = ModelSpec.from_hf_config(cfg.to_dict())
+        assert abs(spec.params / real - 1) < 2e-3, (name, spec.params, real)
+        # negative control: MoE and MLA read as a dense MHA model miss by far more
+        if name in ("mixtral", "deepseek_v3"):
+            dense = ModelSpec(num_layers=spec.num_layers, hidden=spec.hidden, num_heads=spec.num_heads,
+                              ffn_hidden=spec.ffn, gated_mlp=True, vocab=spec.vocab, tied_embeddings=False)
+            assert abs(dense.params / real - 1) > 0.05, name
+
+
+def test_project_yaml_models_count_exactly(tmp_path):
+    from lightning_sp.models import MultimodalDecoder, ProteinEncoder
+
+    for cls, init in ((ProteinEncoder, dict(d_model=96, n_layers=3, n_heads=4)),
+                      (MultimodalDecoder, dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2))):
+        path = tmp_path / f"{cls.__name__}.yaml"
+        args = "\n".join(f"    {k}: {v}" for k, v in init.items())
+        path.write_text(f"model:\n  class_path: lightning_sp.models.{cls.__name__}\n  init_args:\n{args}\n")
+        spec = ModelSpec.from_file(path)
+        assert spec.params == sum(p.numel() for p in cls(**init).parameters()), cls.__name__
+        assert spec.causal == (cls is MultimodalDecoder)
+
+
+def test_memory_parts_follow_the_layout():
+    spec = ModelSpec.from_hf_config(LLAMA3_8B)
+    hw = hardware_profile("h100")
+    kw = dict(seq_len=131072, batch=1, precision="bf16-mixed", hw=hw)
+    base = Candidate(backend="zigzag_ring", sequence_parallel_size=8, data_parallel_size=1, tensor_parallel_size=1,
+                     ulysses_degree=None, kv_pieces=1, activation_checkpointing=False, tiled_loss=False)
+    ddp = memory_bytes(spec, base, data_parallel="ddp", **kw)
+    fsdp = memory_bytes(spec, base, data_parallel="fsdp", **kw)
+    assert ddp["parameters"] == pytest.approx(4 * spec.params)
+    assert ddp["optimizer"] == pytest.approx(8 * spec.params)
+    assert fsdp["optimizer"] == pytest.approx(8 * spec.params / 8)  # sharded over dp x sp
+    assert fsdp["ddp_buckets"] == 0 and ddp["ddp_buckets"] > 0
+    ckpt = memory_bytes(spec, Candidate(**{**base.__dict__, "activation_checkpointing": True}), data_parallel="ddp", **kw)
+    assert ckpt["stored_activations"] < ddp["stored_activations"] / 10
+    tiled = memory_bytes(spec, Candidate(**{**base.__dict__, "tiled_loss": True}), data_parallel="ddp", **kw)
+    # [N/P, V] logits and their gradient in bf16 + two float32 chunks of the loss; tiled: four float32 tiles
+    assert ddp["logits"] == pytest.approx(2 * 16384 * 128256 * 2 + 2 * (1 << 24) * 4)
+    assert tiled["logits"] == pytest.approx(4 * (1 << 24) * 4)
+    allgather = memory_bytes(spec, Candidate(**{**base.__dict__, "backend": "allgather_kv"}), data_parallel="ddp", **kw)
+    assert allgather["attention"] > 3 * ddp["attention"]  # the whole K/V against the ring's blocks in flight
+
+
+def test_esm2_650m_on_8_h100_at_64k():
+    """ESM-2 650M has 20 heads: Ulysses alone cannot split them 8 ways, so sp = 8 needs a ring or usp."""
+    p = plan(ESM2_650M, seq_len=65536, devices=8, hardware="h100")
+    assert not any(c.backend == "ulysses" and c.sequence_parallel_size == 8 for c in p.candidates)
+    assert any(c.backend == "usp" and c.sequence_parallel_size == 8 and c.ulysses_degree in (2, 4)
+               for c in p.candidates)
+    rec = p.recommended
+    assert rec is not None and rec.fits
+    assert not p.model.causal and all(c.backend != "zigzag_ring" for c in p.candidates)  # encoders: no zigzag
+    fitting = [c for c in p.candidates if c.fits]
+    assert rec.tokens_per_s_per_device >= 0.97 * max(c.tokens_per_s_per_device for c in fitting)
+    assert rec.peak_bytes_per_rank == pytest.approx(sum(rec.memory.values()))
+    assert rec.step_time_s == pytest.approx(sum(rec.time.values()))
+
+
+def test_llama_8b_at_128k_recommends_the_tiled_loss_and_says_what_lets_longer_fit():
+    p = plan(LLAMA3_8B, seq_len=131072, devices=8, hardware="h100")
+    assert p.recommended.fits and p.recommended.tiled_loss
+    assert "up to N=" in p.cheapest_change
+    longer = int(p.cheapest_change.split("up to N=")[1].split()[0])
+    assert longer > p.recommended.max_seq_len
+
+
+def test_no_layout_fits_says_so_and_what_would_help():
+    p = plan(LLAMA3_8B, seq_len=1 << 21, devices=8, hardware="h100")
+    assert not any(c.fits for c in p.candidates)
+    assert p.reason.startswith("no layout fits")
+    assert p.recommended.max_seq_len == max(c.max_seq_len for c in p.candidates)
+
+
+def test_json_schema_and_summary_on_fixed_inputs(capsys):
+    assert main(["--layers", "4", "--hidden", "256", "--heads", "8", "--kv-heads", "2", "--vocab", "1000",
+                 "--seq-len", "8192", "--devices", "4", "--hardware", "a100", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"].startswith("prediction")
+    rec = doc["recommended"]
+    for key in ("backend", "sequence_parallel_size", "data_parallel_size", "tensor_parallel_size", "kv_pieces",
+                "activation_checkpointing", "peak_bytes_per_rank", "step_time_s", "max_seq_len"):
+        assert key in rec, key
+    assert rec["sequence_parallel_size"] * rec["data_parallel_size"] * rec["tensor_parallel_size"] == 4
+    assert doc["candidates"] and all("memory" in c and "time" in c for c in doc["candidates"])
+    assert main(["--layers", "4", "--hidden", "256", "--heads", "8", "--seq-len", "8192", "--devices", "4",
+                 "--hardware", "h200", "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "PREDICTED from datasheet parameters (not measured)" in text and "Recommended:" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-len", "1024", "--devices", "2"], "pass --model PATH, or --layers, --hidden and --heads"),
+    (["--model", "/nonexistent/config.json", "--seq-len", "1024", "--devices", "2"], "no model file"),
+    (["--layers", "2", "--hidden", "64", "--heads", "6", "--kv-heads", "4", "--seq-len", "1024", "--devices", "2"],
+     "multiple of num_kv_heads"),
+    (["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "1024", "--devices", "2", "--hardware", "tpu9"],
+     "unknown hardware"),
+    (["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "1024", "--devices", "2", "--hardware", "cpu"],
+     "has no memory size"),
+])
+def test_bad_input_says_what_to_change(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_calibrated_profile_file_is_a_hardware(tmp_path):
+    profile = hardware_profile("h100").to_dict()
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"profile": profile}))
+    assert hardware_profile(path).name == "h100-80gb"
+    assert plan(ESM2_650M, seq_len=4096, devices=2, hardware=path).recommended.fits
+
+
+def test_the_loss_chunk_is_the_loss_modules():
+    from lightning_sp import loss, planner
+
+    assert planner.LOSS_CHUNK_ELEMENTS == loss._CHUNK_ELEMENTS
+
+
+def test_plan_is_exported_lazily():
+    import lightning_sp
+
+    assert lightning_sp.plan is plan
+    assert torch is not None
