@@ -53,11 +53,14 @@ def usage(root: Path = REPO_ROOT) -> str:
     (an installed wheel has none: then where to find them)."""
     lines = [
         "usage: lightning-sp [-c CONFIG] {fit,validate,test,predict} [--config CONFIG] [OPTIONS]",
+        "       lightning-sp plan --model CONFIG --seq-len N --devices P [--hardware h100] [--json]",
         "",
         "Train and evaluate Lightning models with exact sequence (context) parallelism (LightningCLI).",
         "",
         "subcommands:",
         *(f"  {name:<10} {text}" for name, text in SUBCOMMANDS.items()),
+        f"  {'plan':<10} predict layouts, memory per GPU, step time and the longest sequence before a run "
+        "(lightning-sp plan --help)",
         "",
         "options:",
         "  -h, --help            show this message and exit",
@@ -213,6 +216,10 @@ def main(args: list[str] | None = None) -> int:
         print(usage(), file=sys.stderr, flush=True)
         print("lightning-sp: error: a subcommand is required", file=sys.stderr, flush=True)
         return 2
+    if argv[0] == "plan":  # the planner: no Lightning, no model, no process group
+        from lightning_sp.planner import main as plan_main
+
+        return plan_main(argv[1:])
     build_cli(args)
     return 0
 

@@ -5,7 +5,7 @@ one run: the K/V rows the mask needs (ours), what the rings sent before they fol
 same backend with ``follow_mask=False``), and the minimum (every K/V row of another rank that some local query
 sees, sent once). CPU gloo ranks, one thread each, fp32, causal.
 
-    .venv/bin/python benchmarks/masks/run.py --out benchmarks/masks/results.json
+    python -m benchmarks.masks.run --time --out benchmarks/masks/results/<date>_traffic-and-window.json
 
 1. Packed protein-like documents (lengths uniform in 50..1000, seeded) at N = 16384, P = 2 and 4: ``ring``,
    ``zigzag_ring``, ``allgather_kv``.
@@ -13,13 +13,6 @@ sees, sent once). CPU gloo ranks, one thread each, fp32, causal.
    64K: bytes per rank constant in N, against the full causal ring's ``(P-1)/P * 2 * N * h_kv * D`` elements.
    ``--time``: also the median fwd+bwd per rank against one local windowed kernel call on the rank's own work
    (its N/P queries and the W - 1 keys before them: the limit).
-
-Measured 2026-11-28 on the 2-core workplace machine, shared (load 6-12), ``--time --reps 3`` (results.json):
-forward K/V bytes per rank equal the minimum in every case. Packed documents at N = 16384, P = 4: 0.03-0.72 MiB
-per rank forward (before: 12.0), fwd+bwd 0.03-1.85 MiB (before: 40.0 on the rings, 36.0 on allgather_kv). Window
-W = 512, P = 4: 0.499 MiB forward per rank (511 rows of K and V) at N = 16K, 32K and 64K, against the full causal
-ring's 12, 24 and 48 MiB; fwd+bwd 0.85-0.92x the local limit at 16K-32K and 1.03x at 64K (the limit's call has
-511 more queries than the rank's own, so it is a slight over-estimate of the floor).
 """
 
 from __future__ import annotations
@@ -28,13 +21,10 @@ import argparse
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from experiments.common import run_metadata, run_on_ranks  # noqa: E402
+from experiments.common.launch import run_on_ranks
+from experiments.common.results import run_metadata
 
 H, H_KV, D = 4, 4, 32
 BYTES = 4  # fp32

@@ -2,6 +2,7 @@
 steps (forward, backward, optimizer step) under ``SequenceParallelStrategy``, on CPU gloo ranks.
 
     OMP_NUM_THREADS=1 python -m experiments.planner.run                 # the committed grid (P = 2 and 4)
+    OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only   # the committed results: peaks only
     OMP_NUM_THREADS=1 python -m experiments.planner.run --smoke         # two rows, a few seconds
 
 Measured peak: PyTorch's CPU allocator peak (``AllocatorPeak``) over building the model and two optimizer
@@ -158,7 +159,7 @@ def _worker(rank: int, world: int, rows: list[dict], timed: bool) -> list[dict]:
 
     import torch
 
-    from experiments.peak_memory import AllocatorPeak
+    from experiments.common.memory import AllocatorPeak
 
     torch.set_num_threads(1)
     out = []
@@ -192,7 +193,8 @@ def predict(row: dict, hw) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.common import run_metadata, run_on_ranks
+    from experiments.common.launch import run_on_ranks
+    from experiments.common.results import run_metadata
     from lightning_sp.planner import hardware_profile
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

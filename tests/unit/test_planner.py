@@ -171,3 +171,12 @@ def test_plan_is_exported_lazily():
 
     assert lightning_sp.plan is plan
     assert torch is not None
+
+
+def test_lightning_sp_plan_subcommand(capsys):
+    from lightning_sp.cli import main as cli_main
+
+    assert cli_main(["plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "4096", "--devices", "2",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"]["sequence_parallel_size"] in (1, 2)
+    assert cli_main(["plan", "--seq-len", "4096", "--devices", "2"]) == 2
