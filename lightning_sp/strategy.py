@@ -104,9 +104,17 @@ class SequenceParallelStrategy(DDPStrategy):
         checkpoint_attention: Selective activation checkpointing: recompute only the attention (and its
             communication) in backward. For full checkpointing of the project's models pass
             ``activation_checkpointing=True`` to the model instead.
-        shuffle: ``True``: Lightning's behaviour, the injected ``DistributedSampler`` shuffles the training
-            data (seed ``PL_GLOBAL_SEED``) even if the ``DataLoader`` does not; ``False``: dataset order, for a
-            step-for-step comparison with an unshuffled single-device run.
+        shuffle: ``None`` (the default): the training sampler shuffles exactly when your ``DataLoader`` does
+            (a custom sampler keeps its own order), so a run compares step for step with one process;
+            ``True``: always shuffle (seed ``PL_GLOBAL_SEED``; the same order on the ranks of one
+            sequence-parallel group, different across data-parallel replicas); ``False``: dataset order.
+        gather_predictions: ``True``: ``trainer.predict`` returns whole sequences ``[B, N, ...]`` in their
+            original order, padding removed, on every rank (outputs whose dim 1 is the shard are gathered with
+            the layout); ``False``: each rank's shard, for outputs too large to hold whole.
+        preemption: A ``lightning_sp.preemption.Preemption`` (``enabled``, ``signal``, ``requeue``): a signal
+            only sets a flag; at the next step boundary the ranks agree (one all-reduce), save together and
+            rank 0 requeues the job. ``None``: on under ``SLURMEnvironment(auto_requeue=True)`` with SLURM's
+            requeue signal, off otherwise.
         process_group_timeout: Seconds (or a ``timedelta``) a collective or a group creation may wait before
             the run fails with an error naming the rank, its coordinates and the step. Keep it short to turn a
             dead or stalled rank into an error.

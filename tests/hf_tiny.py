@@ -107,7 +107,7 @@ SWEEP_VOCAB = 64
 SWEEP_N = 13  # global length no degree divides
 SWEEP_BACKENDS = ("zigzag_ring", "ulysses")
 # (model_type, config overrides): causal LMs from MODEL_FOR_CAUSAL_LM_MAPPING and masked LMs from
-# MODEL_FOR_MASKED_LM_MAPPING, chosen to cover every trap of issue 16 (label shift of *LMHeadModel,
+# MODEL_FOR_MASKED_LM_MAPPING, chosen to cover every trap the integration once fell into (label shift of *LMHeadModel,
 # length-dependent RoPE, Llama-4 temperature and chunked attention, LFM2-style convolutions, SSM
 # hybrids, MLA, soft-capping, sliding windows, sinks, ALiBi) plus the common families
 SWEEP: tuple[tuple[str, dict], ...] = (

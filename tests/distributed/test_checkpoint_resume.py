@@ -1,4 +1,4 @@
-"""Checkpoints you can trust, through real Trainers on 4 gloo ranks, float64 (issue 16).
+"""Checkpoints you can trust, through real Trainers on 4 gloo ranks, float64.
 
 1. The resume matrix: a single file or a ``torch.distributed.checkpoint`` directory, saved under one
    layout (DDP / FSDP2 / tensor parallel) after one epoch, resumed under another (and another sp

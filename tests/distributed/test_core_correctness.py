@@ -1,4 +1,4 @@
-"""No silently wrong results (issue 7), on real gloo ranks: the README's standalone recipe is exact as
+"""No silently wrong results, on real gloo ranks: the README's standalone recipe is exact as
 written, the global length always reaches the attention, unbound and ``local`` modules attend over their
 own tokens, bad input on one rank fails on every rank at once, and the hot path does its host work once.
 

@@ -1,4 +1,4 @@
-"""The cost model counts what the backends do (issue 17): on 4 gloo ranks every backend runs one
+"""The cost model counts what the backends do: on 4 gloo ranks every backend runs one
 fwd+bwd with a counting kernel, and each rank's kernel calls (q length, k length, mask, heads,
 direction) and point-to-point / reduce-scatter bytes equal ``ops.schedule.rank_schedule``'s, for
 whole K/V blocks and pieces, causal and bidirectional, GQA. Negative control: the schedule with the

@@ -1,4 +1,4 @@
-"""Cross-rank checks never deadlock (issue 16, item 3): steps run normally, then ONE rank's input changes
+"""Cross-rank checks never deadlock: steps run normally, then ONE rank's input changes
 at a later step; every rank must raise ``ValueError`` within ``RAISE_WITHIN_S`` naming the ranks and their
 values, where a check that some ranks skip would wait for the process-group timeout.
 

@@ -49,7 +49,7 @@ def _train_losses(config: Path, extra: list[str], log_dir: Path, *, parallel: bo
         if "--trainer.strategy.init_args.backend" not in extra:  # the README quotes the demo's banner
             banner = next(line for line in documentation_text().splitlines() if line.startswith("SequenceParallelStrategy: world="))
             assert banner in log.splitlines(), (banner, log[-3000:])
-    # issue 19: no rank prints Lightning's LeafSpec deprecation or product tips, no FLOPs-less summary
+    # no rank prints Lightning's LeafSpec deprecation or product tips, no FLOPs-less summary
     noisy = [word for word in ("LeafSpec", "💡 Tip", "Total FLOPs") if word in log]
     assert not noisy, f"{noisy} printed:\n{log[-4000:]}"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

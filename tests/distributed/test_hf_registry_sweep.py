@@ -5,7 +5,7 @@ types, the class ``AutoModelForCausalLM`` / ``AutoModelForMaskedLM`` maps each t
 every case must be exact (logits, loss and every parameter gradient within 1e-9 of the unsharded HF
 model on the full sequence, HF's own float32 roundings kept in float64: ``tests.hf_tiny.KeepFloat64``) or refused
 with ``NotImplementedError`` on every rank with the same message. Each exact case carries a negative control (the
-reference with its first token changed must miss by far more), and each trap of issue 16 is reproduced with its fix
+reference with its first token changed must miss by far more), and each trap it once fell into is reproduced with its fix
 switched off (it must miss).
 The README's support table must equal the one this sweep renders (``scripts/hf_support_table.py``).
 """
@@ -43,7 +43,7 @@ README = HF_GUIDE  # the page that holds the support table
 
 
 def _traps_with_fix_off(rank: int, world: int) -> dict:
-    """Each fix of issue 16 switched off on an otherwise exact run: ``{trap: max |diff|}`` vs the reference."""
+    """Each fix of a trap switched off on an otherwise exact run: ``{trap: max |diff|}`` vs the reference."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -129,7 +129,7 @@ def test_sweep_is_broad_and_has_both_outcomes(results):
     assert len({mt for mt, _ in SWEEP}) >= 30
     outcomes = {("refused" in r[b]) for r in sweep.values() for b in SWEEP_BACKENDS}
     assert outcomes == {True, False}
-    # the families issue 16 found silently wrong are now exact, or refused naming the layer
+    # the families once found silently wrong are now exact, or refused naming the layer
     for case in ("gpt2", "ctrl", "bert", "llama[dynamic]", "phi3[longrope]", "llama4_text", "deepseek_v2", "deepseek_v3"):
         assert all("refused" not in sweep[case][b] for b in SWEEP_BACKENDS), (case, sweep[case])
     assert "Lfm2ShortConv" in sweep["lfm2"]["zigzag_ring"]["refused"]

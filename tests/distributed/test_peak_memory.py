@@ -1,4 +1,4 @@
-"""Peak memory per rank falls with P (issue 7, item 3): at P = 4, one causal attention fwd+bwd on this
+"""Peak memory per rank falls with P: at P = 4, one causal attention fwd+bwd on this
 rank's shard needs at most 0.35 of what one process needs for the whole sequence, for every backend but
 colossal (whose scores are O(N^2/P) by design); allgather_kv's gathered K/V (``2 N h_kv``, kept by
 design) is set apart.

@@ -69,7 +69,7 @@ def test_readme_training_example_runs_as_written(tmp_path):
     assert "SequenceParallelStrategy: world=4 dp=1 sp=4" in log
     assert "padded to 256 (+6)" in log  # 250 tokens over a zigzag split of 4 ranks: the banner says so
     assert "max_epochs=1` reached" in log, log[-2000:]
-    # issue 19: the loss is logged (4 steps: 8 samples, batch 2), and no rank prints dependency noise
+    # the loss is logged (4 steps: 8 samples, batch 2), and no rank prints dependency noise
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (events,) = {p.parent for p in (tmp_path / "lightning_logs").rglob("events.out.tfevents.*")}

@@ -2,7 +2,7 @@
 the demo models (GQA, vocabularies 31 and 279, length 13: divided by no degree) trained under tp=4,
 tp=2 x dp=2 (DDP), tp=2 x cp=2 (zigzag ring, Ulysses) and tp=2 x dp=2 (FSDP2) equal a plain
 one-process PyTorch loop (same AdamW + warmup) to 1e-10, by changing the strategy only. Also: FSDP
-``trainer.validate()`` after ``fit()`` (the re-broadcast crash of issue 9) and the mesh groups.
+``trainer.validate()`` after ``fit()`` (a re-broadcast crash once) and the mesh groups.
 
 tp x cp x dp needs 8 ranks, more than this 2-core machine runs: its rank layout is covered by the
 pure topology tests (tests/unit/test_topology_tp.py) and the mesh built on a fake 8-rank group

@@ -1,4 +1,4 @@
-"""Issue 7 without a process group: degree choices that stay inside a node, the chunked loss (exact,
+"""No silently wrong results, without a process group: degree choices that stay inside a node, the chunked loss (exact,
 and never a float32 copy of the whole logits), compile-friendly local attention, length checks of the
 local path, the shard's recorded length, and the CLI's short names."""
 

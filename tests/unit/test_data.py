@@ -172,7 +172,7 @@ def test_digit_datamodule_batches():
     assert len(dm.val_set) == 4 and dm.vocab_size == 279
 
 
-# --- protein data at scale (issue 19): indexed FASTA / FASTA.gz, epoch plans, sharding -------------------
+# --- protein data at scale: indexed FASTA / FASTA.gz, epoch plans, sharding -------------------
 
 import gzip  # noqa: E402
 import os  # noqa: E402

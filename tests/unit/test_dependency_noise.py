@@ -1,4 +1,4 @@
-"""Issue 19: a launch prints no LeafSpec deprecation and no Lightning product tip, and the filters that
+"""A launch prints no LeafSpec deprecation and no Lightning product tip, and the filters that
 silence them are narrow: the same deprecation from the user's own code, and Lightning's other rank-zero
 messages, still come through."""
 

@@ -2,7 +2,7 @@
 
 A fresh clone once went red a week after its last green run with no commit in between: transformers 5.24 moved
 GPT-J and CodeGen onto ``AttentionInterface``, so the README's HF support table (swept with 5.23) no longer
-matched (CHANGELOG, session 22). ``constraints.txt`` pins every package ``make`` installs except torch; these
+matched (2026-11-24). ``constraints.txt`` pins every package ``make`` installs except torch; these
 tests check that every install in the Makefile uses it, that it pins everything pyproject asks for, that this
 environment is the one it describes, and that the README's support table names the transformers it pins.
 """

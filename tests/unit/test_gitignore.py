@@ -1,7 +1,7 @@
 """``.gitignore`` keeps the environment out of commits in every shape it takes: ``make`` builds ``.venv`` as a
 directory, a second checkout (a git worktree) often links it. A ``.venv`` link that git does not ignore gets
 committed, and merging that commit replaces a checkout's ``.venv`` directory with the link (git treats ignored
-files as expendable): it happened once (CHANGELOG, session 21)."""
+files as expendable): it happened once (2026-11-24)."""
 
 from __future__ import annotations
 

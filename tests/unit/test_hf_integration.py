@@ -225,7 +225,7 @@ def test_bf16_autocast_like_hf_sdpa(name):
     assert (control - ref).abs().max() > 5e-2
 
 
-# ------------------------------------------------------------------ issue 16: exact or refused (no process group)
+# ------------------------------------------------------------------ exact or refused (no process group)
 
 
 def test_4d_mask_in_the_batch_refused_naming_the_alternative():

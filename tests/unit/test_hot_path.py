@@ -95,7 +95,7 @@ def test_merge_bf16_block_into_fp32_accumulator():
 
 
 
-# ---- Note [One causal call for a rank's own block] and Note [First write assigns] (issue 17, per-rank efficiency)
+# ---- Note [One causal call for a rank's own block] and Note [First write assigns] (per-rank efficiency)
 
 
 def _masked_reference(q, k, v, qpos, kpos, doc_bounds=None):

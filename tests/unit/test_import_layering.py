@@ -1,4 +1,4 @@
-"""Issue 18, one house: the import layering holds and fails on a planted violation; ``import lightning_sp``
+"""One house: the import layering holds and fails on a planted violation; ``import lightning_sp``
 for standalone use loads neither Lightning nor transformers; the Lightning-facing names and the strategy
 registry names still work, whichever of Lightning and lightning_sp is imported first.
 
@@ -48,7 +48,7 @@ def test_layering_contracts_hold_and_each_breaks_on_a_planted_violation(tmp_path
     shutil.copytree(REPO / "lightning_sp", tmp_path / "lightning_sp", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     plants = {
-        # the cycle issue 18 removed: attention -> cost_model -> callbacks -> strategy -> attention
+        # the cycle once removed: attention -> cost_model -> callbacks -> strategy -> attention
         "cost_model.py": "\n\ndef _planted():\n    from lightning_sp.callbacks import SequenceParallelMonitor\n",
         "ops/merge.py": "\nimport lightning  # planted: Lightning below the strategy\n",
         "layout.py": "\nfrom lightning_sp.data import packing  # planted: the library imports data/\n",

@@ -1,4 +1,4 @@
-"""The strategy's rooms work without a Trainer (issue 18): binding the attention modules, batch sharding,
+"""The strategy's rooms work without a Trainer: binding the attention modules, batch sharding,
 degrees and their errors, fault messages, the launch checks, checkpoint IO (which hook reads what),
 FSDP's no-sync window and tensor-parallel gradients without TP. No process group; ~6 s on 2 cores."""
 

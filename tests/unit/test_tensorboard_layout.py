@@ -1,4 +1,4 @@
-"""TensorBoard opens on what matters (issue 10, item 7; issue 19): a run's event files have no ``hp_metric``,
+"""TensorBoard opens on what matters: a run's event files have no ``hp_metric``,
 hold the Custom Scalars layout with Loss, Throughput, Memory, Communication in that order, and the
 monitor's throughput / memory / communication tag groups; every TensorBoardLogger the project
 configures switches ``hp_metric`` off. The default tab (Time Series) sorts tag groups with TensorBoard's
@@ -167,14 +167,14 @@ def test_default_tab_opens_on_the_loss_of_the_project_models(tmp_path):
         assert {"epoch", "throughput", "memory", "communication"} <= set(groups[1:]), groups
         assert len(series["Loss/train"]) == 10, series["Loss/train"]
         assert len(series["Loss/val"]) == 5, series["Loss/val"]  # one point per validation: a line, not a dot
-    # negative control: the tags before issue 19 (train/loss, val/loss) open on communication
+    # negative control: the earlier tags (train/loss, val/loss) open on communication
     old = [t.replace("Loss/train", "train/loss").replace("Loss/val", "val/loss") for t in series]
     assert tensorboard_groups(old)[:2] == ["answer_acc", "communication"], tensorboard_groups(old)
     assert tensorboard_groups(set(old) - {"answer_acc/train", "answer_acc/val"})[0] == "communication"
 
 
 def test_demo_configs_validate_often_and_show_a_finite_epoch():
-    # issue 19: two validation points drew no visible line
+    # two validation points drew no visible line
     for name in ("protein_demo", "multimodal_demo"):
         trainer = yaml.safe_load((ROOT / "experiments" / name / "config.yaml").read_text())["trainer"]
         assert trainer["max_steps"] // trainer["val_check_interval"] >= 8, (name, trainer)
