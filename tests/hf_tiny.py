@@ -271,6 +271,21 @@ def sweep_batch(masked: bool, n: int = SWEEP_N, seed: int = 1) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
+def max_grad_diff(model, ref, group) -> float:
+    """Largest |mean over the group of ``model``'s gradient - ``ref``'s| over every parameter (a parameter
+    without a gradient counts as zeros)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    diff = 0.0
+    for p, p_ref in zip(model.parameters(), ref.parameters()):
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, group=group)
+        g_ref = p_ref.grad if p_ref.grad is not None else torch.zeros_like(p_ref)
+        diff = max(diff, float((g / world - g_ref).abs().max()))
+    return diff
+
+
 def sweep_case(model_type: str, overrides: dict, group, backends=SWEEP_BACKENDS) -> dict:
     """One architecture of the sweep on this rank: ``{backend: result}``, each result either
     ``{"refused": message}`` (a ``NotImplementedError``) or the max differences of the
@@ -283,7 +298,6 @@ def sweep_case(model_type: str, overrides: dict, group, backends=SWEEP_BACKENDS)
 
 
 def _sweep_case(model_type: str, overrides: dict, group, backends) -> dict:
-    import torch.distributed as dist
 
     from lightning_sp import gather_sequence, sequence_parallel_cross_entropy
     from lightning_sp.integrations.transformers import _sp_modules, apply_sequence_parallel, shard_inputs
@@ -299,7 +313,6 @@ def _sweep_case(model_type: str, overrides: dict, group, backends) -> dict:
     other[0, 0] = 4 if int(other[0, 0]) != 4 else 5
     with torch.no_grad():  # (on a copy: a forward may change state, e.g. dynamic RoPE's cached length)
         logits_other = clone(base)(input_ids=other).logits
-    world = dist.get_world_size(group)
     out: dict = {"class": type(base).__name__, "masked_lm": masked}
     for backend in backends:
         model = clone(base)
@@ -313,12 +326,7 @@ def _sweep_case(model_type: str, overrides: dict, group, backends) -> dict:
             continue
         loss = sequence_parallel_cross_entropy(logits, labels, group=group)
         loss.backward()
-        grad_diff = 0.0
-        for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-            g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(g, group=group)
-            g_ref = p_ref.grad if p_ref.grad is not None else torch.zeros_like(p_ref)
-            grad_diff = max(grad_diff, float((g / world - g_ref).abs().max()))
+        grad_diff = max_grad_diff(model, ref, group)
         full = gather_sequence(logits.detach(), group, layout=_sp_modules(model)[0].layout, seq_len=SWEEP_N)
         out[backend] = {
             "logits": float((full - logits_ref.detach()).abs().max()),

@@ -73,12 +73,11 @@ def _broken(control: str):
 
 
 def _case(model_type: str, overrides: dict, controls: tuple, group) -> dict:
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from lightning_sp import gather_sequence, sequence_parallel_cross_entropy
     from lightning_sp.integrations import transformers as integration
-    from tests.hf_tiny import clone, registry_model, sweep_batch
+    from tests.hf_tiny import clone, max_grad_diff, registry_model, sweep_batch
 
     base, masked = registry_model(model_type, {"initializer_range": 0.5, **overrides})
     base.set_attn_implementation("eager")  # the reference: HF's plain softmax with its soft-cap, sinks and masks
@@ -88,7 +87,6 @@ def _case(model_type: str, overrides: dict, controls: tuple, group) -> dict:
     shift = 0 if masked else 1
     loss_ref = F.cross_entropy(logits_ref[:, : N - shift].flatten(0, 1), batch["labels"][:, shift:].flatten())
     loss_ref.backward()
-    world = dist.get_world_size(group)
 
     def sharded(backend: str, grads: bool):
         model = integration.apply_sequence_parallel(clone(base), group=group, backend=backend)
@@ -100,12 +98,7 @@ def _case(model_type: str, overrides: dict, controls: tuple, group) -> dict:
             return float((full - logits_ref.detach()).abs().max())
         loss = sequence_parallel_cross_entropy(logits, labels, group=group)
         loss.backward()
-        grad_diff = 0.0
-        for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-            g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(g, group=group)
-            g_ref = p_ref.grad if p_ref.grad is not None else torch.zeros_like(p_ref)
-            grad_diff = max(grad_diff, float((g / world - g_ref).abs().max()))
+        grad_diff = max_grad_diff(model, ref, group)
         return {"logits": float((full - logits_ref.detach()).abs().max()),
                 "loss": abs(float(loss.detach() - loss_ref.detach())), "grads": grad_diff}
 
@@ -129,12 +122,11 @@ def _packed_rows(base, backend: str, group) -> dict:
     """Two right-padded rows (9 and 13 tokens) through ``shard_inputs`` (packed into 22 tokens, two documents) vs
     the padded batch through HF's eager attention: max differences of the real tokens' logits, the loss and the
     gradients."""
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from lightning_sp import gather_sequence, sequence_parallel_cross_entropy
     from lightning_sp.integrations import transformers as integration
-    from tests.hf_tiny import clone, tiny_rows
+    from tests.hf_tiny import clone, max_grad_diff, tiny_rows
 
     lengths = (9, N)
     batch = tiny_rows("llama", lengths, pad_to=N)
@@ -150,13 +142,7 @@ def _packed_rows(base, backend: str, group) -> dict:
     logits = model(**shard).logits
     loss = sequence_parallel_cross_entropy(logits, labels, group=group)
     loss.backward()
-    world = dist.get_world_size(group)
-    grad_diff = 0.0
-    for p, p_ref in zip(model.parameters(), ref.parameters()):
-        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g, group=group)
-        g_ref = p_ref.grad if p_ref.grad is not None else torch.zeros_like(p_ref)
-        grad_diff = max(grad_diff, float((g / world - g_ref).abs().max()))
+    grad_diff = max_grad_diff(model, ref, group)
     full = gather_sequence(logits.detach(), group, layout=integration._sp_modules(model)[0].layout, seq_len=sum(lengths))
     return {"logits": float((full[0] - real.detach()).abs().max()), "loss": abs(float(loss.detach() - loss_ref.detach())),
             "grads": grad_diff}
