@@ -37,7 +37,7 @@ from lightning_sp.cost_model import AttentionShape, HardwareProfile, predict_att
 
 GRIDS = ("grid1", "grid2")
 RULE = {
-    "written": "2026-11-24 21:29 UTC (session 25), committed before the five complete runs it judges",
+    "written": "2026-11-24 21:29 UTC, committed before the five complete runs it judges",
     "runs": 5,
     "keep if": [
         "grid 1: the mean over the runs of mean |error| is lower with the term than without",
@@ -47,18 +47,18 @@ RULE = {
 }
 GRID2_SLACK_PCT = 2.0
 SHARING_RULE = {
-    "written": "2026-11-24 23:34 UTC (session 26), committed before the five complete runs it judges",
+    "written": "2026-11-24 23:34 UTC, committed before the five complete runs it judges",
     "runs": 5,
     "keep if": [
         "each grid: the mean over the runs of max |error| is lower with the stretch during the rows",
         "each grid: the mean over the runs of mean |error| is at most 1 point above the stretch at the grid's start",
         "the (run, grid) pairs meeting both targets (mean <= 15%, max <= 35%) are at least as many",
     ],
-    "committed results": "if kept, the last of the five runs, whatever it scores; if not, session 25's R5 stays",
+    "committed results": "if kept, the last of the five runs, whatever it scores; if not, the R5 run of 2026-11-24 stays",
 }
 SHARING_MEAN_SLACK_PCT = 1.0
 SHARING_AGAIN_RULE = {
-    "written": "2026-11-25 00:35 UTC (session 26, after SHARING_RULE's five runs rejected the variant), committed "
+    "written": "2026-11-25 00:35 UTC (after SHARING_RULE's five runs rejected the variant), committed "
                "before the five new complete runs it judges; those five runs only",
     "runs": 5,
     "why": "the stretch during the rows measures the minutes the rows ran in; SHARING_RULE's runs found it met issue "
@@ -73,10 +73,10 @@ SHARING_AGAIN_RULE = {
                          "scripts/cost_model_validate.sh once and commits that run",  # as written then
 }
 COLOSSAL_ROUNDS_RULE = {
-    "written": "2026-11-25 02:17 UTC (session 27), committed before the five complete runs it judges; those five runs "
+    "written": "2026-11-25 02:17 UTC, committed before the five complete runs it judges; those five runs "
                "only",
     "runs": 5,
-    "why": "3 of the 6 max misses of main's model over the fifteen runs of sessions 25-26 came with a colossal table "
+    "why": "3 of the 6 max misses of main's model over the fifteen runs of 2026-11-24/25 came with a colossal table "
            "point read high in its one pass: T1 grid 1 (colossal P = 2, N = 1024, +37%: 22.5 ns per score element at "
            "4.2 M elements, D = 32, against 13.3-19.7 in the other 14 calibrations) and R3 grid 2 (P = 4, N = 4096, "
            "D = 128, +41%: 48.9 ns at 16.8 M against 34.7-47.3); R3's P = 2, N = 2048 (+22%) read 33.7 there. "
@@ -88,18 +88,18 @@ COLOSSAL_ROUNDS_RULE = {
         "each grid: the mean over the runs of max |error| is at most 1 point above round 0's",
     ],
     "committed results": "if kept, the last of the five runs, whatever it scores; if not, calibrate.COLOSSAL_ROUNDS "
-                         "goes back to 1 (the one pass) and session 25's R5 stays",
+                         "goes back to 1 (the one pass) and the R5 run of 2026-11-24 stays",
 }
 
 AGAINST_TABLE_RULE = {
-    "written": "2026-11-25 03:24 UTC (session 27), committed before the five complete runs it judges; those five runs "
+    "written": "2026-11-25 03:24 UTC, committed before the five complete runs it judges; those five runs "
                "only",
     "runs": 5,
     "why": "in the colossal_rounds study's last two runs the machine ran slower during the grids than at their "
            "calibration (the probe's call alone at a grid's start 16.0-16.9 ms against 13.9-14.1 at calibration) and "
            "main's model under-predicted those grids' rows by 20.8-23.7% on the mean: the stretch at the grid's start "
            "is a ratio of two times taken then, so the machine's own speed is not in it. Re-priced offline over the 20 "
-           "complete runs of sessions 25-27 (the data that suggested it, not evidence): both targets met in 39 of 40 "
+           "complete runs of 2026-11-24/25 (the data that suggested it, not evidence): both targets met in 39 of 40 "
            "(run, grid) pairs against 32, mean of the means 7.43% against 9.08%, of the maxes 21.21% against 24.19%",
     "keep if": SHARING_AGAIN_RULE["keep if"],
     "committed results": "if kept, the last of the five runs, whatever it scores; if not, the grids go back to the "
