@@ -1,10 +1,16 @@
 """Tables of the planner for the docs (generated blocks, ``python -m experiments.common.generated``): its
 recommendations for the setups users ask about (predictions, recomputed from the code), and its validation
-against measured CPU peaks and step times (from the committed results file)."""
+against measured CPU peaks and step times (from the committed results file), and its figures for the
+papers' setups beside the papers' own (``papers``)."""
 
 from __future__ import annotations
 
-from lightning_sp.planner import plan
+import math
+from dataclasses import replace
+
+from lightning_sp.flops import megatron_flops_per_iteration
+from lightning_sp.planner import (USABLE_MEMORY_SHARE, Candidate, ModelSpec, _max_seq_len, hardware_profile,
+                                  memory_bytes, plan, step_time)
 
 ESM2_650M = {"architectures": ["EsmForMaskedLM"], "model_type": "esm", "hidden_size": 1280, "num_hidden_layers": 33,
              "num_attention_heads": 20, "intermediate_size": 5120, "vocab_size": 33, "hidden_act": "gelu"}
@@ -71,3 +77,127 @@ def validation(data, path) -> str:
                      f"{100 * r['time_error']:+.1f}% |")
         rows.append(line)
     return "\n".join(rows)
+
+
+# ------------------------------------------------------------------------------------------------ the papers
+
+GPT_7B = ModelSpec(name="GPT 7B", num_layers=32, hidden=4096, num_heads=32, vocab=50257, biases=True)
+GPT_30B = ModelSpec(name="GPT 30B", num_layers=48, hidden=7168, num_heads=56, vocab=50257, biases=True)
+LLAMA_3B = ModelSpec(name="LLaMA 3B", num_layers=26, hidden=3200, num_heads=32, ffn_hidden=8640, gated_mlp=True,
+                     tied_embeddings=False)  # OpenLLaMA-3B
+LLAMA_7B = ModelSpec(name="LLaMA 7B", num_layers=32, hidden=4096, num_heads=32, ffn_hidden=11008, gated_mlp=True,
+                     tied_embeddings=False)
+LLAMA_13B = ModelSpec(name="LLaMA 13B", num_layers=40, hidden=5120, num_heads=40, ffn_hidden=13824, gated_mlp=True,
+                      tied_embeddings=False)
+
+ULYSSES_SEQ = (8192, 16384, 32768, 65536, 131072, 262144)
+ULYSSES_TFLOPS = {  # arXiv 2309.14509, TFLOPs per GPU at ULYSSES_SEQ (30B read off a chart)
+    "7B": (GPT_7B, 32, (159, 175, 178, 181, 176, 174)),
+    "30B": (GPT_30B, 64, (165, 157, 152, 147, 140, 134)),
+}
+RING_TABLE3 = (  # arXiv 2310.01889 Table 3, the ring column: (model, GPUs, network, max context in K tokens)
+    (LLAMA_3B, 8, "NVLink", 512), (LLAMA_7B, 8, "NVLink", 256), (LLAMA_13B, 8, "NVLink", 128),
+    (LLAMA_7B, 32, "InfiniBand", 4096), (LLAMA_13B, 32, "InfiniBand", 2048),
+)
+ALST = ((1, 500_000), (8, 3_700_000), (32, 15_000_000))  # arXiv 2506.13996: H100s, longest Llama-8B sequence
+
+
+def _candidate(backend: str, sp: int, dp: int, *, ckpt: bool, tiled: bool) -> Candidate:
+    return Candidate(backend=backend, sequence_parallel_size=sp, data_parallel_size=dp, tensor_parallel_size=1,
+                     ulysses_degree=None, kv_pieces=1, activation_checkpointing=ckpt, tiled_loss=tiled)
+
+
+def _ulysses_rows(hw) -> list[tuple]:
+    """TFLOPs/GPU: Megatron's model FLOPs of the step (every replica's sequence) / the predicted step time / GPUs.
+    Fixed layout: ``ulysses`` at sp=8 (one node), the other GPUs data parallel, FSDP (ZeRO-3) over all, batch 1
+    per replica, bf16-mixed; checkpointing only where the layer's activations do not fit without it."""
+    budget = hw.memory_bytes * USABLE_MEMORY_SHARE
+    rows = []
+    for name, (m, gpus, paper) in ULYSSES_TFLOPS.items():
+        for n, figure in zip(ULYSSES_SEQ, paper):
+            kw = dict(seq_len=n, batch=1, precision="bf16-mixed", data_parallel="fsdp", hw=hw)
+            c = _candidate("ulysses", 8, gpus // 8, ckpt=False, tiled=False)
+            if sum(memory_bytes(m, c, **kw).values()) > budget:
+                c = replace(c, activation_checkpointing=True)
+            peak = sum(memory_bytes(m, c, **kw).values())
+            parts = step_time(m, c, **kw)
+            seconds = sum(parts.values())
+            flops = megatron_flops_per_iteration(batch=c.data_parallel_size, seq_len=n, num_layers=m.num_layers,
+                                                 hidden=m.hidden, vocab=m.vocab)
+            layout = (f"`ulysses` sp=8 dp={gpus // 8}, FSDP, checkpointing {'on' if c.activation_checkpointing else 'off'}; "
+                      f"exposed comm. {100 * parts['exposed_comm_s'] / seconds:.0f}% of the step; "
+                      f"{peak / 2**30:.0f} GiB per GPU" + ("" if peak <= budget else " (**predicted not to fit**)"))
+            paper_figure = f"~{figure}" if name == "30B" else f"{figure}"
+            rows.append((f"Ulysses {name} GPT, {gpus} x A100, N={n // 1024}K", "TFLOPs/GPU", paper_figure, figure,
+                         flops / seconds / gpus / 1e12, layout, "[a]"))
+    return rows
+
+
+def _longest(m, backend, devices, hw, *, data_parallel="fsdp") -> tuple[int, Candidate]:
+    """The planner's longest sequence for ``backend`` at sp = ``devices`` with checkpointing, the better of the
+    tiled loss on/off."""
+    budget = hw.memory_bytes * USABLE_MEMORY_SHARE
+    kw = dict(batch=1, precision="bf16-mixed", data_parallel=data_parallel, hw=hw)
+    found = []
+    for tiled in (False, True):
+        c = _candidate(backend, devices, 1, ckpt=True, tiled=tiled)
+        found.append((_max_seq_len(m, c, budget, 128 * devices, **kw), c))
+    return max(found, key=lambda t: t[0])
+
+
+PAPER_NOTES = {
+    "[a]": "DeepSpeed-Ulysses (arXiv 2309.14509, Fig. 2/3; the 30B figures read off a chart). The paper's batch, "
+           "ZeRO stage, sequence-parallel degree and recompute are **unknown** here (not stated with the figures): "
+           "assumed batch 1 per replica, ZeRO-3 (FSDP) over all GPUs, sp=8 inside a node, checkpointing only "
+           "where the layer's activations do not fit without it. The 30B shape is **assumed** (48 layers, width "
+           "7168, 56 heads, GPT-style: 29.6B); the 7B is 32 layers, width 4096, 32 heads. TFLOPs = Megatron's "
+           "model FLOPs `72BLsh^2(1 + s/6h + V/12hL)` of every replica's sequence (`lightning_sp.flops`; it "
+           "counts the whole score matrix, the half a causal kernel skips included, so it can exceed what the "
+           "GPU computes) / the predicted step time / GPUs. At short N a batch-1 step is dominated by the "
+           "gradient synchronisation over InfiniBand (the exposed share in the layout column); the paper's "
+           "batch, unknown, amortizes it. The planner's `bf16-mixed` keeps a bfloat16 copy of every weight "
+           "unsharded (`weight_copies`), which is what puts the 30B over 80 GB.",
+    "[b]": "Ring Attention (arXiv 2310.01889) Table 3, the `ring` column (full sharding, blockwise attention and "
+           "FFN, JAX). The planner: `ring` at sp = every GPU, FSDP, activation checkpointing, `bf16-mixed`, the "
+           "better of the tiled loss on/off; OpenLLaMA-3B / LLaMA-7B / LLaMA-13B shapes. **Not modelled**: the "
+           "blockwise (chunked) FFN (the planner holds one layer's whole MLP activations in its backward), JAX's "
+           "allocator and compiler workspace. **Unknown**: the paper's precision, loss and search grid (its "
+           "figures are powers of two).",
+    "[c]": "DeepSpeed ALST (arXiv 2506.13996): Llama-8B, Ulysses + tiled MLP + tiled loss + activation-checkpoint "
+           "offload to CPU memory. The planner: Llama-3-8B, one GPU without SP (`local`) or `ulysses` at sp = "
+           "every GPU, FSDP, checkpointing, the better of the tiled loss on/off. **Not modelled**: the offload of "
+           "the checkpoints (and of optimizer states) to CPU memory and the tiled MLP, which is where ALST's "
+           "length comes from; the planner keeps every checkpoint and all states on the GPU, so on one H100 the "
+           "8B's parameters, gradients, AdamW states and bfloat16 weight copies alone (18 bytes per parameter) do "
+           "not fit and its "
+           "longest sequence is 0.",
+}
+
+
+def papers(data=None, path=None) -> str:
+    """The planner's figures for the papers' setups beside the papers' published figures: the
+    planner's column is a PREDICTION from datasheet parameters (``a100``/``h100`` presets), the paper's column its
+    measurement. Nothing in the planner is fitted to these rows."""
+    a100, h100 = hardware_profile("a100"), hardware_profile("h100")
+    rows = _ulysses_rows(a100)  # (setup, figure, paper as printed, paper, planner, layout, note)
+    for m, gpus, network, figure in RING_TABLE3:
+        n, c = _longest(m, "ring", gpus, a100)
+        rows.append((f"Ring Attention, {m.name}, {gpus} x A100 {network}", "max context (K tokens)", f"{figure:,}",
+                     figure, n / 1024, f"`ring` sp={gpus}, FSDP, checkpointing, tiled loss "
+                     f"{'on' if c.tiled_loss else 'off'}", "[b]"))
+    llama = ModelSpec.from_hf_config(LLAMA3_8B, name="Llama-3-8B")
+    for gpus, figure in ALST:
+        backend = "local" if gpus == 1 else "ulysses"
+        n, c = _longest(llama, backend, gpus, h100)
+        rows.append((f"ALST, Llama-3-8B, {gpus} x H100", "longest sequence (K tokens)", f"{figure // 1000:,}",
+                     figure / 1000, n / 1000, f"`{backend}` sp={gpus}, FSDP, checkpointing, tiled loss "
+                     f"{'on' if c.tiled_loss else 'off'}", "[c]"))
+    out = ["The planner's column is a **prediction** from datasheet parameters (the `a100`/`h100` presets, never "
+           "calibrated on a GPU); the paper's column is the paper's measurement. Nothing in the planner is fitted "
+           "to these rows. Ratio = planner / paper.", "",
+           "| setup | figure | paper (measured) | planner (predicted) | planner / paper | planner's layout | notes |",
+           "|---|---|---|---|---|---|---|"]
+    for setup, metric, printed, paper, pred, layout, note in rows:
+        out.append(f"| {setup} | {metric} | {printed} | {pred:,.0f} | {pred / paper:.2f} | {layout} | {note} |")
+    notes = "\n\n".join(f"{key} {text}" for key, text in PAPER_NOTES.items())
+    return "\n".join(out) + "\n\n" + notes

@@ -180,3 +180,21 @@ def test_lightning_sp_plan_subcommand(capsys):
                      "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["recommended"]["sequence_parallel_size"] in (1, 2)
     assert cli_main(["plan", "--seq-len", "4096", "--devices", "2"]) == 2
+
+
+def test_the_papers_table_has_a_finite_ratio_on_every_row():
+    """The planner against the papers (docs/guides/planning.md): every setup renders a row with the paper's
+    figure, the planner's and a finite ratio, and every row points at a note that says its assumptions."""
+    import math
+
+    from experiments.planner.render import ALST, PAPER_NOTES, RING_TABLE3, ULYSSES_SEQ, ULYSSES_TFLOPS, papers
+
+    table = papers()
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == len(ULYSSES_SEQ) * len(ULYSSES_TFLOPS) + len(RING_TABLE3) + len(ALST)
+    for cells in rows:
+        paper, predicted, ratio = (float(c.strip().lstrip("~").replace(",", "")) for c in cells[2:5])
+        assert paper > 0 and math.isfinite(ratio) and ratio >= 0, cells
+        assert abs(ratio - predicted / paper) <= 0.01 + 0.01 * ratio, cells  # the printed figures are rounded
+        assert cells[6].strip() in PAPER_NOTES, cells
+    assert "**prediction**" in table and all(key + " " in table for key in PAPER_NOTES)
