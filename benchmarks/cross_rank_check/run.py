@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
     import torch.distributed as dist
 
     from lightning_sp import SequenceParallelAttention, shard_sequence
-    from lightning_sp.attention import _check_across_ranks, _signature
+    from lightning_sp.attention import _check_across_ranks, _fingerprints, _signature
 
     torch.set_num_threads(cfg["threads_per_rank"])
     group = dist.group.WORLD
@@ -57,12 +57,14 @@ def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
                 if rep >= cfg["warmup"]:
                     times[checked].append(time.perf_counter() - start)
         layout = modules[True].layout
-        sig = _signature(q, k, None, True, backend, backend, None, layout, None, cfg["seq_len"], 0.125, 8)
+        attn = modules[True]
+        sig = _signature(q, k, None, True, backend, attn._decision_inputs(backend), layout, None, cfg["seq_len"],
+                         q.size(-1) ** -0.5, attn.kv_pieces)
         check = []
         for _ in range(cfg["check_reps"]):
             dist.barrier()
             start = time.perf_counter()
-            _check_across_ranks(sig, None, group, q)
+            _check_across_ranks(sig, None, group, q, fingerprints=_fingerprints(q, k, v, None))
             check.append(time.perf_counter() - start)
         with_check, without = statistics.median(times[True]), statistics.median(times[False])
         rows.append({

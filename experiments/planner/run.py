@@ -1,8 +1,8 @@
 """The planner against measurement: predicted vs measured peak memory per rank and step time of whole training
 steps (forward, backward, optimizer step) under ``SequenceParallelStrategy``, on CPU gloo ranks.
 
-    OMP_NUM_THREADS=1 python -m experiments.planner.run                 # the committed grid (P = 2 and 4)
-    OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only   # the committed results: peaks only
+    OMP_NUM_THREADS=1 python -m experiments.planner.run                 # the grid (P = 2 and 4), to runs/planner/
+    OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only --publish   # the committed results: peaks only
     OMP_NUM_THREADS=1 python -m experiments.planner.run --smoke         # two rows, a few seconds
 
 Measured peak: PyTorch's CPU allocator peak (``AllocatorPeak``) over building the model and two optimizer
@@ -194,15 +194,19 @@ def predict(row: dict, hw) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from experiments.common.launch import run_on_ranks
-    from experiments.common.results import run_metadata
+    from experiments.common.results import RUNS, run_metadata
     from lightning_sp.planner import hardware_profile
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--publish", action="store_true",
+                       help=f"write the committed results ({RESULTS.relative_to(HERE.parents[1])}) instead of runs/planner/")
+    where.add_argument("--out", type=Path, default=None, help="the results file (default: runs/planner/)")
     ap.add_argument("--memory-only", action="store_true",
                     help="measure the peaks only (they do not depend on the machine's load; step times do)")
     args = ap.parse_args(argv)
+    args.out = args.out or (RESULTS if args.publish else RUNS / "planner" / RESULTS.name)
     rows = grid(args.smoke)
     hw = hardware_profile(CPU_PROFILE)
     measured: dict[int, list[dict]] = {}

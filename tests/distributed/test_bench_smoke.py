@@ -139,3 +139,15 @@ def test_bench_peer_cell_quick(tmp_path):
         assert len(row[f"{side}_all_s"]) == 2 and row[f"{side}_median_s"] > 0
     assert row["ours_over_peer"] == pytest.approx(row["ours_median_s"] / row["peer_median_s"])
     assert row["ours_over_unchecked"] == pytest.approx(row["ours_median_s"] / row["ours_unchecked_median_s"])
+
+
+def test_bench_cross_rank_check_quick(tmp_path):
+    """The benchmark calls the check's private functions: a smoke run keeps it in step with their signatures."""
+    cmd = [sys.executable, "-m", "benchmarks.cross_rank_check.run", "--quick", "--world", "2", "--seq-len", "256",
+           "--heads", "4", "--head-dim", "16", "--backends", "zigzag_ring", "--out", str(tmp_path), "--timeout", "120"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    (path,) = tmp_path.glob("cross_rank_check_*_quick.json")
+    rows = json.loads(path.read_text())["results"]
+    assert {r["rank"] for r in rows} == {0, 1}
+    assert all(r["check_alone_s"] > 0 and r["fwd_bwd_unchecked_s"] > 0 for r in rows)
