@@ -61,8 +61,8 @@ SHARING_AGAIN_RULE = {
     "written": "2026-11-25 00:35 UTC (after SHARING_RULE's five runs rejected the variant), committed "
                "before the five new complete runs it judges; those five runs only",
     "runs": 5,
-    "why": "the stretch during the rows measures the minutes the rows ran in; SHARING_RULE's runs found it met issue "
-           "17's targets in 10 of 10 (run, grid) pairs against 9 of 10, with means 0.4-0.5 points higher: this rule "
+    "why": "the stretch during the rows measures the minutes the rows ran in; SHARING_RULE's runs found it met the cost "
+           "model's targets in 10 of 10 (run, grid) pairs against 9 of 10, with means 0.4-0.5 points higher: this rule "
            "asks what the issue asks (no fewer pairs meeting both targets) and that it be no worse by more than a point",
     "keep if": [
         "the (run, grid) pairs meeting both targets (mean <= 15%, max <= 35%) are at least as many",
