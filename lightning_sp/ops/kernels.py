@@ -362,6 +362,12 @@ class TorchBlockwiseKernel:
             return ki <= qi
         return mask[q0:q1, k0:k1]
 
+    def _tile_scores(self, qh, kh, q0, q1, k0, k1, *, scale, kind, mask):
+        """One tile's ``(scores [B, H, bq, bk], visible [bq, bk] or None)`` from ``qh [B, H, Sq, D]``, ``kh [B, H, Sk, D]``
+        (``ScoreModKernel`` modifies the scores and narrows what is visible here)."""
+        s = qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2) * scale  # [B, H, bq, bk]
+        return s, self._tile_visible(kind, mask, q0, q1, k0, k1, qh.device)
+
     def forward(self, q, k, v, *, scale, kind, mask):
         check_heads(q, k)
         acc = accumulation_dtype(q.dtype)
@@ -372,8 +378,7 @@ class TorchBlockwiseKernel:
         out = torch.zeros(b, sq, h, v.size(-1), dtype=acc, device=q.device)  # [B, Sq, H, D]
         lse = torch.full((b, h, sq), -math.inf, dtype=acc, device=q.device)  # [B, H, Sq]
         for q0, q1, k0, k1 in self._tiles(sq, k.size(1), kind):
-            s = qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2) * scale  # [B, H, bq, bk]
-            visible = self._tile_visible(kind, mask, q0, q1, k0, k1, q.device)
+            s, visible = self._tile_scores(qh, kh, q0, q1, k0, k1, scale=scale, kind=kind, mask=mask)
             if visible is not None:
                 s = s.masked_fill(~visible, -math.inf)
             tile_lse = torch.logsumexp(s, dim=-1)  # [B, H, bq]
@@ -723,25 +728,11 @@ class ScoreModKernel(TorchBlockwiseKernel):
         extra = extra.to(device)
         return extra if visible is None else visible & extra
 
-    def forward(self, q, k, v, *, scale, kind, mask):
-        check_heads(q, k)
-        acc = accumulation_dtype(q.dtype)
-        b, sq, h, _ = q.shape
-        qh = q.transpose(1, 2).to(acc)  # [B, H, Sq, D]
-        kh = expand_kv(k, h).transpose(1, 2).to(acc)  # [B, H, Sk, D]
-        vh = expand_kv(v, h).transpose(1, 2).to(acc)
-        out = torch.zeros(b, sq, h, v.size(-1), dtype=acc, device=q.device)
-        lse = torch.full((b, h, sq), -math.inf, dtype=acc, device=q.device)
-        for q0, q1, k0, k1 in self._tiles(sq, k.size(1), kind):
-            idx = self._indices(b, h, q0, q1, k0, k1, q.device)
-            s = self.mods.apply(qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2) * scale, *idx)  # [B, H, bq, bk]
-            visible = self._visible(kind, mask, idx, q0, q1, k0, k1, q.device)
-            if visible is not None:
-                s = s.masked_fill(~visible, -math.inf)
-            tile_lse = torch.logsumexp(s, dim=-1)  # [B, H, bq]
-            p = torch.exp(s - tile_lse.unsqueeze(-1)).nan_to_num(nan=0.0)
-            merge_into(out[:, q0:q1], lse[:, :, q0:q1], (p @ vh[:, :, k0:k1]).transpose(1, 2), tile_lse)
-        return out, lse
+    def _tile_scores(self, qh, kh, q0, q1, k0, k1, *, scale, kind, mask):
+        b, h = qh.shape[:2]
+        idx = self._indices(b, h, q0, q1, k0, k1, qh.device)
+        s = self.mods.apply(qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2) * scale, *idx)  # [B, H, bq, bk]
+        return s, self._visible(kind, mask, idx, q0, q1, k0, k1, qh.device)
 
     def backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
         check_heads(q, k)
