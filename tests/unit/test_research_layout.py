@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("experiments", "benchmarks")
-ENTRY_POINTS = {"demo.py", "run.py", "figures.py", "hf_support_table.py", "cluster_train.py",
+ENTRY_POINTS = {"bench_gpu.py", "demo.py", "run.py", "figures.py", "hf_support_table.py", "cluster_train.py",
                 "torchrun_multinode.sh", "slurm_train.sbatch"}
 
 
