@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The GPU measurements in one command: per-rank schedule efficiency, kernels, longest context,
-model throughput (MFU). Written and smoke-tested on CPU (``--smoke``); **not yet run on a GPU**.
+model throughput (MFU). Smoke-tested on CPU (``--smoke``); run on one H200 (``results/2026-11-28_h200/``).
 
     PYTHONPATH=. python -m benchmarks.gpu.run                     # one GPU, the defaults (sized for one 10-minute call)
     PYTHONPATH=. python -m benchmarks.gpu.run --sections schedule --local-lens 8192 16384 32768 65536 131072

@@ -22,7 +22,7 @@ Kernels (``KERNELS``):
 - ``flash_attn`` (CUDA): the flash-attn package 2.6 / 2.7 / 2.8 (pinned by ``__version__``;
   imported lazily), else the efficient op, else ``torch``.
 - ``auto``: CPU: ``sdpa``. CUDA: ``flash_attn`` when a supported flash-attn is installed, else
-  ``sdpa``. A static order for now; GPU benchmarks will decide between flash and cuDNN.
+  ``sdpa``, with the cuDNN op tried first on Hopper (Note [cuDNN first on Hopper], measured on an H200).
 
 Note [CUDA kernel eligibility] (checked per block call, ``why_not``):
 
@@ -446,10 +446,14 @@ class _CudaChainKernel:
         b, sq, h, d = q.shape
         block = dict(dtype=q.dtype, head_dim=d, kind=kind, capability=self._capability(q), batch=b, heads=h,
                      seq_len_q=sq, seq_len_k=k.size(1), deterministic=deterministic_required())
-        for op in self.ops:
+        for op in self._ops(q):
             if self._op_available(op) and why_not(op, **block) is None:
                 return op
         return "torch"
+
+    def _ops(self, q) -> tuple[str, ...]:
+        """The ops tried for a block of ``q``, first eligible wins."""
+        return self.ops
 
     def _op_available(self, op: str) -> bool:
         return True
@@ -570,11 +574,36 @@ class CudnnKernel(_CudaChainKernel):
     ops = ("cudnn", "efficient")
 
     def _op_available(self, op: str) -> bool:
-        # PyTorch builds its cuDNN attention only against cuDNN 9+; a given ``capability`` describes a
-        # stand-in device (unit tests), on which cuDNN is assumed
-        if op != "cudnn" or self.capability is not None:
-            return True
-        return torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000
+        return op != "cudnn" or _cudnn_attention_built(self.capability)
+
+
+def _cudnn_attention_built(stand_in_capability) -> bool:
+    """PyTorch builds its cuDNN attention only against cuDNN 9+; a given ``capability`` describes a stand-in
+    device (unit tests), on which cuDNN is assumed."""
+    if stand_in_capability is not None:
+        return True
+    return torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000
+
+
+class AutoKernel(SDPAKernel):
+    """``kernel="auto"`` without flash-attn: ``sdpa`` (CPU: the CPU flash op; CUDA: the flash op, then the
+    efficient op), except that on Hopper (sm90) a block tries the cuDNN op first (Note [cuDNN first on Hopper]).
+
+    Note [cuDNN first on Hopper]
+        Measured side by side in one run on one H200 (torch 2.11 + cuDNN 9.19, ``benchmarks/gpu/results/
+        2026-11-28_h200/perf.json``), local causal fwd+bwd, bf16, 32 query / 8 K/V heads of 128: cuDNN 420 / 585 /
+        556 TFLOP/s at N = 4K / 16K / 64K against SDPA's flash op 243 / 319 / 328, and every cuDNN block of the
+        same run's exactness check (bf16, fp16, GQA, packed documents, odd lengths) within tolerance of float64.
+        Only sm90 was measured, so only sm90 gets this order; elsewhere ``auto`` stays ``sdpa``. Blocks cuDNN
+        cannot take (one key, D > 128, fp32, deterministic mode: Note [CUDA kernel eligibility]) go to the flash
+        op as before, then to the efficient op."""
+
+    name = "auto"
+
+    def _ops(self, q) -> tuple[str, ...]:
+        if self._capability(q)[0] == 9 and _cudnn_attention_built(self.capability):
+            return ("cudnn", *self.ops)
+        return self.ops
 
 
 # ----------------------------------------------------------------------------------------------
@@ -666,12 +695,14 @@ def flash_attn_available() -> bool:
 
 
 def make_kernel(name: str) -> LocalKernel:
-    """``"auto"``: flash-attn on CUDA when a supported version is installed, else PyTorch SDPA (CPU
-    or CUDA; on CUDA that is the flash op, then the efficient op, per block)."""
+    """``"auto"``: flash-attn on CUDA when a supported version is installed, else ``AutoKernel`` (PyTorch SDPA;
+    on CUDA the flash op, then the efficient op, per block, with cuDNN first on Hopper)."""
     if name not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
     if name == "auto":
-        name = "flash_attn" if flash_attn_available() else "sdpa"
+        if not flash_attn_available():
+            return AutoKernel()
+        name = "flash_attn"
     if name == "torch":
         return TorchBlockwiseKernel()
     if name == "sdpa":
