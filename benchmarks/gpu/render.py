@@ -68,14 +68,19 @@ def ranks(data: dict, path: Path) -> str:
 
 
 def kernel_tflops(data: dict, path: Path) -> str:
-    """Local attention fwd+bwd TFLOP/s per kernel (causal, bf16, 32 query / 8 K/V heads of 128)."""
+    """Local attention fwd+bwd TFLOP/s per kernel and mask (bf16, 32 query / 8 K/V heads of 128). Reads the ready
+    check's rows (``{"rows": [{"section": "bench:kernels", ...}]}``) and ``benchmarks.gpu.run``'s results alike."""
+    rows = data["rows"] if "rows" in data else [{"section": "bench:kernels", "status": "ok", **r}
+                                                for r in data["results"].get("kernels", []) if "error" not in r]
     by = defaultdict(dict)
-    for row in data["rows"]:
+    for row in rows:
         if row.get("section") == "bench:kernels" and row.get("status") == "ok":
-            by[row["kernel"]][int(row["seq_len"])] = _f(row["tflops"])
+            mask = "causal" if row.get("causal", True) in (True, "True") else "full"
+            by[(mask, row["kernel"])][int(row["seq_len"])] = _f(row["tflops"])
     lens = sorted({n for v in by.values() for n in v})
-    lines = ["| kernel | " + " | ".join(f"N = {n // 1024}K" for n in lens) + " |", "|---" * (len(lens) + 1) + "|"]
-    lines += [f"| {k} | " + " | ".join(f"{v[n]:.0f}" if n in v else "-" for n in lens) + " |" for k, v in sorted(by.items())]
+    lines = ["| mask | kernel | " + " | ".join(f"N = {n // 1024}K" for n in lens) + " |", "|---" * (len(lens) + 2) + "|"]
+    lines += [f"| {m} | {k} | " + " | ".join(f"{v[n]:.0f}" if n in v else "-" for n in lens) + " |"
+              for (m, k), v in sorted(by.items())]
     return "\n".join(lines + ["", _source(data["meta"], path)])
 
 
