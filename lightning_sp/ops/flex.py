@@ -95,11 +95,13 @@ def _ops_from(module, flex_attention: Callable) -> FlexOps:
 
 @functools.cache
 def compiled_flex_ops() -> FlexOps:
-    """PyTorch's FlexAttention, compiled (uncompiled it materialises the whole score matrix). One compiled
-    function per process: ``torch.compile`` keeps one graph per score/mask closure code and shapes."""
+    """PyTorch's FlexAttention, compiled (uncompiled it materialises the whole score matrix), with dynamic
+    shapes from the start: the blocks of a plan have many lengths (documents, ring steps), and Dynamo keeps at
+    most ``recompile_limit`` (8) graphs per function before it falls back to the uncompiled op, so one graph per
+    closure structure (mask kind x modifiers x dtype x forward/backward) must do for every length."""
     from torch.nn.attention import flex_attention as module
 
-    return _ops_from(module, torch.compile(module.flex_attention))
+    return _ops_from(module, torch.compile(module.flex_attention, dynamic=True))
 
 
 def eager_flex_ops() -> FlexOps:
