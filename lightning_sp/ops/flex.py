@@ -192,9 +192,9 @@ def _block_grads_against_row(o_b, lse_b, dout, out, lse):
 class FlexKernel:
     """One block with FlexAttention on CUDA (module docstring, Note [FlexAttention blocks on global indices]),
     else ``fallback``: ``ScoreModKernel`` with ``mods``, the SDPA kernel without (``ops/kernels.py`` builds both
-    kernels; this module does not import it, so that ``kernels`` can import this one). ``ops``: the FlexAttention functions
-    (default: ``compiled_flex_ops()``, resolved at the first CUDA block); ``device_type="cuda"`` forces the
-    flex path for tensors of another device and ``dtypes`` widens the dtypes (the CPU tests, with a stand-in
+    kernels; this module does not import it, so that ``kernels`` can import this one). ``ops``: the FlexAttention
+    functions (default: ``compiled_flex_ops()``, resolved at the first CUDA block); ``device_type="cuda"`` forces
+    the flex path for tensors of another device and ``dtypes`` widens the dtypes (the CPU tests, with a stand-in
     ``ops``: fp64 for exactness)."""
 
     name = "flex"

@@ -133,8 +133,8 @@ class BlockAttentionSpec:
     """Plan under this mask (``plan_blocks(mask=)``; it carries causality and documents); ``None``: ``causal``
     and ``doc_bounds``."""
     score_mods: ScoreMods | None = None
-    """Per-score modifiers: every call runs ``score_mod_kernel`` (FlexAttention on CUDA, else ``ScoreModKernel``; needs
-    ``mask``, whose calls are contiguous)."""
+    """Per-score modifiers: every call runs ``score_mod_kernel``'s kernel (FlexAttention on CUDA, else
+    ``ScoreModKernel``; needs ``mask``, whose calls are contiguous)."""
     head_offset: int = 0
     """Global index of the first local query head (Ulysses ranks hold a slice): for score modifiers and sinks."""
     follow_mask: bool = False

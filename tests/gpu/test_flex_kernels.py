@@ -89,7 +89,8 @@ def _run_row(mask, q, k, v, blocks, dout, q_start):
     if mods is None:  # windows, chunks, spans, documents: kernel="flex"
         make = lambda k0: make_kernel("flex")  # noqa: E731
     else:  # what a call with score modifiers runs under any kernel but "torch"
-        make = lambda k0: score_mod_kernel(SDPAKernel(), mods, q_global=q_start, k_global=k0, head_offset=0)  # noqa: E731
+        make = lambda k0: score_mod_kernel(SDPAKernel(), mods, q_global=q_start, k_global=k0,  # noqa: E731
+                                           head_offset=0)
     scale = 1.0 / math.sqrt(D)
     out = torch.zeros(*q.shape, dtype=torch.float32, device="cuda")
     lse = torch.full((q.size(0), H, q.size(1)), -math.inf, dtype=torch.float32, device="cuda")
@@ -150,7 +151,8 @@ def test_through_the_module(monkeypatch):
     monkeypatch.setattr(flex.FlexKernel, "_flex", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
     mask = ALL  # the graphs compiled above serve the module's blocks too
     torch.manual_seed(0)
-    leaves = [torch.randn(1, N, hh, D, dtype=torch.bfloat16, device="cuda", requires_grad=True) for hh in (H, H_KV, H_KV)]
+    leaves = [torch.randn(1, N, hh, D, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+              for hh in (H, H_KV, H_KV)]
     sinks = torch.randn(H, dtype=torch.float32, device="cuda", requires_grad=True)
     cu = torch.tensor([0, 100, 101, 277, N], dtype=torch.int32, device="cuda")
     out = SequenceParallelAttention(causal=True, mask=mask)(*leaves, cu_seqlens=cu, sinks=sinks)

@@ -58,7 +58,8 @@ class FlexAttentionStandIn:
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             raise NotImplementedError("NYI: query, key, and value must be 4D tensors")
         if not (q.dtype == k.dtype == v.dtype):
-            raise ValueError(f"Expected query, key, and value to have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+            raise ValueError(f"Expected query, key, and value to have the same dtype, got {q.dtype}, {k.dtype}, "
+                             f"{v.dtype}")
         if not (q.device == k.device == v.device) or q.device.type != self.device_type:
             raise ValueError(f"inputs must all be on {self.device_type}, got {q.device}, {k.device}, {v.device}")
         if q.dtype not in self.dtypes:
@@ -70,7 +71,8 @@ class FlexAttentionStandIn:
             raise NotImplementedError(f"NYI: embedding dimension of the query, key, and value must be at least 16 "
                                       f"but got E={q.size(-1)} and Ev={v.size(-1)}")
         if q.size(0) != k.size(0) or k.size(0) != v.size(0) or k.shape[:3] != v.shape[:3]:
-            raise ValueError(f"batch sizes / key-value shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+            raise ValueError(f"batch sizes / key-value shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, "
+                             f"{tuple(v.shape)}")
         hq, hkv = q.size(1), k.size(1)
         if not enable_gqa and hq != hkv:
             raise ValueError(f"Expect query and key/value to have the same number of heads but got Hq={hq} and "
