@@ -95,13 +95,15 @@ def _ops_from(module, flex_attention: Callable) -> FlexOps:
 
 @functools.cache
 def compiled_flex_ops() -> FlexOps:
-    """PyTorch's FlexAttention, compiled (uncompiled it materialises the whole score matrix), with dynamic
-    shapes from the start: the blocks of a plan have many lengths (documents, ring steps), and Dynamo keeps at
-    most ``recompile_limit`` (8) graphs per function before it falls back to the uncompiled op, so one graph per
-    closure structure (mask kind x modifiers x dtype x forward/backward) must do for every length."""
+    """PyTorch's FlexAttention, compiled (uncompiled it materialises the whole score matrix), with Dynamo's
+    automatic dynamic shapes: per closure structure (mask kind x modifiers x dtype x forward/backward) the first
+    block length compiles a static graph and the second a dynamic one that serves every later length. Not
+    ``dynamic=True``: it makes the float ``scale`` symbolic, and FlexAttention's lowering has had bugs with it
+    (pytorch#147756). Dynamo keeps at most ``recompile_limit`` (8) graphs per function, past which it runs the
+    uncompiled op: one mask configuration stays within it; many in one process (a test grid) may not."""
     from torch.nn.attention import flex_attention as module
 
-    return _ops_from(module, torch.compile(module.flex_attention, dynamic=True))
+    return _ops_from(module, torch.compile(module.flex_attention))
 
 
 def eager_flex_ops() -> FlexOps:
