@@ -100,7 +100,8 @@ def compiled_flex_ops() -> FlexOps:
     block length compiles a static graph and the second a dynamic one that serves every later length. Not
     ``dynamic=True``: it makes the float ``scale`` symbolic, and FlexAttention's lowering has had bugs with it
     (pytorch#147756). Dynamo keeps at most ``recompile_limit`` (8) graphs per function, past which it runs the
-    uncompiled op: one mask configuration stays within it; many in one process (a test grid) may not."""
+    uncompiled op (exact, slow): one mask configuration can need 12 (3 kinds x 2 directions x 2 lengths), so
+    the guide (docs/guides/masks.md, Kernels on CUDA) says to raise it."""
     from torch.nn.attention import flex_attention as module
 
     return _ops_from(module, torch.compile(module.flex_attention))
