@@ -21,6 +21,10 @@ Kernels (``KERNELS``):
   uses on Hopper), else the efficient op, else ``torch``.
 - ``flash_attn`` (CUDA): the flash-attn package 2.6 / 2.7 / 2.8 (pinned by ``__version__``;
   imported lazily), else the efficient op, else ``torch``.
+- ``flex`` (``ops/flex.py``): FlexAttention (compiled) for every block on CUDA (fp16, bf16, fp32, head dims
+  >= 16), else ``sdpa``. Whatever the kernel, a call with score modifiers runs ``ops/flex.py``'s ``FlexKernel``
+  (FlexAttention on eligible CUDA blocks, ``ScoreModKernel`` for the others), except under ``torch``, which
+  keeps the pure-PyTorch ``ScoreModKernel`` (``score_mod_kernel``).
 - ``auto``: CPU: ``sdpa``. CUDA: ``flash_attn`` when a supported flash-attn is installed, else
   ``sdpa``, with the cuDNN op tried first on Hopper (Note [cuDNN first on Hopper], measured on an H200).
 
@@ -85,10 +89,11 @@ from typing import Protocol
 
 import torch
 
+from lightning_sp.ops.flex import FlexKernel
 from lightning_sp.ops.merge import accumulation_dtype, merge_into
 from lightning_sp.ops.plan import MaskKind
 
-KERNELS = ("auto", "torch", "sdpa", "flash_attn", "efficient", "cudnn")
+KERNELS = ("auto", "torch", "sdpa", "flash_attn", "efficient", "cudnn", "flex")
 
 _HALF = (torch.float16, torch.bfloat16)
 FLASH_ATTN_VERSIONS = ("2.6", "2.7", "2.8")
@@ -711,6 +716,8 @@ def make_kernel(name: str) -> LocalKernel:
         return EfficientKernel()
     if name == "cudnn":
         return CudnnKernel()
+    if name == "flex":
+        return FlexKernel(fallback=SDPAKernel())
     if not flash_attn_available():
         try:
             import flash_attn
@@ -793,3 +800,13 @@ class ScoreModKernel(TorchBlockwiseKernel):
             dq[:, :, q0:q1] += ds @ kh[:, :, k0:k1] * scale
             dk[:, :, k0:k1] += ds.transpose(-1, -2) @ qh[:, :, q0:q1] * scale
         return dq.transpose(1, 2), reduce_kv_grad(dk.transpose(1, 2), h_kv), reduce_kv_grad(dv.transpose(1, 2), h_kv)
+
+
+def score_mod_kernel(kernel: LocalKernel, mods, *, q_global: int, k_global: int, head_offset: int) -> LocalKernel:
+    """The kernel of one call with score modifiers ``mods`` under the local kernel ``kernel``: ``ScoreModKernel``
+    under ``torch`` (the pure-PyTorch reference), else ``ops/flex.py``'s ``FlexKernel`` (FlexAttention on eligible
+    CUDA blocks, ``ScoreModKernel`` for the others)."""
+    exact = ScoreModKernel(mods, q_global=q_global, k_global=k_global, head_offset=head_offset)
+    if getattr(kernel, "name", None) == "torch":
+        return exact
+    return FlexKernel(mods, fallback=exact, q_global=q_global, k_global=k_global, head_offset=head_offset)
