@@ -2,8 +2,8 @@
 ``torch.nn.attention.flex_attention`` call on CUDA, with the project's kernel interface (``forward -> (out, lse)``,
 ``backward`` against the merged row's ``out``/``lse``; ``ops/kernels.py``).
 
-Which kernel runs a call with score modifiers (``score_mod_kernel`` in ``ops/kernels.py``): ``FlexKernel`` for
-every local kernel but ``torch``; ``FlexKernel`` runs a block with FlexAttention when ``why_not_flex`` finds
+Which kernel runs a call with score modifiers (``score_mod_kernel`` in ``ops/kernels.py``): ``FlexKernel`` under
+``kernel="flex"`` (opt-in until its GPU test has run on a GPU), ``ScoreModKernel`` under every other; ``FlexKernel`` runs a block with FlexAttention when ``why_not_flex`` finds
 nothing against it, else ``ScoreModKernel`` (the blockwise PyTorch loop, exact on any device):
 
 - the block is on CUDA (FlexAttention's CPU path has no backward, and its forward materialises the scores);

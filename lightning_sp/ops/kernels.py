@@ -22,9 +22,8 @@ Kernels (``KERNELS``):
 - ``flash_attn`` (CUDA): the flash-attn package 2.6 / 2.7 / 2.8 (pinned by ``__version__``;
   imported lazily), else the efficient op, else ``torch``.
 - ``flex`` (``ops/flex.py``): FlexAttention (compiled) for every block on CUDA (fp16, bf16, fp32, head dims
-  >= 16), else ``sdpa``. Whatever the kernel, a call with score modifiers runs ``ops/flex.py``'s ``FlexKernel``
-  (FlexAttention on eligible CUDA blocks, ``ScoreModKernel`` for the others), except under ``torch``, which
-  keeps the pure-PyTorch ``ScoreModKernel`` (``score_mod_kernel``).
+  >= 16), else ``sdpa``; calls with score modifiers too (``score_mod_kernel``). Opt-in: not yet run on a GPU.
+  Under every other kernel a call with score modifiers runs the pure-PyTorch ``ScoreModKernel``.
 - ``auto``: CPU: ``sdpa``. CUDA: ``flash_attn`` when a supported flash-attn is installed, else
   ``sdpa``, with the cuDNN op tried first on Hopper (Note [cuDNN first on Hopper], measured on an H200).
 
@@ -742,7 +741,8 @@ class ScoreModKernel(TorchBlockwiseKernel):
     global positions of the call's first query/key (calls under a mask are globally contiguous, Note [Plans
     under a mask] in ``ops/plan.py``), ``head_offset`` the global index of the first query head. No fused op
     takes these (flash-attn's softcap/ALiBi arguments have no equivalent for the others, and the SDPA ops none),
-    so a call with score modifiers always runs here, whatever ``kernel=`` says: exact in every dtype, any device.
+    so a call with score modifiers runs here under every ``kernel=`` but ``"flex"`` (``score_mod_kernel``): exact in
+    every dtype, any device.
     The backward differentiates the modifiers by autograd on each tile (``ds = d mod(s) / ds . dS``)."""
 
     name = "torch+score_mods"
@@ -803,10 +803,11 @@ class ScoreModKernel(TorchBlockwiseKernel):
 
 
 def score_mod_kernel(kernel: LocalKernel, mods, *, q_global: int, k_global: int, head_offset: int) -> LocalKernel:
-    """The kernel of one call with score modifiers ``mods`` under the local kernel ``kernel``: ``ScoreModKernel``
-    under ``torch`` (the pure-PyTorch reference), else ``ops/flex.py``'s ``FlexKernel`` (FlexAttention on eligible
-    CUDA blocks, ``ScoreModKernel`` for the others)."""
+    """The kernel of one call with score modifiers ``mods`` under the local kernel ``kernel``: ``ops/flex.py``'s
+    ``FlexKernel`` under ``kernel="flex"`` (FlexAttention on eligible CUDA blocks, ``ScoreModKernel`` for the
+    others), else ``ScoreModKernel``. FlexAttention is opt-in until its GPU test (``tests/gpu/test_flex_kernels.py``)
+    has passed on a GPU: it is checked on CPU against a stand-in only (docs/gpu-status.md)."""
     exact = ScoreModKernel(mods, q_global=q_global, k_global=k_global, head_offset=head_offset)
-    if getattr(kernel, "name", None) == "torch":
+    if getattr(kernel, "name", None) != "flex":
         return exact
     return FlexKernel(mods, fallback=exact, q_global=q_global, k_global=k_global, head_offset=head_offset)

@@ -18,7 +18,7 @@ import torch
 from lightning_sp import SequenceParallelAttention
 from lightning_sp.masks import AttentionMask
 from lightning_sp.ops import flex
-from lightning_sp.ops.kernels import SDPAKernel, make_kernel, score_mod_kernel
+from lightning_sp.ops.kernels import make_kernel, score_mod_kernel
 from lightning_sp.ops.merge import merge_into
 from lightning_sp.ops.plan import MaskKind
 from tests.reference import dense_attention
@@ -88,8 +88,8 @@ def _run_row(mask, q, k, v, blocks, dout, q_start):
     mods = mask.score_mods()
     if mods is None:  # windows, chunks, spans, documents: kernel="flex"
         make = lambda k0: make_kernel("flex")  # noqa: E731
-    else:  # what a call with score modifiers runs under any kernel but "torch"
-        make = lambda k0: score_mod_kernel(SDPAKernel(), mods, q_global=q_start, k_global=k0,  # noqa: E731
+    else:  # what a call with score modifiers runs under kernel="flex"
+        make = lambda k0: score_mod_kernel(make_kernel("flex"), mods, q_global=q_start, k_global=k0,  # noqa: E731
                                            head_offset=0)
     scale = 1.0 / math.sqrt(D)
     out = torch.zeros(*q.shape, dtype=torch.float32, device="cuda")
@@ -155,7 +155,7 @@ def test_through_the_module(monkeypatch):
               for hh in (H, H_KV, H_KV)]
     sinks = torch.randn(H, dtype=torch.float32, device="cuda", requires_grad=True)
     cu = torch.tensor([0, 100, 101, 277, N], dtype=torch.int32, device="cuda")
-    out = SequenceParallelAttention(causal=True, mask=mask)(*leaves, cu_seqlens=cu, sinks=sinks)
+    out = SequenceParallelAttention(causal=True, mask=mask, kernel="flex")(*leaves, cu_seqlens=cu, sinks=sinks)
     dout = torch.randn_like(out)
     got = [out, *torch.autograd.grad(out, [*leaves, sinks], dout)]
     assert calls, "FlexAttention was not used"
@@ -177,7 +177,8 @@ def test_new_offsets_do_not_recompile():
     q, k, v = (torch.randn(1, 128, hh, D, dtype=torch.bfloat16, device="cuda") for hh in (H, H_KV, H_KV))
     before, graphs = counters["stats"]["unique_graphs"], []
     for q_global, k_global in ((0, 0), (128, 0), (512, 256), (1024, 896)):
-        kern = score_mod_kernel(SDPAKernel(), mask.score_mods(), q_global=q_global, k_global=k_global, head_offset=0)
+        kern = score_mod_kernel(make_kernel("flex"), mask.score_mods(), q_global=q_global, k_global=k_global,
+                                head_offset=0)
         with torch.no_grad():
             kern.forward(q, k, v, scale=0.125, kind=MaskKind.FULL, mask=None)
         graphs.append(counters["stats"]["unique_graphs"])

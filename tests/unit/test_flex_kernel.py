@@ -290,10 +290,10 @@ def test_real_flex_attention_forward_on_cpu(case):
 def test_dispatch_rule():
     mods = CASES["all"][0].score_mods()
     q, k, v = _inputs(dtype=torch.float32)
-    chosen = score_mod_kernel(SDPAKernel(), mods, q_global=Q0, k_global=0, head_offset=HEAD_OFFSET)
+    chosen = score_mod_kernel(make_kernel("flex"), mods, q_global=Q0, k_global=0, head_offset=HEAD_OFFSET)
     assert isinstance(chosen, flex.FlexKernel)
-    assert isinstance(score_mod_kernel(TorchBlockwiseKernel(), mods, q_global=0, k_global=0, head_offset=0),
-                      ScoreModKernel)
+    for other in (TorchBlockwiseKernel(), SDPAKernel(), make_kernel("auto")):  # opt-in until run on a GPU
+        assert type(score_mod_kernel(other, mods, q_global=0, k_global=0, head_offset=0)) is ScoreModKernel
     assert "device cpu" in chosen.why_not(q, k, v)  # CPU blocks run ScoreModKernel ...
     ops, stand_in = stand_in_ops(dtypes=flex.FLEX_DTYPES)
     on_cpu = flex_kernel(mods, q_global=Q0, k_global=0, ops=ops)
