@@ -32,15 +32,16 @@ class MultimodalDecoder(TransformerLM):
     (global ``[start, end)`` of each image's patch tokens, the same for every row) when ``image_attention`` is
     ``"bidirectional"``.
 
-    ``image_attention``: ``"bidirectional"`` (default; as PaliGemma and Gemma 3) makes each image's patches one
-    bidirectional span inside the causal stream (Note [Images inside a causal stream]); ``"causal"`` reads them
-    left to right like text. Every other argument is ``TransformerLM``'s.
+    ``image_attention``: ``"bidirectional"`` (as PaliGemma and Gemma 3; the multimodal demo's config) makes each
+    image's patches one bidirectional span inside the causal stream (Note [Images inside a causal stream]);
+    ``"causal"`` (default, so a batch without ``image_spans`` still trains) reads them left to right like text.
+    Every other argument is ``TransformerLM``'s.
     """
 
     causal = True
     default_vocab_size = 279
 
-    def __init__(self, *, image_attention: str = "bidirectional", **kwargs) -> None:
+    def __init__(self, *, image_attention: str = "causal", **kwargs) -> None:
         if image_attention not in IMAGE_ATTENTION:
             raise ValueError(f"image_attention must be one of {IMAGE_ATTENTION}, got {image_attention!r}")
         super().__init__(**kwargs)

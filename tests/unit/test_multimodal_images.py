@@ -78,6 +78,7 @@ def test_a_patch_sees_the_later_patches_of_its_own_image_only_when_bidirectional
 def test_bad_image_inputs_raise_clear_errors(samples):
     with pytest.raises(ValueError, match="image_attention must be one of"):
         MultimodalDecoder(image_attention="full")
+    assert MultimodalDecoder(d_model=16, n_layers=1, n_heads=2).image_attention == "causal"  # batches without spans train
     model = _model("bidirectional")
     model.log = lambda *args, **kwargs: None
     batch = collate_stack(samples)
