@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import AttentionMask, SequenceParallelAttention, gather_sequence, shard_sequence
+from tests.distributed import multimodal_spans
 from tests.distributed.harness import run_on_ranks
 from tests.reference import dense_attention
 
@@ -145,7 +146,7 @@ def _worker(rank, world):
     pieces = {case: _run_case(group, world, *case, seed=i, pieces=3) for i, case in enumerate(PIECES_CASES)}
     ring_attention.MIN_PIECE_TOKENS = 256
     return {"cases": cases, "pieces": pieces, "traffic": _traffic(group, world),
-            "disagree": _disagreeing_masks(group, rank)}
+            "disagree": _disagreeing_masks(group, rank), "multimodal": multimodal_spans.span_cases(group, world)}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -196,3 +197,20 @@ def test_ranks_with_different_masks_raise_together(grid):
     world, per_rank = grid
     for rank, result in enumerate(per_rank):
         assert result["disagree"] is not None and "hash(mask, sinks)" in result["disagree"], (rank, result["disagree"])
+
+
+def test_multimodal_decoder_with_bidirectional_images_matches_dense_fp64(grid):
+    """``MultimodalDecoder(image_attention="bidirectional")`` sharded by the strategy's sharder (zigzag_ring,
+    allgather_kv; padded: 51 tokens) equals one process with dense float64 attention and the same image spans:
+    loss and every parameter's gradient; the reference without the spans misses. ``"causal"`` equals the plain
+    causal reference and misses the bidirectional one. A batch whose labels sit inside a span raises on every rank
+    (tests/distributed/multimodal_spans.py)."""
+    world, per_rank = grid
+    for rank, result in enumerate(per_rank):
+        cases = result["multimodal"]["cases"]
+        assert len(cases) == len(multimodal_spans.BACKENDS) + 1
+        for key, (loss_err, grad_err, control) in cases.items():
+            assert loss_err < 1e-12 and grad_err < 1e-12, (world, rank, key, loss_err, grad_err)
+            assert control > 1e-4, (world, rank, key, f"control {control}: the image spans made no difference")
+        leak = result["multimodal"]["leak"]
+        assert leak is not None and "inside a bidirectional image span" in leak, (rank, leak)
