@@ -45,8 +45,15 @@ from pathlib import Path
 
 from lightning_sp import cost_model
 
-PRECISIONS = {"bf16-mixed": 2, "16-mixed": 2, "32-true": 4}
+PRECISIONS = {"bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "32-true": 4}
 """Activation bytes per element of each Lightning precision the planner knows."""
+
+STATE_BYTES = {"bf16-mixed": (4, 4, 8), "16-mixed": (4, 4, 8), "bf16-true": (2, 2, 4), "32-true": (4, 4, 8)}
+"""Bytes per parameter of (the parameter, its gradient, AdamW's two moments) under each precision: the mixed
+ones keep float32 master weights; ``bf16-true`` (pure bfloat16) keeps all three in bfloat16."""
+
+IMPLEMENTATIONS = ("fused", "project", "hf")
+"""What a layer saves for backward beyond its fused minimum (``ModelSpec.implementation``)."""
 
 DATA_PARALLEL = ("ddp", "fsdp")
 
@@ -104,6 +111,16 @@ class ModelSpec:
     """Linear layers and norms with biases (BERT/ESM style)."""
     lm_head_transform: bool = False
     """A dense + norm before the output projection (BERT/ESM masked-LM heads)."""
+    implementation: str = "fused"
+    """Which code runs the layer, for the tensors it saves for backward (Note [Saved tensors]): ``"fused"``
+    (fused rotary/norm/activation kernels: the minimum), ``"project"`` (``lightning_sp.models``) or ``"hf"``
+    (transformers' eager modules)."""
+    rotary: bool = True
+    """Rotary positions (ignored by ``"fused"``)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k (Qwen3)."""
+    python_gelu: bool = False
+    """The MLP's GELU written as ``x * 0.5 * (1 + erf(x / sqrt 2))`` (transformers' ESM)."""
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -114,6 +131,8 @@ class ModelSpec:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.kv_heads}")
         if self.num_experts and not self.experts_per_token:
             raise ValueError("an MoE model needs experts_per_token (num_experts_per_tok) >= 1")
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"ModelSpec.implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
 
     # ---- derived sizes
     @property
@@ -171,15 +190,42 @@ class ModelSpec:
     def params(self) -> float:
         return self.layer_params() + self.embedding_params()
 
-    def saved_per_token(self, *, tp: int = 1) -> float:
-        """Elements one layer saves for backward per token (no checkpointing), per rank under ``tp``:
-        the two norms' inputs and outputs, q/k/v, the attention's output (and its log-sum-exp), the MLP's
-        inner activations (two for GELU MLPs, four for gated ones: gate, up, their product's inputs)."""
-        c, h, hkv = self.hidden, self.num_heads, self.kv_heads
-        attn = (h * self.qk_dim + hkv * self.qk_dim + hkv * self.v_dim + h * self.v_dim + h) / tp
-        width = (self.moe_ffn_hidden or self.ffn) * self.experts_per_token if self.num_experts else self.ffn
-        mlp = (4 if self.gated_mlp else 2) * width / tp
-        return 4 * c + attn + mlp
+    def mlp_width(self) -> float:
+        """The MLP's inner width per token, averaged over the layers (MoE: the routed experts a token visits
+        and the shared ones; DeepSeek's first dense layers their own)."""
+        if not self.num_experts:
+            return self.ffn
+        moe_layers = self.num_layers - self.dense_layers
+        routed = (self.moe_ffn_hidden or self.ffn) * (self.experts_per_token + self.shared_experts)
+        return (moe_layers * routed + self.dense_layers * self.ffn) / self.num_layers
+
+    def saved_per_token(self, *, tp: int = 1, act_bytes: int = 2, mlp_tiled: bool = False) -> tuple[float, float]:
+        """Elements (of ``act_bytes`` each) one layer saves for backward per token without checkpointing, per
+        rank under ``tp``, as ``(attention and norms, MLP)`` (Note [Saved tensors]). ``mlp_tiled``: the
+        sequence-tiled MLP, which saves only its input (the second norm's output, counted with the norms)."""
+        c, h, hkv, d, dv = self.hidden, self.num_heads, self.kv_heads, self.qk_dim, self.v_dim
+        q, k = h * d, hkv * d
+        attn = (q + k + hkv * dv + h * dv) / tp + h / tp * max(1, 4 // act_bytes)  # + the float32 log-sum-exp
+        if self.kv_lora_rank:  # MLA: the latents and their norms' inputs
+            attn += (2 * self.q_lora_rank + 2 * self.kv_lora_rank + self.qk_rope_head_dim) / tp
+        if self.implementation == "project" and self.rotary:
+            # rotary() upcasts q and k to float32 (a copy unless they are float32 already) and keeps them,
+            # and the q/k/v projection's output stays alive under the v view
+            attn += (q + k) * (1 + (4 // act_bytes if act_bytes < 4 else 0)) / tp
+        elif self.implementation == "hf":
+            rope = (h + hkv) * self.qk_rope_head_dim if self.kv_lora_rank else q + k
+            attn += 2 * rope / tp if self.rotary else 0.0  # q, k before rotation and rotate_half(q), (k)
+            attn += (q + k) / tp if self.qk_norm else 0.0  # the per-head norms' inputs
+        width = self.mlp_width() / tp
+        if mlp_tiled:
+            mlp = 0.0
+        else:  # GELU: fc1's output and the activation; gated: gate, its activation, up, their product
+            mlp = (4 if self.gated_mlp else 2) * width
+            if self.implementation == "hf" and self.python_gelu:
+                mlp += 2 * width  # x / sqrt 2 for erf, x * 0.5 and 1 + erf for the product (fc1's output is not kept)
+            if self.num_experts:  # the router's scores and the tokens gathered per expert
+                mlp += self.num_experts / tp + self.experts_per_token * c / tp
+        return 4 * c + attn, mlp
 
     # ---- constructors
     @classmethod
@@ -217,6 +263,10 @@ class ModelSpec:
             kv_lora_rank=int(cfg.get("kv_lora_rank") or 0), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
             qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0), v_head_dim=cfg.get("v_head_dim"),
             biases=encoder, lm_head_transform=encoder,
+            implementation="hf",
+            rotary=cfg.get("position_embedding_type", "rotary") == "rotary" if encoder else True,
+            qk_norm=model_type.startswith("qwen3"),
+            python_gelu=model_type == "esm",
         )
 
     @classmethod
@@ -249,7 +299,7 @@ class ModelSpec:
         return cls(name=path.parent.name or path.stem, num_layers=int(init.get("n_layers", 4)),
                    hidden=int(init["d_model"]), num_heads=int(init.get("n_heads", 4)),
                    num_kv_heads=init.get("n_kv_heads"), ffn_hidden=int(float(init.get("mlp_ratio", 4.0)) * int(init["d_model"])),
-                   vocab=int(vocab), tied_embeddings=True, causal=not encoder, biases=True)
+                   vocab=int(vocab), tied_embeddings=True, causal=not encoder, biases=True, implementation="project")
 
 
 @dataclass(kw_only=True)
@@ -264,8 +314,11 @@ class Candidate:
     kv_pieces: int
     activation_checkpointing: bool
     tiled_loss: bool
+    mlp_chunk_tokens: int = 0
+    """The sequence-tiled MLP's tile (``TransformerConfig.mlp_chunk_size``); 0: the whole MLP."""
     memory: dict[str, float] = field(default_factory=dict)
-    """Bytes per rank by part; ``peak_bytes_per_rank`` is their sum."""
+    """Bytes per rank by part alive at the predicted peak (Note [Step model]); ``peak_bytes_per_rank`` is
+    their sum."""
     peak_bytes_per_rank: float = 0.0
     fits: bool = False
     time: dict[str, float] = field(default_factory=dict)
@@ -279,7 +332,8 @@ class Candidate:
         name = f"usp(ulysses={self.ulysses_degree})" if self.backend == "usp" else self.backend
         return (f"sp={self.sequence_parallel_size} dp={self.data_parallel_size} tp={self.tensor_parallel_size} "
                 f"{name} kv_pieces={self.kv_pieces} ckpt={'on' if self.activation_checkpointing else 'off'} "
-                f"loss={'tiled' if self.tiled_loss else 'whole'}")
+                f"loss={'tiled' if self.tiled_loss else 'whole'}"
+                + (f" mlp_chunk={self.mlp_chunk_tokens}" if self.mlp_chunk_tokens else ""))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -428,37 +482,57 @@ def attention_temporary_bytes(m: ModelSpec, c: Candidate, seq_len: int, batch: i
 
 def memory_bytes(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision: str, data_parallel: str,
                  hw: cost_model.HardwareProfile, tile_elements: int = 1 << 24) -> dict[str, float]:
-    """Per-rank bytes by part (Note [Step model])."""
+    """Per-rank bytes by part, those alive at the predicted peak (Note [Step model])."""
     act = PRECISIONS[precision]
+    param_b, grad_b, optim_b = STATE_BYTES[precision]
     tp, sp, dp = c.tensor_parallel_size, c.sequence_parallel_size, c.data_parallel_size
     params = m.layer_params() / tp + m.embedding_params() / tp
     shard_over = dp * sp if data_parallel == "fsdp" else 1
     tokens = batch * math.ceil(seq_len / sp)  # T: this rank's tokens
-    per_layer_saved = m.saved_per_token(tp=tp) * tokens * act
+    tiled_mlp = 0 < c.mlp_chunk_tokens < tokens
+    attn_saved, mlp_saved = (e * tokens * act for e in m.saved_per_token(tp=tp, act_bytes=act, mlp_tiled=tiled_mlp))
     layer_input = tokens * m.hidden * act
-    stored = m.num_layers * (layer_input if c.activation_checkpointing else per_layer_saved)
-    layer_in_backward = (per_layer_saved if c.activation_checkpointing else 0.0) + 3 * layer_input
+    # the gradient flowing through a layer: the block's output gradient, the residual's and one in the making
+    flowing = 3 * layer_input
+    if tiled_mlp:  # one tile recomputed with its graph: fc1's output, the activation, and their gradients
+        flowing += 4 * min(c.mlp_chunk_tokens, tokens) * m.mlp_width() / tp * act
+    if c.activation_checkpointing:
+        stored = m.num_layers * layer_input
+        recompute_attn, recompute_mlp = attn_saved, mlp_saved
+    else:
+        stored = m.num_layers * (attn_saved + mlp_saved)
+        recompute_attn = recompute_mlp = 0.0
     vocab_rank = m.vocab / tp
     chunk = min(tokens * vocab_rank, LOSS_CHUNK_ELEMENTS) * max(act, 4)  # one float32 chunk of the loss
     if c.tiled_loss:  # one tile's logits, their float32 copy, and the backward's softmax and its gradient
         logits = 4 * chunk
     else:  # the logits and their gradient, and two float32 chunks of the loss's exp(logits - lse) in backward
         logits = 2 * tokens * vocab_rank * act + 2 * chunk
+    attention = attention_temporary_bytes(m, c, seq_len, batch, act, hw)
+    # Note [Step model]: three moments can hold the peak; each is what is alive then beyond the states
+    phases = {
+        "loss": {"stored_activations": stored, "logits": logits},
+        "mlp_backward": {"stored_activations": stored, "layer_in_backward": recompute_attn + recompute_mlp + flowing},
+        # the last layer's MLP tensors are freed by then (its MLP backward ran)
+        "attention_backward": {"stored_activations": stored - (0.0 if c.activation_checkpointing else mlp_saved),
+                               "layer_in_backward": recompute_attn + flowing, "attention": attention},
+    }
+    at_peak = max(phases.values(), key=lambda ph: sum(ph.values()))
+    fsdp = data_parallel == "fsdp" and shard_over > 1
     parts = {
-        "parameters": 4 * params / shard_over,
-        "gradients": 4 * params / shard_over,
-        "optimizer": 8 * params / shard_over,
-        "ddp_buckets": 4 * params if data_parallel == "ddp" and dp * sp > 1 else 0.0,
-        "weight_copies": 2 * m.layer_params() / tp if act == 2 else 0.0,
+        "parameters": param_b * params / shard_over,
+        "gradients": grad_b * params / shard_over,
+        "optimizer": optim_b * params / shard_over,
+        "ddp_buckets": grad_b * params if data_parallel == "ddp" and dp * sp > 1 else 0.0,
+        # bf16-mixed: autocast's bfloat16 copy of each weight, kept for backward by the matmuls that used it
+        "weight_copies": 2 * m.layer_params() / tp if param_b == 4 and act == 2 else 0.0,
         # FSDP: two layers' parameters gathered (the one running, the one prefetched), and the root's (embedding,
         # head, final norm) gathered with their whole gradients until the backward ends
-        "fsdp_gathered": (2 * 4 * m.layer_params() / m.num_layers / tp + 8 * m.embedding_params() / tp)
-        if data_parallel == "fsdp" and shard_over > 1 else 0.0,
-        "stored_activations": stored,
-        "layer_in_backward": layer_in_backward,
-        "attention": attention_temporary_bytes(m, c, seq_len, batch, act, hw),
-        "logits": logits,
+        "fsdp_gathered": (2 * param_b * m.layer_params() / m.num_layers / tp
+                          + (param_b + grad_b) * m.embedding_params() / tp) if fsdp else 0.0,
+        "stored_activations": 0.0, "layer_in_backward": 0.0, "attention": 0.0, "logits": 0.0,
     }
+    parts.update(at_peak)
     return parts
 
 
