@@ -6,32 +6,50 @@ longest sequence that fits (``lightning-sp plan``, ``lightning_sp.plan``).
     plan.to_dict()["recommended"]      # backend, degrees, kv_pieces, checkpointing, bytes, seconds, max_seq_len
 
 Every figure is a **prediction** (Note [Step model]) from the hardware's parameters: datasheet ones for the GPU
-presets, never a measurement. The memory model is validated against measured CPU peaks of whole training steps
-(``experiments/planner``); the attention's time is ``cost_model.predict_attention``'s.
+presets, measured ones for ``h200-measured`` and calibrated CPU profiles. The model is validated against
+measured peaks and step times of whole training steps on CPU and on one H200 (``experiments/planner``,
+``docs/guides/planning.md``); the attention's time is ``cost_model.predict_attention``'s.
 
 Note [Step model]
     Per rank, for one optimizer step on ``B`` sequences of ``N`` tokens, ``T = B N / sp`` tokens per rank:
 
-    memory = states + stored activations + the layer in backward + attention temporaries + logits
+    memory = states + max(loss, MLP backward, attention backward)       (``memory_phases``)
       states       parameters, gradients and AdamW's two moments (4 + 4 + 8 bytes per parameter under
-                   ``32-true`` and ``bf16-mixed``, whose master weights are float32), divided by ``tp`` for the
-                   layers' weights and the vocabulary; FSDP shards them over ``dp x sp``; DDP keeps a second
-                   copy of the gradients in its buckets; ``bf16-mixed`` keeps a bfloat16 copy of every weight a
-                   matmul saved for backward
-      stored       per layer and token: the block's input only with activation checkpointing, else every
-                   tensor the layer saves for backward (``ModelSpec.saved_per_token``)
-      layer        one layer's saved tensors and its gradients alive during its backward (the recompute, with
-                   checkpointing)
-      attention    one attention call's own peak beyond its inputs: the backend's K/V buffers in flight (the
-                   rings' blocks, all-gather's whole K/V, Ulysses' gathered heads); on CPU the blockwise kernel's
-                   fitted peak (``choices``)
-      logits       ``[T, V]`` logits and their gradient and the loss's float32 chunks, or a few float32 tiles
-                   with the tiled loss (``sequence_parallel_cross_entropy(hidden, labels, weight=...)``)
+                   ``32-true`` and the mixed precisions, whose master weights are float32; 2 + 2 + 4 under
+                   ``bf16-true``), divided by ``tp`` for the layers' weights and the vocabulary; FSDP (each
+                   transformer block its own unit) shards them over ``dp x sp`` and holds two blocks' and the
+                   root's parameters gathered; DDP keeps a second copy of the gradients in its buckets;
+                   ``bf16-mixed`` keeps a bfloat16 copy of every weight a matmul saved for backward
+    The activations peak at one of three moments; each counts what is alive then:
+      loss         every layer's stored activations (the block's input only with activation checkpointing,
+                   else every tensor the layer saves, Note [Saved tensors]) + the ``[T, V]`` logits and their
+                   gradient and the loss's float32 chunks (a few float32 tiles with the tiled loss,
+                   ``sequence_parallel_cross_entropy(hidden, labels, weight=...)``)
+      MLP backward the last layer's backward begins: stored + its recomputed tensors (checkpointing) + the
+                   gradients flowing (three ``[T, C]``; with the tiled MLP, one tile's four ``[tile, ffn]``)
+      attention    a little later: its MLP's tensors are freed and the attention call's own peak beyond its
+      backward     inputs is added: the backend's K/V buffers in flight (the rings' blocks, all-gather's whole
+                   K/V, Ulysses' gathered heads); on CPU the blockwise kernel's fitted peak (``choices``)
 
-    time = L x (attention fwd+bwd + the linear layers' FLOPs at ``matmul_flops``) + the output head
-           + TP's all-gathers/reduce-scatters + the part of the gradient all-reduce not hidden by backward,
-    with one more forward of every layer under activation checkpointing. Not modelled: the optimizer's own
-    update, the data loader, kernel launch gaps.
+    time = L x (attention fwd+bwd + the linear layers' FLOPs at ``matmul_flops`` + elementwise passes at the
+           profile's per-element cost) + the output head + TP's all-gathers/reduce-scatters + the part of the
+           gradient all-reduce not hidden by backward + a fixed time per step (the training loop; calibrated,
+           0 unless given),
+    with one more forward of every layer under activation checkpointing and of the MLP with the tiled MLP;
+    ranks that share a CPU's cores compute proportionally slower. Not modelled: the optimizer's own update,
+    the data loader, kernel launch gaps.
+
+Note [Saved tensors]
+    What one layer keeps for backward per token, in activation elements (``ModelSpec.saved_per_token``): the
+    two norms' inputs and outputs (``4 C``), q, k, v, the attention's output and its float32 log-sum-exp, and
+    the MLP's inner activations (two ``ffn`` for GELU: fc1's output and the activation; four for gated
+    MLPs). Autograd keeps only what a backward formula reads: ``x * cos`` keeps ``cos``, not ``x``, so rotary
+    adds nothing. What the code adds (``ModelSpec.implementation``): this project's layer projects q, k, v
+    in one matmul and ``v`` is a view of it, which keeps q's and k's pre-rotation part alive (``+ q + k``);
+    transformers' per-head q/k RMSNorm (Qwen3) keeps its inputs and outputs (``+ 2 (q + k)``); transformers'
+    ESM writes GELU as ``x * 0.5 * (1 + erf(x / sqrt 2))``, which keeps four ``ffn`` tensors, two more than a
+    fused GELU. MoE: the experts a token visits and the shared ones, plus the router's scores. The
+    sequence-tiled MLP keeps only its input.
 """
 
 from __future__ import annotations
@@ -115,8 +133,6 @@ class ModelSpec:
     """Which code runs the layer, for the tensors it saves for backward (Note [Saved tensors]): ``"fused"``
     (fused rotary/norm/activation kernels: the minimum), ``"project"`` (``lightning_sp.models``) or ``"hf"``
     (transformers' eager modules)."""
-    rotary: bool = True
-    """Rotary positions (ignored by ``"fused"``)."""
     qk_norm: bool = False
     """Per-head RMSNorm on q and k (Qwen3)."""
     python_gelu: bool = False
@@ -208,14 +224,10 @@ class ModelSpec:
         attn = (q + k + hkv * dv + h * dv) / tp + h / tp * max(1, 4 // act_bytes)  # + the float32 log-sum-exp
         if self.kv_lora_rank:  # MLA: the latents and their norms' inputs
             attn += (2 * self.q_lora_rank + 2 * self.kv_lora_rank + self.qk_rope_head_dim) / tp
-        if self.implementation == "project" and self.rotary:
-            # rotary() upcasts q and k to float32 (a copy unless they are float32 already) and keeps them,
-            # and the q/k/v projection's output stays alive under the v view
-            attn += (q + k) * (1 + (4 // act_bytes if act_bytes < 4 else 0)) / tp
-        elif self.implementation == "hf":
-            rope = (h + hkv) * self.qk_rope_head_dim if self.kv_lora_rank else q + k
-            attn += 2 * rope / tp if self.rotary else 0.0  # q, k before rotation and rotate_half(q), (k)
-            attn += (q + k) / tp if self.qk_norm else 0.0  # the per-head norms' inputs
+        if self.implementation == "project":  # one q/k/v projection: v's view keeps q's and k's part alive
+            attn += (q + k) / tp
+        elif self.implementation == "hf" and self.qk_norm:  # the per-head RMSNorms' inputs and outputs
+            attn += 2 * (q + k) / tp
         width = self.mlp_width() / tp
         if mlp_tiled:
             mlp = 0.0
@@ -264,7 +276,6 @@ class ModelSpec:
             qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0), v_head_dim=cfg.get("v_head_dim"),
             biases=encoder, lm_head_transform=encoder,
             implementation="hf",
-            rotary=cfg.get("position_embedding_type", "rotary") == "rotary" if encoder else True,
             qk_norm=model_type.startswith("qwen3"),
             python_gelu=model_type == "esm",
         )
@@ -426,6 +437,15 @@ _EXTRA_PRESETS = {
         "b200-180gb", 2250e12, "datasheet: DGX B200, 2.25 PFLOP/s bf16 dense per GPU, 180 GB HBM3e, NVLink5 1.8 TB/s "
         "total; 8 GPUs/node, 400 Gb/s per GPU. assumption: attention 55% of peak, matmuls 70% (no B200 measurement)",
         memory=180e9, intra=900e9, inter=50e9),
+    "h200-measured": cost_model.HardwareProfile(
+        name="h200-measured",
+        source="measured: one H200 (2026-11-28, torch 2.11+cu130): SDPA (flash) forward+backward, causal bf16, 32/8 "
+               "heads of 128, 243/319/328 TFLOP/s at 4K/16K/64K tokens (benchmarks/gpu/results/2026-11-28_h200/"
+               "perf.json), 139.8 GiB of device memory; assumption: matmuls, links and nodes as h200-141gb (not "
+               "measured there)",
+        attention_curve=((4096, 243.44e12), (16384, 318.69e12), (65536, 327.77e12)),
+        matmul_flops=0.70 * 989e12, intra_bandwidth=450e9, intra_latency=10e-6, inter_bandwidth=50e9,
+        inter_latency=20e-6, ranks_per_node=8, memory_bytes=139.8 * 2**30),
 }
 
 
@@ -481,8 +501,20 @@ def attention_temporary_bytes(m: ModelSpec, c: Candidate, seq_len: int, batch: i
 
 
 def memory_bytes(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision: str, data_parallel: str,
-                 hw: cost_model.HardwareProfile, tile_elements: int = 1 << 24) -> dict[str, float]:
-    """Per-rank bytes by part, those alive at the predicted peak (Note [Step model])."""
+                 hw: cost_model.HardwareProfile) -> dict[str, float]:
+    """Per-rank bytes by part, those alive at the predicted peak (Note [Step model]): the states, and the
+    largest of ``memory_phases``' moments."""
+    states, phases = memory_phases(m, c, seq_len=seq_len, batch=batch, precision=precision,
+                                   data_parallel=data_parallel, hw=hw)
+    parts = {**states, "stored_activations": 0.0, "layer_in_backward": 0.0, "attention": 0.0, "logits": 0.0}
+    parts.update(max(phases.values(), key=lambda phase: sum(phase.values())))
+    return parts
+
+
+def memory_phases(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision: str, data_parallel: str,
+                  hw: cost_model.HardwareProfile) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Per-rank bytes: ``(states by part, {moment: activations by part})`` for the three moments that can hold
+    a step's peak (Note [Step model])."""
     act = PRECISIONS[precision]
     param_b, grad_b, optim_b = STATE_BYTES[precision]
     tp, sp, dp = c.tensor_parallel_size, c.sequence_parallel_size, c.data_parallel_size
@@ -517,9 +549,8 @@ def memory_bytes(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precis
         "attention_backward": {"stored_activations": stored - (0.0 if c.activation_checkpointing else mlp_saved),
                                "layer_in_backward": recompute_attn + flowing, "attention": attention},
     }
-    at_peak = max(phases.values(), key=lambda ph: sum(ph.values()))
     fsdp = data_parallel == "fsdp" and shard_over > 1
-    parts = {
+    states = {
         "parameters": param_b * params / shard_over,
         "gradients": grad_b * params / shard_over,
         "optimizer": optim_b * params / shard_over,
@@ -530,15 +561,14 @@ def memory_bytes(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precis
         # head, final norm) gathered with their whole gradients until the backward ends
         "fsdp_gathered": (2 * param_b * m.layer_params() / m.num_layers / tp
                           + (param_b + grad_b) * m.embedding_params() / tp) if fsdp else 0.0,
-        "stored_activations": 0.0, "layer_in_backward": 0.0, "attention": 0.0, "logits": 0.0,
     }
-    parts.update(at_peak)
-    return parts
+    return states, phases
 
 
 def step_time(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision: str, data_parallel: str,
-              hw: cost_model.HardwareProfile) -> dict[str, float]:
-    """Seconds per optimizer step on one rank, by part (Note [Step model])."""
+              hw: cost_model.HardwareProfile, step_overhead_s: float = 0.0) -> dict[str, float]:
+    """Seconds per optimizer step on one rank, by part (Note [Step model]). ``step_overhead_s``: the training
+    loop's fixed time per step (a calibrated figure: ``experiments/planner/run.py --calibrate-overhead``)."""
     act = PRECISIONS[precision]
     tp, sp, dp = c.tensor_parallel_size, c.sequence_parallel_size, c.data_parallel_size
     tokens = batch * math.ceil(seq_len / sp)
@@ -555,8 +585,16 @@ def step_time(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision
     attention = m.num_layers * attn_compute * (1 + recompute * fwd_share)
     exposed = m.num_layers * attn_exposed * (1 + recompute * fwd_share)
     linear_flops = 2.0 * tokens * m.layer_params(active=True) / tp * (3 + recompute)
+    if 0 < c.mlp_chunk_tokens < tokens:  # the sequence-tiled MLP runs its forward again in backward
+        mlp_params = m.layer_params(active=True) - m.num_layers * m.attention_params()
+        linear_flops += 2.0 * tokens * mlp_params / tp
     head_flops = 2.0 * tokens * m.hidden * m.vocab / tp * (4 if c.tiled_loss else 3)
     rest = (linear_flops + head_flops) / hw.matmul_flops
+    # elementwise work (norms, activations, residuals, rotary) at the profile's per-element cost (0 on the GPU
+    # presets): about one pass per saved element in forward and two in backward, one more forward to recompute
+    saved = sum(m.saved_per_token(tp=tp, act_bytes=act, mlp_tiled=0 < c.mlp_chunk_tokens < tokens))
+    rest += hw.elementwise_s[1] * m.num_layers * tokens * saved * (3 + recompute)
+    rest *= hw.compute_stretch(sp * dp * tp)  # ranks sharing a CPU's cores
     if tp > 1:  # Megatron-SP: all-gather before and reduce-scatter after attention and MLP, fwd and bwd
         bw, lat = hw.link(tp)
         one = (tp - 1) * (lat + tokens * m.hidden * act / tp / bw)
@@ -564,13 +602,14 @@ def step_time(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision
     ranks = dp * sp
     if ranks > 1:  # the gradient all-reduce (DDP) / reduce-scatter + all-gathers (FSDP) over dp x sp
         bw, lat = hw.link(ranks)
-        grad_bytes = 4 * (m.layer_params() + m.embedding_params()) / tp
+        grad_bytes = STATE_BYTES[precision][1] * (m.layer_params() + m.embedding_params()) / tp
         sync = 2 * (ranks - 1) / ranks * grad_bytes / bw + 2 * (ranks - 1) * lat
         if data_parallel == "fsdp":
             sync *= 1.5  # + the parameters' all-gather in forward (and again in backward)
         backward = (attention + rest) * 2 / 3
         exposed += max(0.0, sync - backward)  # overlapped with the backward's compute
-    return {"attention_compute_s": attention, "exposed_comm_s": exposed, "other_compute_s": rest}
+    return {"attention_compute_s": attention, "exposed_comm_s": exposed, "other_compute_s": rest,
+            "fixed_s": step_overhead_s}
 
 
 def _candidates(m: ModelSpec, world: int, hw: cost_model.HardwareProfile, *, tensor_parallel: int | None,
@@ -624,14 +663,15 @@ def _max_seq_len(m, c, budget, grid, **kw) -> int:
 def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, nodes: int = 1,
          hardware: str | Path = "h100", precision: str = "bf16-mixed", data_parallel: str = "ddp",
          tensor_parallel: int | None = None, sequence_parallel: int | None = None, batch: int = 1,
-         memory_budget_bytes: float | None = None) -> Plan:
+         memory_budget_bytes: float | None = None, step_overhead_s: float = 0.0) -> Plan:
     """Predict every candidate layout for ``model`` on ``nodes x devices`` and recommend one (Note [Step model]).
 
     ``model``: a ``ModelSpec``, a transformers config dict, or a path (``config.json`` or a lightning-sp YAML).
     ``devices``: devices per node. ``hardware``: a preset name or a calibrated profile file
     (``hardware_profile``). ``tensor_parallel`` / ``sequence_parallel``: fix a degree (``None``: every divisor).
     ``memory_budget_bytes``: per device (default: the preset's memory x ``USABLE_MEMORY_SHARE``; needed for a
-    profile without memory, e.g. CPU)."""
+    profile without memory, e.g. CPU). ``step_overhead_s``: the training loop's fixed time per step, added to
+    every candidate (0: not modelled)."""
     if isinstance(model, dict):
         model = ModelSpec.from_hf_config(model)
     elif not isinstance(model, ModelSpec):
@@ -660,7 +700,7 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
         key = (c.backend, c.sequence_parallel_size, c.data_parallel_size, c.tensor_parallel_size, c.ulysses_degree,
                c.kv_pieces, c.activation_checkpointing, c.tiled_loss)
         if key not in attention_times:
-            attention_times[key] = step_time(model, c, seq_len=seq_len, **kw)
+            attention_times[key] = step_time(model, c, seq_len=seq_len, step_overhead_s=step_overhead_s, **kw)
         c.time = attention_times[key]
         c.step_time_s = sum(c.time.values())
         c.tokens_per_s_per_device = batch * seq_len * c.data_parallel_size / c.step_time_s / world
