@@ -143,8 +143,12 @@ def _blocks(module) -> tuple[type, ...]:
     ``_no_split_modules``)."""
     from lightning_sp.models.layers import Block
 
+    import collections
+
     names = set(getattr(getattr(module, "model", None), "_no_split_modules", None) or ())
-    found = {type(m) for m in module.modules() if isinstance(m, Block) or type(m).__name__ in names}
+    # the repeated ones (the layers; not ESM's embeddings, whose weight the output head shares)
+    counts = collections.Counter(type(m) for m in module.modules() if type(m).__name__ in names)
+    found = {type(m) for m in module.modules() if isinstance(m, Block)} | {t for t, n in counts.items() if n > 1}
     if not found:
         raise ValueError(f"no transformer block found in {type(module).__name__}")
     return tuple(found)
