@@ -269,3 +269,34 @@ def gpu_h200(data, path) -> str:
             "monitor measured 669 TFLOP/s for a dense bf16 matmul on this GPU). Not modelled: the caching "
             "allocator's fragmentation, kernel launch gaps, Lightning's own time per step."]
     return "\n".join(out)
+
+
+def time_validation(data, path) -> str:
+    """Measured against predicted step times (CPU gloo ranks), and the planner's pick against the measured
+    fastest of its candidates (``run.py --time`` / ``--recommend``)."""
+    out = [f"Measured {data['date'][:10]} on {data['hardware']['device']}, float32, gloo, `{data['command']}`; "
+           f"predicted with the fixed time per step of `{path.parent.name}/cpu_step_overhead.json` (calibrated on tiny "
+           "encoders, none of these rows)."]
+    if "summary" in data:
+        s = data["summary"]
+        out += ["", f"{s['rows']} rows: step time mean error **{100 * s['mean_abs_error']:.1f}%**, worst "
+                    f"{100 * s['max_abs_error']:.1f}%.", "",
+                "| model | P | backend | data parallel | checkpointing | N | measured step s | predicted step s | "
+                "of which fixed | error |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in data["rows"]:
+            out.append(f"| {r['model']} | {r['world']} | `{r['backend']}` | {r['data_parallel']} | "
+                       f"{'on' if r['activation_checkpointing'] else 'off'} | {r['seq_len']} | "
+                       f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
+                       f"{r['predicted_time'].get('fixed_s', 0.0):.3f} | {100 * r['error']:+.1f}% |")
+    for setup, rec in data.get("recommendations", {}).items():
+        pick = rec["planner_pick"]
+        fastest = min(rec["candidates"], key=lambda c: c["measured_step_s"])
+        out += ["", f"**{setup}**: the planner picks `{pick['backend']}` checkpointing "
+                    f"{'on' if pick['activation_checkpointing'] else 'off'}, measured **{100 * rec['pick_over_fastest']:+.1f}%** "
+                    f"over the measured fastest (`{fastest['backend']}` checkpointing "
+                    f"{'on' if fastest['activation_checkpointing'] else 'off'}).", "",
+                "| backend | checkpointing | measured step s | predicted step s |", "|---|---|---|---|"]
+        for c in sorted(rec["candidates"], key=lambda c: c["measured_step_s"]):
+            out.append(f"| `{c['backend']}` | {'on' if c['activation_checkpointing'] else 'off'} | "
+                       f"{c['measured_step_s']:.3f} | {c['predicted_step_s']:.3f} |")
+    return "\n".join(out)

@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     timing.add_argument("--recommend", type=int, choices=range(len(RECOMMEND_SETUPS)), default=None,
                         help="time every backend x checkpointing of one setup of RECOMMEND_SETUPS and compare the "
                              f"planner's pick with the measured fastest (into {TIME_RESULTS.name})")
+    ap.add_argument("--repredict", action="store_true",
+                    help="measure nothing: recompute the predictions of the results file's measured rows (after a "
+                         "change to the planner)")
     ap.add_argument("--memory-only", action="store_true",
                     help="measure the peaks only (they do not depend on the machine's load; step times do)")
     args = ap.parse_args(argv)
@@ -299,7 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = grid(args.smoke)
     hw = hardware_profile(CPU_PROFILE)
     kept: dict[tuple, dict] = {}
-    if args.worlds:
+    if args.repredict:
+        previous = json.loads(args.out.read_text())
+        kept = {_key(r): r["measured"] for r in previous["rows"]}
+        rows = [r for r in rows if _key(r) in kept]
+        args.worlds = sorted({r["world"] for r in rows} | {0})  # measure no world
+    elif args.worlds:
         old = json.loads(args.out.read_text())["rows"] if args.out.is_file() else []
         kept = {_key(r): r["measured"] for r in old if r["world"] not in args.worlds}
         missing = [r for r in rows if r["world"] not in args.worlds and _key(r) not in kept]
@@ -307,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{args.out} lacks {len(missing)} rows of worlds outside --worlds {args.worlds}: "
                              "measure them first (or drop --worlds)")
     measured: dict[int, list[dict]] = {}
-    for world in sorted({r["world"] for r in rows} & set(args.worlds or [r["world"] for r in rows])):
+    for world in sorted({r["world"] for r in rows if _key(r) not in kept} & set(args.worlds or [r["world"] for r in rows])):
         per_rank = run_on_ranks(_worker, world, (rows, not args.memory_only), timeout_s=3000)
         measured[world] = [{key: max(r[i][key] for r in per_rank) for key in per_rank[0][i]}
                            for i in range(len(per_rank[0]))]
@@ -327,10 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     mem_err = [abs(r["memory_error"]) for r in results]
     summary = {"rows": len(results), "memory_mean_abs_error": statistics.mean(mem_err),
                "memory_max_abs_error": max(mem_err)}
-    if not args.memory_only:
+    if all("step_s" in r["measured"] for r in results):
         time_err = [abs(r["time_error"]) for r in results]
         summary.update(time_mean_abs_error=statistics.mean(time_err), time_max_abs_error=max(time_err))
     doc = {**run_metadata(__file__, argv), "method": __doc__.split("\n\n", 2)[2].strip(), "summary": summary, "rows": results}
+    if args.repredict:  # the measurement's provenance stays the run's
+        doc.update({k: previous[k] for k in ("command", "date", "hardware", "git_commit", "git_dirty") if k in previous},
+                   repredicted={"command": doc.get("command"), "git_commit": run_metadata(__file__, argv).get("git_commit")})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     for r in results:
@@ -391,8 +402,9 @@ def _timing(args, argv) -> int:
         overhead = json.loads(OVERHEAD.read_text())
         path = where(TIME_RESULTS)
         doc = json.loads(path.read_text()) if path.is_file() else {}
-        doc.update({k: v for k, v in meta.items()},
-                   method="measured: median of steps 3-8 of a Trainer.fit (on_train_batch_start to on_train_batch_end, "
+        if args.time or "command" not in doc:  # the file's provenance is the --time run's
+            doc.update(meta)
+        doc.update(method="measured: median of steps 3-8 of a Trainer.fit (on_train_batch_start to on_train_batch_end, "
                           "the optimizer step included), max over ranks, both CPU slots held; predicted: "
                           "planner.step_time with the cpu-calibrated profile and the fixed time per step of "
                           f"{OVERHEAD.name} (calibrated on tiny models, none of these rows)")
@@ -418,6 +430,7 @@ def _timing(args, argv) -> int:
             picked = min(cands, key=lambda c: c["predicted_step_s"])
             fastest = min(c["measured_step_s"] for c in cands)
             doc.setdefault("recommendations", {})[f"{setup[0]} P={setup[1]} N={setup[2]} {setup[3]}"] = {
+                "command": meta["command"], "date": meta["date"],
                 "candidates": cands, "planner_pick": {k: picked[k] for k in ("backend", "activation_checkpointing")},
                 "pick_over_fastest": picked["measured_step_s"] / fastest - 1}
     path.parent.mkdir(parents=True, exist_ok=True)
