@@ -22,14 +22,17 @@ Note [Step model]
                    ``bf16-mixed`` keeps a bfloat16 copy of every weight a matmul saved for backward
     The activations peak at one of three moments; each counts what is alive then:
       loss         every layer's stored activations (the block's input only with activation checkpointing,
-                   else every tensor the layer saves, Note [Saved tensors]) + the ``[T, V]`` logits and their
+                   else every tensor the layer saves, Note [Saved tensors]) + the head's (the final norm's
+                   input and output, a masked-LM head's transform) + the ``[T, V]`` logits and their
                    gradient and the loss's float32 chunks (a few float32 tiles with the tiled loss,
                    ``sequence_parallel_cross_entropy(hidden, labels, weight=...)``)
       MLP backward the last layer's backward begins: stored + its recomputed tensors (checkpointing) + the
-                   gradients flowing (three ``[T, C]``; with the tiled MLP, one tile's four ``[tile, ffn]``)
+                   gradients flowing (three ``[T, C]``) + the activation's backward (one more ``[T, ffn]``, three
+                   for the erf GELU; with the tiled MLP, one tile's four ``[tile, ffn]``)
       attention    a little later: its MLP's tensors are freed and the attention call's own peak beyond its
-      backward     inputs is added: the backend's K/V buffers in flight (the rings' blocks, all-gather's whole
-                   K/V, Ulysses' gathered heads); on CPU the blockwise kernel's fitted peak (``choices``)
+      backward     inputs and output is added: the backend's K/V buffers in flight (the rings' blocks,
+                   all-gather's whole K/V, Ulysses' gathered heads); on CPU the blockwise kernel's fitted peak
+                   (``choices``)
 
     time = L x (attention fwd+bwd + the linear layers' FLOPs at ``matmul_flops`` + elementwise passes at the
            profile's per-element cost) + the output head + TP's all-gathers/reduce-scatters + the part of the
@@ -506,7 +509,8 @@ def memory_bytes(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precis
     largest of ``memory_phases``' moments."""
     states, phases = memory_phases(m, c, seq_len=seq_len, batch=batch, precision=precision,
                                    data_parallel=data_parallel, hw=hw)
-    parts = {**states, "stored_activations": 0.0, "layer_in_backward": 0.0, "attention": 0.0, "logits": 0.0}
+    parts = {**states, "stored_activations": 0.0, "layer_in_backward": 0.0, "attention": 0.0, "head": 0.0,
+             "logits": 0.0}
     parts.update(max(phases.values(), key=lambda phase: sum(phase.values())))
     return parts
 
@@ -526,8 +530,12 @@ def memory_phases(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, preci
     layer_input = tokens * m.hidden * act
     # the gradient flowing through a layer: the block's output gradient, the residual's and one in the making
     flowing = 3 * layer_input
+    width = m.mlp_width() / tp
     if tiled_mlp:  # one tile recomputed with its graph: fc1's output, the activation, and their gradients
-        flowing += 4 * min(c.mlp_chunk_tokens, tokens) * m.mlp_width() / tp * act
+        mlp_grads = 4 * min(c.mlp_chunk_tokens, tokens) * width * act
+    else:  # the activation's backward: its gradient in and out, less fc2's input (freed by fc2's backward); the
+        # erf GELU's: its two products' gradients and x^2, -x^2, exp(-x^2), less what the product had saved
+        mlp_grads = (3 if m.python_gelu else 1) * tokens * width * act
     if c.activation_checkpointing:
         stored = m.num_layers * layer_input
         recompute_attn, recompute_mlp = attn_saved, mlp_saved
@@ -540,11 +548,17 @@ def memory_phases(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, preci
         logits = 4 * chunk
     else:  # the logits and their gradient, and two float32 chunks of the loss's exp(logits - lse) in backward
         logits = 2 * tokens * vocab_rank * act + 2 * chunk
-    attention = attention_temporary_bytes(m, c, seq_len, batch, act, hw)
+    # the attention call's peak beyond its inputs, less its output (which the layer's saved tensors count)
+    attention = max(0.0, attention_temporary_bytes(m, c, seq_len, batch, act, hw)
+                    - tokens * m.num_heads / tp * m.v_dim * act)
+    # the final norm's input and output, and a masked-LM head's transform (dense, activation, norm) before the
+    # output projection: alive from the end of the forward until the head's backward
+    head = tokens * m.hidden * act * (2 + ((5 if m.python_gelu else 3) if m.lm_head_transform else 0))
     # Note [Step model]: three moments can hold the peak; each is what is alive then beyond the states
     phases = {
-        "loss": {"stored_activations": stored, "logits": logits},
-        "mlp_backward": {"stored_activations": stored, "layer_in_backward": recompute_attn + recompute_mlp + flowing},
+        "loss": {"stored_activations": stored, "head": head, "logits": logits},
+        "mlp_backward": {"stored_activations": stored,
+                         "layer_in_backward": recompute_attn + recompute_mlp + flowing + mlp_grads},
         # the last layer's MLP tensors are freed by then (its MLP backward ran)
         "attention_backward": {"stored_activations": stored - (0.0 if c.activation_checkpointing else mlp_saved),
                                "layer_in_backward": recompute_attn + flowing, "attention": attention},

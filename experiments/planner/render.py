@@ -58,8 +58,12 @@ def validation(data, path) -> str:
     """Predicted against measured (CPU gloo ranks, float32) per row, and the summary."""
     s = data["summary"]
     timed = "time_mean_abs_error" in s
-    head = (f"Measured {data['date'][:10]} on {data['hardware']['device']}, float32, gloo: {s['rows']} rows; peak "
-            f"memory mean error **{100 * s['memory_mean_abs_error']:.1f}%**, worst {100 * s['memory_max_abs_error']:.1f}%")
+    how = f"`{data['command']}`" + (" (the grid in parts by world size)" if "--worlds" in data["command"] else "")
+    if "repredicted" in data:
+        how += f"; predictions recomputed from the measured rows by `{data['repredicted']['command']}`"
+    head = (f"Measured {data['date'][:10]} on {data['hardware']['device']}, float32, gloo, {how}: {s['rows']} rows; "
+            f"peak memory mean error **{100 * s['memory_mean_abs_error']:.1f}%**, worst "
+            f"{100 * s['memory_max_abs_error']:.1f}%")
     if timed:
         head += (f"; step time mean error **{100 * s['time_mean_abs_error']:.1f}%**, worst "
                  f"{100 * s['time_max_abs_error']:.1f}%")
