@@ -33,3 +33,25 @@ def test_smoke_run_writes_measured_and_predicted_rows(tmp_path):
     committed = json.loads((ROOT / "experiments/planner/results/planner_validation.json").read_text())
     assert committed["summary"]["rows"] == 48
 
+
+
+def test_committed_grid_is_the_current_planners_prediction_of_its_measured_rows():
+    """Every committed row's prediction is what the planner predicts now (a change to the planner must re-predict:
+    ``run.py --repredict --publish``), its error is its figures', the summary is its rows', and the measured peaks
+    are positive and distinct per row (no stale row)."""
+    from experiments.planner.run import CPU_PROFILE, predict
+    from lightning_sp.planner import hardware_profile
+
+    committed = json.loads((ROOT / "experiments/planner/results/planner_validation.json").read_text())
+    hw = hardware_profile(CPU_PROFILE)
+    errors = []
+    for row in committed["rows"]:
+        now = predict(row, hw)["peak_bytes"]
+        assert row["predicted"]["peak_bytes"] == pytest.approx(now), (row["model"], row["backend"])
+        assert row["memory_error"] == pytest.approx(now / row["measured"]["peak_bytes"] - 1)
+        errors.append(abs(row["memory_error"]))
+    assert committed["summary"]["memory_mean_abs_error"] == pytest.approx(sum(errors) / len(errors))
+    assert committed["summary"]["memory_max_abs_error"] == pytest.approx(max(errors))
+    assert {row["model"] for row in committed["rows"]} >= {"llama_gqa", "qwen3", "esm", "deepseek_mla"}
+    assert {row["data_parallel"] for row in committed["rows"]} == {"ddp", "fsdp"}
+    assert {row["world"] for row in committed["rows"]} == {2, 4}
