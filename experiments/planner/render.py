@@ -279,7 +279,7 @@ def time_validation(data, path) -> str:
     """Measured against predicted step times (CPU gloo ranks), and the planner's pick against the measured
     fastest of its candidates (``run.py --time`` / ``--recommend``)."""
     out = [f"Measured {data['date'][:10]} on {data['hardware']['device']}, float32, gloo, `{data['command']}`; "
-           f"predicted with the fixed time per step of `{path.parent.name}/cpu_step_overhead.json` (calibrated on tiny "
+           f"predicted with the fixed time per step of `{path.parent}/cpu_step_overhead.json` (calibrated on tiny "
            "encoders, none of these rows)."]
     if "summary" in data:
         s = data["summary"]
