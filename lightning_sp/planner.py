@@ -784,7 +784,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, required=True, help="global tokens per sequence")
     p.add_argument("--devices", type=int, required=True, help="devices per node")
     p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--hardware", default="h100", help="cpu, a100, h100, h800, h200, b200, or a calibrated profile file")
+    p.add_argument("--hardware", default="h100",
+                   help="cpu, a100, h100, h800, h200, b200, h200-measured, or a calibrated profile file")
     p.add_argument("--memory-gib", type=float, help="memory per device to plan for (default: the preset's x 0.92)")
     p.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
     p.add_argument("--data-parallel", default="ddp", choices=DATA_PARALLEL)
