@@ -55,3 +55,31 @@ def test_committed_grid_is_the_current_planners_prediction_of_its_measured_rows(
     assert {row["model"] for row in committed["rows"]} >= {"llama_gqa", "qwen3", "esm", "deepseek_mla"}
     assert {row["data_parallel"] for row in committed["rows"]} == {"ddp", "fsdp"}
     assert {row["world"] for row in committed["rows"]} == {2, 4}
+
+
+def test_committed_step_times_are_consistent_and_not_calibrated_on_their_rows():
+    """The committed step-time validation (``run.py --time`` / ``--recommend``): each error is its measured and
+    predicted figures', the summary is its rows', the fixed time per step comes from models none of these rows
+    use, and the planner's pick is the candidate it predicts fastest."""
+    results = ROOT / "experiments/planner/results"
+    data = json.loads((results / "planner_time_validation.json").read_text())
+    overhead = json.loads((results / "cpu_step_overhead.json").read_text())
+    assert data["kind"] == overhead["kind"] == "measured"
+    calibration = {r["model"] for r in overhead["rows"]}
+    timed = {r["model"] for r in data["rows"]} | {k.split()[0] for k in data["recommendations"]}
+    assert calibration and not calibration & timed
+    errors = []
+    for r in data["rows"]:
+        assert r["predicted_step_s"] == pytest.approx(sum(r["predicted_time"].values()))
+        assert r["error"] == pytest.approx(r["predicted_step_s"] / r["measured_step_s"] - 1)
+        assert r["predicted_time"]["fixed_s"] > 0
+        errors.append(abs(r["error"]))
+    assert data["summary"]["rows"] == len(errors) >= 12
+    assert data["summary"]["mean_abs_error"] == pytest.approx(sum(errors) / len(errors))
+    assert len(data["recommendations"]) >= 2
+    for rec in data["recommendations"].values():
+        cands = rec["candidates"]
+        picked = min(cands, key=lambda c: c["predicted_step_s"])
+        assert rec["planner_pick"] == {k: picked[k] for k in ("backend", "activation_checkpointing")}
+        fastest = min(c["measured_step_s"] for c in cands)
+        assert rec["pick_over_fastest"] == pytest.approx(picked["measured_step_s"] / fastest - 1)
