@@ -2,16 +2,22 @@
 steps (forward, backward, optimizer step) under ``SequenceParallelStrategy``, on CPU gloo ranks.
 
     OMP_NUM_THREADS=1 python -m experiments.planner.run                 # the grid (P = 2 and 4), to runs/planner/
-    OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only --publish   # the committed results: peaks only
+    OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only --publish --worlds 2   # the committed peaks,
+    OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only --publish --worlds 4   # in two parts
+    OMP_NUM_THREADS=1 python -m experiments.planner.run --repredict --publish   # after a change to the planner
+    OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --calibrate-overhead
+    OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --time   # (--recommend 0, 1)
     OMP_NUM_THREADS=1 python -m experiments.planner.run --smoke         # two rows, a few seconds
 
 Measured peak: PyTorch's CPU allocator peak (``AllocatorPeak``) over building the model and two optimizer
-steps of ``Trainer.fit`` on one rank (the max over ranks): parameters, gradients, DDP's buckets, AdamW's state,
+steps of ``Trainer.fit`` on one rank (the max over ranks), the previous row collected before: parameters,
+gradients, DDP's buckets or FSDP's gathered blocks (each transformer block its own unit), AdamW's state,
 activations and every temporary the allocator served; not gloo's own buffers nor Python objects. Measured
-step time: the median over steps 3-5 of a second, unprofiled fit (``on_train_batch_start`` to
+step time: the median over steps 3-8 of a separate, unprofiled fit (``on_train_batch_start`` to
 ``on_train_batch_end``, the optimizer step included), max over ranks. Predicted: ``lightning_sp.planner``'s
 ``memory_bytes`` / ``step_time`` for the same layout, ``32-true``, the committed CPU calibration of the cost
-model. Nothing in the planner is fitted to these rows.
+model, and for step times the training loop's fixed time per step calibrated on tiny encoders
+(``CALIBRATION_MODELS``). Nothing in the planner is fitted to these rows.
 """
 
 from __future__ import annotations
