@@ -12,7 +12,11 @@ its bytes by ``CommStats`` operation equal ``cost_model.rank_counts``'; the pair
 over the ranks, to the dense mask's. Negative control: the model without the mask misses the calls or bytes
 of every masked case, and the bytes of every case whose traffic follows the mask.
 
-Cost (2 cores): one spawn of 4 ranks, 16 plain + 42 masked small cases (N = 2048, D = 8).
+``backend="auto"`` prices the mask: on links slow enough that bytes decide, a causal sliding window makes it run
+``zigzag_ring`` (whose traffic follows the window) where the same call without the mask runs ``ulysses`` (whose
+all-to-alls move every row); both exact against dense fp64 attention, and the window's bytes are the model's.
+
+Cost (2 cores): one spawn of 4 ranks, 16 plain + 58 masked small cases (N = 2048, D = 8), 2 auto calls.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def _expected(backend, u, causal, pieces, rank, world):
 
 def _worker(rank, world):
     torch.set_num_threads(1)
-    return {"plain": _plain_cases(rank, world), "masked": _masked_cases(rank, world)}
+    return {"plain": _plain_cases(rank, world), "masked": _masked_cases(rank, world), "auto": _auto_cases(rank, world)}
 
 
 def _plain_cases(rank, world):
@@ -278,3 +282,71 @@ def test_cost_model_counts_equal_what_the_backends_do_under_masks(results):
     assert sum(zig["bytes"][0].values()) < 0.5 * sum(zig["blind_bytes"].values()), zig
     ring_docs = by_case[(2, "docs", "ring", None)]
     assert sum(sum(r["bytes"][0].values()) for r in ring_docs) < sum(sum(r["blind_bytes"].values()) for r in ring_docs)
+
+
+# ------------------------------------------------------------------------------------------------
+# backend="auto" under a mask
+# ------------------------------------------------------------------------------------------------
+
+WINDOW = (127, 0)
+
+
+def _slow_links():
+    from dataclasses import replace
+
+    from lightning_sp.cost_model import preset
+
+    return replace(preset("cpu-default"), name="slow-links", intra_bandwidth=1e7, inter_bandwidth=1e7)
+
+
+def _auto_cases(rank, world):
+    from lightning_sp import AttentionMask, SequenceParallelAttention, gather_sequence, shard_sequence
+    from lightning_sp.cost_model import AttentionShape, rank_counts
+    from tests.reference import dense_attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(1, N, hh, D, generator=g, dtype=torch.float64) for hh in (H, H_KV, H_KV, H))
+    out = {}
+    for name, mask in (("plain", None), ("window", AttentionMask(window=WINDOW))):
+        attn = SequenceParallelAttention(causal=True, backend="auto", group=dist.group.WORLD, kernel="torch", mask=mask,
+                                         kv_pieces=1)
+        attn.context.hardware = _slow_links()
+        local = [shard_sequence(t, dist.group.WORLD, layout=attn.layout) for t in (q, k, v, dout)]
+        for t in local[:3]:
+            t.requires_grad_()
+        attn.comm_stats.reset()
+        o = attn(*local[:3], seq_len=N)
+        o.backward(local[3])
+        sent = {op: float(b) for op, b in attn.comm_stats.bytes_by_op.items() if b}
+        got = [gather_sequence(t, dist.group.WORLD, layout=attn.layout, seq_len=N) for t in (o.detach(), local[0].grad)]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = dense_attention(*leaves, causal=True, mask=mask)
+        err = max(float((got[0] - ref.detach()).abs().max()),
+                  float((got[1] - torch.autograd.grad(ref, leaves[0], dout)[0]).abs().max()))
+        chosen = attn.context.resolved_backend
+        shape = AttentionShape(seq_len=N, num_heads=H, num_kv_heads=H_KV, head_dim=D, dtype_bytes=8)
+        model = rank_counts(chosen, shape, world, mask=mask, ranks=[rank])[0].bytes_by_op if "(" not in chosen else {}
+        out[name] = {"chosen": chosen, "err": err, "sent": sent, "model": model}
+    return out
+
+
+def test_auto_prices_the_mask(results):
+    from lightning_sp.attention import auto_choice
+    from lightning_sp.masks import AttentionMask
+
+    for out in results:
+        plain, window = out["auto"]["plain"], out["auto"]["window"]
+        assert plain["chosen"] == "ulysses", plain  # the same shapes without the mask: as before
+        assert window["chosen"] == "zigzag_ring", window
+        assert plain["err"] < 1e-10 and window["err"] < 1e-10, (plain, window)
+        # the bytes the window's ring sent (the cross-rank check's gather aside) are the model's, exactly
+        ring_ops = {op: b for op, b in window["sent"].items() if op.startswith("ring_")}
+        assert ring_ops == window["model"], window
+        assert sum(ring_ops.values()) < 0.25 * sum(plain["sent"].values()), (plain, window)
+    # negative control: the model blind to the mask picks Ulysses for the windowed call too
+    blind = auto_choice(H, 4, seq_len=N, num_kv_heads=H_KV, head_dim=D, dtype=torch.float64, hardware=_slow_links(),
+                        usp_allowed=True)
+    assert blind.backend == "ulysses", blind.summary()
+    seen = auto_choice(H, 4, seq_len=N, num_kv_heads=H_KV, head_dim=D, dtype=torch.float64, hardware=_slow_links(),
+                       usp_allowed=True, mask=AttentionMask(window=WINDOW))
+    assert seen.backend == "zigzag_ring", seen.summary()
