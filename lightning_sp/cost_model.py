@@ -6,6 +6,7 @@ papers' numbers, are built on it in ``experiments/cost_model/papers.py``.)
     shape = AttentionShape(seq_len=65536, num_heads=32, num_kv_heads=8, head_dim=128)
     predict_attention("zigzag_ring", shape, world=8, hw=hw).total_s    # model output, seconds
     choose_backend(shape, world=16, hw=hw)                              # what backend="auto" runs
+    predict_attention("zigzag_ring", shape, 8, hw, mask=AttentionMask(window=(4095, 0)))  # under a mask
 
 Everything this module returns is *model output*, never a measurement; experiments label it so
 (``experiments/cost_model/run.py`` puts it beside measured times and the papers' numbers).
@@ -40,6 +41,25 @@ Note [Cost model of one attention layer]
 
     Ranks modelled: all up to 16, beyond that ranks 0, 1, P/2 and P-1 (the backends' extremes), so
     ``backend="auto"`` stays cheap at large P.
+
+Note [Cost model under a mask]
+    ``predict_attention(..., mask=AttentionMask(...), cu_seqlens=...)`` (and ``choose_backend``, ``rank_counts``)
+    price a call under a sliding window (left/right), chunks, bidirectional spans and packed documents as the
+    backends run it: ``rank_schedule(mask=, doc_bounds=)`` resolves them as ``SequenceParallelAttention`` does and
+    plans every kernel call with the library's ``plan_blocks(mask=)`` on global ranges (``StructuredMask.classify``),
+    and the K/V rows a ring that follows the mask exchanges are ``kv_rows_needed``'s (Note [Schedules under a mask]
+    in ``ops/schedule.py``). Nothing here re-derives a formula for a mask, so the prediction cannot drift from the
+    code: ``tests/distributed/test_cost_model_counts.py`` checks calls, pairs and bytes per ``CommStats`` operation
+    equal on real ranks, and ``tests/unit/test_cost_model_masks.py`` the committed mask benchmark's bytes.
+
+    What follows: compute is the visible blocks' calls (a window leaves ``~N W H / P`` pairs per rank; its partial
+    tiles are ``MASK_TILE``-sized DENSE calls, priced at that block's rate); traffic shrinks only where it follows
+    the mask (rings, ``allgather_kv`` and ``usp``'s ring with whole K/V blocks: a window's rows, nothing for a
+    document inside one shard), never for Ulysses' all-to-alls, K/V in pieces or the all-gather. So under a
+    window ``W << N`` ``backend="auto"`` prefers a ring that sends ``~W`` rows per neighbour over all-to-alls that
+    move every row. Score modifiers (softcap, ALiBi, ``score_mod``, ``mask_mod``) are priced as the plain kernel.
+    ``comm_bytes`` is counted the same way with or without a mask (``rank_counts``: dK/dV sums in the accumulation
+    dtype), so the two compare.
 
 Note [Per-call terms]
     What a calibrated profile (``experiments/cost_model/calibrate.py``) adds to FLOPs / rate; every
