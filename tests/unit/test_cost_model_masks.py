@@ -112,3 +112,109 @@ def test_auto_follows_a_sliding_window_and_is_unchanged_without_one():
     got = auto_choice(32, 4, seq_len=131072, num_kv_heads=8, head_dim=128, hardware=hw,
                       mask=AttentionMask(window=(511, 0)))
     assert got.backend == "zigzag_ring"
+
+
+# ------------------------------------------------------------------------------------------------ the planner
+
+MISTRAL = {"model_type": "mistral", "hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "intermediate_size": 2816, "vocab_size": 32000, "sliding_window": 512,
+           "hidden_act": "silu"}
+
+
+def _hf_configs():
+    """transformers' own configs (their ``layer_types`` are the truth), as dicts without ``layer_types``."""
+    tf = pytest.importorskip("transformers")
+    cases = {
+        "mistral": tf.MistralConfig(num_hidden_layers=4, sliding_window=4096),
+        "qwen2": tf.Qwen2Config(num_hidden_layers=6, use_sliding_window=True, sliding_window=4096, max_window_layers=2),
+        "qwen2-off": tf.Qwen2Config(num_hidden_layers=6, sliding_window=4096, max_window_layers=2),
+        "gemma2": tf.Gemma2Config(num_hidden_layers=5, sliding_window=4096),
+        "gemma3": tf.Gemma3TextConfig(num_hidden_layers=12, sliding_window=1024),
+        "modernbert": tf.ModernBertConfig(num_hidden_layers=7, local_attention=128),
+    }
+    out = {}
+    for name, cfg in cases.items():
+        d = cfg.to_dict()
+        truth = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+        if name == "qwen2-off":
+            truth = ["full_attention"] * cfg.num_hidden_layers
+        d.pop("layer_types", None)
+        if name == "gemma3":
+            d["sliding_window_pattern"] = 6  # as the Hub's Gemma-3 configs write it
+        out[name] = (d, truth)
+    return out
+
+
+def test_hf_configs_give_each_layers_window_as_transformers_does():
+    from lightning_sp.planner import ModelSpec, hf_sliding_windows
+
+    expected_window = {"mistral": (4095, 0), "qwen2": (4095, 0), "gemma2": (4095, 0), "gemma3": (1023, 0),
+                       "modernbert": (64, 64), "qwen2-off": None}
+    for name, (cfg, truth) in _hf_configs().items():
+        layers = len(truth)
+        want = tuple(expected_window[name] if t == "sliding_attention" else None for t in truth)
+        if name == "qwen2-off":
+            want = ()
+        got = hf_sliding_windows(cfg, layers, cfg["model_type"])  # the model type's rule
+        assert got == want, (name, got, truth)
+        listed = hf_sliding_windows({**cfg, "layer_types": truth}, layers, cfg["model_type"])  # the config's list
+        assert (listed if any(listed) else ()) == want, name  # every layer full: () or all None alike
+        assert ModelSpec.from_hf_config(cfg).sliding_windows == want, name
+    # the mixes the task is about: Gemma-3 five local of six, Gemma-2 every other, ModernBERT two of three
+    cfgs = _hf_configs()
+    assert sum(w is not None for w in hf_sliding_windows(cfgs["gemma3"][0], 12, "gemma3_text")) == 10
+    assert sum(w is not None for w in hf_sliding_windows(cfgs["gemma2"][0], 5, "gemma2")) == 3
+    assert hf_sliding_windows({"model_type": "llama", "sliding_window": None}, 4, "llama") == ()
+
+
+def test_planner_prices_each_layers_window():
+    from lightning_sp import planner
+    from lightning_sp.planner import ModelSpec, attention_per_layer
+
+    windowed = ModelSpec.from_hf_config(MISTRAL)
+    full = replace(windowed, sliding_windows=())
+    assert windowed.sliding_windows == ((511, 0),) * 4
+    kw = dict(seq_len=32768, devices=4, hardware="h100", sequence_parallel=4, tensor_parallel=1)
+    got = {c.label: c for c in planner.plan(windowed, **kw).candidates}
+    before = {c.label: c for c in planner.plan(full, **kw).candidates}
+    assert got.keys() == before.keys()
+    for label, c in got.items():  # a window of 512 at N = 32K: far less attention compute on every layout
+        assert c.time["attention_compute_s"] < 0.5 * before[label].time["attention_compute_s"], label
+        assert c.peak_bytes_per_rank == before[label].peak_bytes_per_rank  # memory: not the mask's business
+    # the mean over the layers: half windowed is the mean of all windowed and none
+    c = next(iter(planner.plan(windowed, **kw).candidates))
+    half = replace(windowed, sliding_windows=((511, 0), None) * 2)
+    args = (32768, 1, 2, cm.preset("h100-80gb"))
+    mixed, win, none = (attention_per_layer(m, c, *args) for m in (half, windowed, full))
+    assert mixed[0] == pytest.approx((win[0] + none[0]) / 2, rel=1e-12) and win[0] < none[0]
+    # plan(mask=) puts one window on every layer, and mask=None keeps the config's
+    from lightning_sp.masks import AttentionMask
+
+    masked = planner.plan(full, mask=AttentionMask(window=(511, 0)), **kw)
+    assert masked.model.sliding_windows == windowed.sliding_windows
+    assert [x.step_time_s for x in masked.candidates] == [x.step_time_s for x in planner.plan(windowed, **kw).candidates]
+    with pytest.raises(ValueError, match="chunks, spans and mask_mod are not planned"):
+        planner.plan(full, mask=AttentionMask(chunk_size=1024), **kw)
+    with pytest.raises(ValueError, match="one per layer"):
+        attention_per_layer(replace(windowed, sliding_windows=((511, 0),)), c, *args)
+
+
+def test_plan_command_takes_a_sliding_window(capsys, tmp_path):
+    from lightning_sp import planner
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**MISTRAL, "sliding_window": None}))
+    base = ["--model", str(path), "--seq-len", "32768", "--devices", "4", "--sequence-parallel", "4",
+            "--tensor-parallel", "1", "--json"]
+    assert planner.main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert planner.main(base + ["--sliding-window", "512"]) == 0
+    windowed = json.loads(capsys.readouterr().out)
+    assert plain["model"]["sliding_windows"] == [] and windowed["model"]["sliding_windows"] == [[511, 0]] * 4
+    times = [{c["backend"] + str(c["kv_pieces"]): c["time"]["attention_compute_s"] for c in p["candidates"]}
+             for p in (plain, windowed)]
+    assert all(times[1][k] < times[0][k] for k in times[0])
+    assert planner.main(base[:-1] + ["--sliding-window", "512"]) == 0
+    assert "attention: window (511, 0) on 4 of 4 layers" in capsys.readouterr().out
+    assert planner.main(base + ["--sliding-window", "0"]) == 2
+    assert "--sliding-window must be >= 1" in capsys.readouterr().err
