@@ -14,7 +14,8 @@ of every masked case, and the bytes of every case whose traffic follows the mask
 
 ``backend="auto"`` prices the mask: on links slow enough that bytes decide, a causal sliding window makes it run
 ``zigzag_ring`` (whose traffic follows the window) where the same call without the mask runs ``ulysses`` (whose
-all-to-alls move every row); both exact against dense fp64 attention, and the window's bytes are the model's.
+all-to-alls move every row); both exact against dense fp64 attention, and the window's bytes are the model's. Its
+measured policy times the candidates under the call's mask.
 
 Cost (2 cores): one spawn of 4 ranks, 16 plain + 58 masked small cases (N = 2048, D = 8), 2 auto calls.
 """
@@ -327,7 +328,38 @@ def _auto_cases(rank, world):
         shape = AttentionShape(seq_len=N, num_heads=H, num_kv_heads=H_KV, head_dim=D, dtype_bytes=8)
         model = rank_counts(chosen, shape, world, mask=mask, ranks=[rank])[0].bytes_by_op if "(" not in chosen else {}
         out[name] = {"chosen": chosen, "err": err, "sent": sent, "model": model}
+    out["measured_trials"] = _measured_trials(q, k, v)
     return out
+
+
+def _measured_trials(q, k, v):
+    """``auto``'s measured policy runs its candidates with the call's mask: each candidate once (the timing and the
+    agreement replaced by a stub, the same on every rank), a counting kernel: how many DENSE (window) tiles ran."""
+    from lightning_sp import AttentionMask, SequenceParallelAttention, choices, shard_sequence
+    from lightning_sp.ops.kernels import make_kernel
+
+    in_trials = []
+
+    def once_each(key, labels, run, group, device):
+        for label in labels:
+            run(label)
+        in_trials.append(sum(1 for c in kernel.calls if c[2] == "dense"))  # the trials' calls only
+        return labels[0], {label: 1.0 for label in labels}
+
+    real, choices.agreed_fastest = choices.agreed_fastest, once_each
+    try:
+        out = {}
+        for name, mask in (("plain", None), ("window", AttentionMask(window=WINDOW))):
+            attn = SequenceParallelAttention(causal=True, backend="auto", group=dist.group.WORLD, kernel="torch",
+                                             mask=mask, kv_pieces=1)
+            attn.context.auto_policy = "measure"
+            kernel = attn._kernel_cache[("torch", "cpu")] = PairCountingKernel(make_kernel("torch"))
+            local = [shard_sequence(t, dist.group.WORLD, layout=attn.layout) for t in (q, k, v)]
+            attn(*local, seq_len=N)
+            out[name] = in_trials.pop()
+        return out
+    finally:
+        choices.agreed_fastest = real
 
 
 def test_auto_prices_the_mask(results):
@@ -343,6 +375,9 @@ def test_auto_prices_the_mask(results):
         ring_ops = {op: b for op, b in window["sent"].items() if op.startswith("ring_")}
         assert ring_ops == window["model"], window
         assert sum(ring_ops.values()) < 0.25 * sum(plain["sent"].values()), (plain, window)
+    for out in results:  # the measured trials ran under the window (its DENSE tiles), the unmasked ones did not
+        trials = out["auto"]["measured_trials"]
+        assert trials["plain"] == 0 and trials["window"] > 0, trials
     # negative control: the model blind to the mask picks Ulysses for the windowed call too
     blind = auto_choice(H, 4, seq_len=N, num_kv_heads=H_KV, head_dim=D, dtype=torch.float64, hardware=_slow_links(),
                         usp_allowed=True)

@@ -218,3 +218,14 @@ def test_plan_command_takes_a_sliding_window(capsys, tmp_path):
     assert "attention: window (511, 0) on 4 of 4 layers" in capsys.readouterr().out
     assert planner.main(base + ["--sliding-window", "0"]) == 2
     assert "--sliding-window must be >= 1" in capsys.readouterr().err
+
+
+def test_masks_docs_example_runs_and_shows_auto_following_the_window(capsys):
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs/guides/planning.md").read_text()
+    block = re.search(r"<!-- test: masks example[^>]*-->\s*```python\n(.*?)```", text, re.DOTALL).group(1)
+    exec(compile(block, "docs/guides/planning.md", "exec"), {"__name__": "docs_example"})  # noqa: S102
+    out = capsys.readouterr().out
+    assert re.findall(r"auto would run: (\w+)", out) == ["ulysses", "zigzag_ring"], out
+    assert re.search(r"zigzag_ring .* sends +16 MiB", out) and re.search(r"zigzag_ring .* sends +1792 MiB", out), out
