@@ -17,7 +17,8 @@ of every masked case, and the bytes of every case whose traffic follows the mask
 all-to-alls move every row); both exact against dense fp64 attention, and the window's bytes are the model's. Its
 measured policy times the candidates under the call's mask.
 
-Cost (2 cores): one spawn of 4 ranks, 16 plain + 58 masked small cases (N = 2048, D = 8), 2 auto calls.
+Cost (2 cores): one spawn of 4 ranks, 16 plain + 58 masked small cases (N = 2048, D = 8), 2 auto calls and
+two rounds of measured-policy trials: 32 s (2026-11-28, under load).
 """
 
 from __future__ import annotations
