@@ -422,6 +422,8 @@ def _attention_shape(m: ModelSpec, seq_len: int, batch: int, tp: int, act_bytes:
 #     (Note [Cost model under a mask]: the visible blocks' calls; the rings' K/V rows follow the window, Ulysses'
 #     all-to-alls do not) and returns the mean over the layers, so a step is ``L x`` that mean, as without windows.
 #     ``plan(mask=AttentionMask(window=...))`` and ``lightning-sp plan --sliding-window W`` put one window on every layer.
+#     Not modelled: Llama 4's chunked layers (``chunked_attention``: priced as full attention) and a window's effect
+#     on memory (the rings hold whole K/V blocks either way).
 
 
 def hf_sliding_windows(cfg: dict, layers: int, model_type: str) -> tuple:
