@@ -62,6 +62,7 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 
 from lightning_sp import cost_model
@@ -116,6 +117,10 @@ class ModelSpec:
     tied_embeddings: bool = True
     causal: bool = True
     """Decoder (causal) or encoder (bidirectional)."""
+    sliding_windows: tuple = ()
+    """Per layer, its attention's window ``(left, right)`` (flash-attn's convention, ``-1``: unbounded; Hugging Face's
+    ``sliding_window=W`` is ``(W - 1, 0)``) or ``None`` (full attention); empty: every layer full. Priced per layer
+    (``attention_per_layer``)."""
     num_experts: int = 0
     """MoE: routed experts per layer (0: dense)."""
     experts_per_token: int = 0
@@ -270,6 +275,7 @@ class ModelSpec:
             vocab=int(cfg.get("vocab_size", 32000)),
             tied_embeddings=bool(cfg.get("tie_word_embeddings", encoder)),
             causal=not encoder,
+            sliding_windows=hf_sliding_windows(cfg, int(cfg["num_hidden_layers"]), model_type),
             num_experts=experts,
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             moe_ffn_hidden=cfg.get("moe_intermediate_size"),
@@ -404,6 +410,10 @@ class Plan:
             "",
             f"{'layout':<78} {'GiB/rank':>9} {'fits':>4} {'step s':>8} {'tok/s/dev':>10} {'max N':>9}",
         ]
+        if m.sliding_windows:  # Note [Attention under per-layer masks]
+            local = [w for w in m.sliding_windows if w is not None]
+            kinds = ", ".join(f"window {tuple(w)} on {local.count(w)}" for w in sorted(set(local), key=repr))
+            lines.insert(2, f"attention: {kinds} of {m.num_layers} layers (priced per layer), full on the rest")
         for c in self.candidates[:top]:
             lines.append(f"{c.label:<78} {c.peak_bytes_per_rank / gib:9.2f} {'yes' if c.fits else 'no':>4} "
                          f"{c.step_time_s:8.3f} {c.tokens_per_s_per_device:10.0f} {c.max_seq_len:9d}")
@@ -479,6 +489,76 @@ def _divisors(n: int) -> list[int]:
 def _attention_shape(m: ModelSpec, seq_len: int, batch: int, tp: int, act_bytes: int) -> cost_model.AttentionShape:
     return cost_model.AttentionShape(seq_len=seq_len, num_heads=m.num_heads // tp, num_kv_heads=max(1, m.kv_heads // tp),
                                      head_dim=max(m.qk_dim, m.v_dim), batch=batch, dtype_bytes=act_bytes, causal=m.causal)
+
+
+# Note [Attention under per-layer masks]
+#     A model's layers may attend differently: Mistral (every layer) and Qwen2 (``use_sliding_window``, the layers from
+#     ``max_window_layers`` on) slide a window, Gemma-2 every other layer, Gemma-3 five of six, ModernBERT every layer
+#     but each third with a bidirectional window (``hf_sliding_windows``; transformers' ``layer_types`` when the config
+#     lists them). ``attention_per_layer`` prices each distinct window once with ``cost_model.predict_attention(mask=)``
+#     (Note [Cost model under a mask]: the visible blocks' calls; the rings' K/V rows follow the window, Ulysses'
+#     all-to-alls do not) and returns the mean over the layers, so a step is ``L x`` that mean, as without windows.
+#     ``plan(mask=AttentionMask(window=...))`` and ``lightning-sp plan --sliding-window W`` put one window on every layer.
+#     Not modelled: Llama 4's chunked layers (``chunked_attention``: priced as full attention) and a window's effect
+#     on memory (the rings hold whole K/V blocks either way).
+
+
+def hf_sliding_windows(cfg: dict, layers: int, model_type: str) -> tuple:
+    """``ModelSpec.sliding_windows`` from a transformers config (Note [Attention under per-layer masks]): its
+    ``layer_types`` when listed, else the rule of its model type, as transformers' configs derive them."""
+    if model_type == "modernbert":  # local_attention: the whole window, half of it each side
+        half = int(cfg.get("local_attention", 128)) // 2
+        window, every = (half, half), int(cfg.get("global_attn_every_n_layers", 3))
+        rule = ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
+    else:
+        w = cfg.get("sliding_window")
+        if model_type.startswith("qwen") and not cfg.get("use_sliding_window", False):
+            w = None  # Qwen configs carry a sliding_window they do not use
+        if not w:
+            return ()
+        window = (int(w) - 1, 0)
+        if model_type.startswith("qwen"):  # the layers from max_window_layers on
+            rule = ["sliding_attention" if i >= int(cfg.get("max_window_layers", 0)) else "full_attention"
+                    for i in range(layers)]
+        elif model_type == "gemma2":  # local, global, local, ...
+            rule = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        elif cfg.get("sliding_window_pattern"):  # Gemma-3, Cohere2: every pattern-th layer global
+            pattern = int(cfg["sliding_window_pattern"])
+            rule = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        else:  # Mistral, Mixtral, Phi-3, Starcoder2: every layer
+            rule = ["sliding_attention"] * layers
+    kinds = list(cfg.get("layer_types") or rule)[:layers]
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
+
+
+def attention_per_layer(m: ModelSpec, c: "Candidate", seq_len: int, batch: int, act_bytes: int,
+                        hw: cost_model.HardwareProfile) -> tuple[float, float]:
+    """``(compute, exposed communication)`` seconds of one attention layer fwd+bwd, the mean over the model's layers
+    and their windows (Note [Attention under per-layer masks])."""
+    windows = m.sliding_windows or (None,)
+    if m.sliding_windows and len(windows) != m.num_layers:
+        raise ValueError(f"ModelSpec.sliding_windows has {len(windows)} entries for {m.num_layers} layers: one per "
+                         "layer ((left, right) or None)")
+    shape = _attention_shape(m, seq_len, batch, c.tensor_parallel_size, act_bytes)
+    compute = exposed = 0.0
+    for window in sorted(set(windows), key=repr):
+        share = windows.count(window) / len(windows)
+        layer = _predicted_attention(c.backend, shape, c.sequence_parallel_size, hw, c.ulysses_degree, c.kv_pieces,
+                                     None if window is None else tuple(window))
+        compute, exposed = compute + share * layer[0], exposed + share * layer[1]
+    return compute, exposed
+
+
+@lru_cache(maxsize=4096)
+def _predicted_attention(backend, shape, sp, hw, ulysses_degree, kv_pieces, window) -> tuple[float, float]:
+    from lightning_sp.masks import AttentionMask
+
+    mask = None if window is None else AttentionMask(window=window)
+    if sp > 1:
+        pred = cost_model.predict_attention(backend, shape, sp, hw, ulysses_degree=ulysses_degree, kv_pieces=kv_pieces,
+                                            mask=mask)
+        return pred.compute_s, pred.exposed_comm_s
+    return cost_model.predict_attention("ring", shape, 1, hw, mask=mask).total_s, 0.0
 
 
 def attention_temporary_bytes(m: ModelSpec, c: Candidate, seq_len: int, batch: int, act_bytes: int,
@@ -587,14 +667,8 @@ def step_time(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision
     tp, sp, dp = c.tensor_parallel_size, c.sequence_parallel_size, c.data_parallel_size
     tokens = batch * math.ceil(seq_len / sp)
     recompute = 1.0 if c.activation_checkpointing else 0.0
-    shape = _attention_shape(m, seq_len, batch, tp, act)
-    if sp > 1:
-        pred = cost_model.predict_attention(c.backend, shape, sp, hw, ulysses_degree=c.ulysses_degree,
-                                            kv_pieces=c.kv_pieces)
-        attn_compute, attn_exposed = pred.compute_s, pred.exposed_comm_s
-    else:
-        pred = cost_model.predict_attention("ring", shape, 1, hw)
-        attn_compute, attn_exposed = pred.total_s, 0.0
+    # one layer's attention, the mean over the layers' windows (Note [Attention under per-layer masks])
+    attn_compute, attn_exposed = attention_per_layer(m, c, seq_len, batch, act, hw)
     fwd_share = 1.0 / cost_model.FWD_BWD_FACTOR
     attention = m.num_layers * attn_compute * (1 + recompute * fwd_share)
     exposed = m.num_layers * attn_exposed * (1 + recompute * fwd_share)
@@ -675,12 +749,14 @@ def _max_seq_len(m, c, budget, grid, **kw) -> int:
 
 
 def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, nodes: int = 1,
-         hardware: str | Path = "h100", precision: str = "bf16-mixed", data_parallel: str = "ddp",
+         hardware: str | Path = "h100", precision: str = "bf16-mixed", data_parallel: str = "ddp", mask=None,
          tensor_parallel: int | None = None, sequence_parallel: int | None = None, batch: int = 1,
          memory_budget_bytes: float | None = None, step_overhead_s: float = 0.0) -> Plan:
     """Predict every candidate layout for ``model`` on ``nodes x devices`` and recommend one (Note [Step model]).
 
     ``model``: a ``ModelSpec``, a transformers config dict, or a path (``config.json`` or a lightning-sp YAML).
+    ``mask``: an ``AttentionMask`` whose ``window`` every layer uses (``None``: the config's per-layer windows; Note
+    [Attention under per-layer masks]).
     ``devices``: devices per node. ``hardware``: a preset name or a calibrated profile file
     (``hardware_profile``). ``tensor_parallel`` / ``sequence_parallel``: fix a degree (``None``: every divisor).
     ``memory_budget_bytes``: per device (default: the preset's memory x ``USABLE_MEMORY_SHARE``; needed for a
@@ -690,6 +766,8 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
         model = ModelSpec.from_hf_config(model)
     elif not isinstance(model, ModelSpec):
         model = ModelSpec.from_file(model)
+    if mask is not None:  # one window on every layer (Note [Attention under per-layer masks])
+        model = replace(model, sliding_windows=_every_layer(mask, model.num_layers))
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if data_parallel not in DATA_PARALLEL:
@@ -745,6 +823,17 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
                 cheapest_change=_cheapest_change(model, rec, memory_budget_bytes, data_parallel, kw) if rec else "")
 
 
+def _every_layer(mask, layers: int) -> tuple:
+    from lightning_sp.masks import AttentionMask
+
+    if not isinstance(mask, AttentionMask):
+        raise ValueError(f"mask must be a lightning_sp.AttentionMask, got {type(mask).__name__}")
+    if mask.chunk_size is not None or mask.bidirectional_spans or mask.mask_mod is not None:
+        raise ValueError("the planner prices a sliding window (mask=AttentionMask(window=(left, right))); chunks, "
+                         "spans and mask_mod are not planned: leave them out (score modifiers do not change the price)")
+    return () if mask.window is None else (tuple(mask.window),) * layers
+
+
 def _cheapest_change(m: ModelSpec, rec: Candidate, budget: float, data_parallel: str, kw: dict) -> str:
     """The first change, cheapest first, that raises the recommended layout's longest sequence."""
     base = rec.max_seq_len
@@ -781,6 +870,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn", type=int, help="MLP inner width (default 4 x hidden)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
     p.add_argument("--encoder", action="store_true", help="bidirectional encoder (default: causal decoder)")
+    p.add_argument("--sliding-window", type=int, metavar="W",
+                   help="every layer attends to a window of W tokens (a decoder: the W - 1 before each token, as "
+                        "Hugging Face's sliding_window; an encoder: W // 2 each side); default: the config's windows")
     p.add_argument("--seq-len", type=int, required=True, help="global tokens per sequence")
     p.add_argument("--devices", type=int, required=True, help="devices per node")
     p.add_argument("--nodes", type=int, default=1)
@@ -797,6 +889,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _window_mask(args, model):
+    """``--sliding-window W`` as an ``AttentionMask`` for ``model`` (a decoder: HF's ``(W - 1, 0)``)."""
+    if args.sliding_window is None:
+        return None
+    from lightning_sp.masks import AttentionMask
+
+    if args.sliding_window < 1:
+        raise ValueError(f"--sliding-window must be >= 1 tokens, got {args.sliding_window}")
+    spec = model if isinstance(model, ModelSpec) else ModelSpec.from_file(model)
+    w = args.sliding_window
+    return AttentionMask(window=(w - 1, 0) if spec.causal else (w // 2, w // 2))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -809,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("pass --model PATH, or --layers, --hidden and --heads")
         result = plan(model, seq_len=args.seq_len, devices=args.devices, nodes=args.nodes, hardware=args.hardware,
                       precision=args.precision, data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel,
-                      sequence_parallel=args.sequence_parallel, batch=args.batch,
+                      sequence_parallel=args.sequence_parallel, batch=args.batch, mask=_window_mask(args, model),
                       memory_budget_bytes=args.memory_gib * 2**30 if args.memory_gib else None)
     except (ValueError, FileNotFoundError) as err:
         print(f"lightning-sp plan: {err}", file=sys.stderr)
