@@ -848,9 +848,12 @@ def _cheapest_change(m: ModelSpec, rec: Candidate, budget: float, data_parallel:
         longer = _max_seq_len(m, replace(rec, **cand_change), budget, grid, **{**kw, **kw_change})
         if longer > base:
             return f"{text}: up to N={longer} (from {base})"
-    twice = replace(rec, sequence_parallel_size=2 * rec.sequence_parallel_size)
+    # a recommended `local` (no sequence parallelism) has no degree to double: split over two ranks with a ring
+    twice = replace(rec, sequence_parallel_size=2 * rec.sequence_parallel_size,
+                    backend="zigzag_ring" if rec.backend == "local" else rec.backend)
     longer = _max_seq_len(m, twice, budget, 2 * grid, **kw)
-    return (f"twice the sequence-parallel degree (sp={twice.sequence_parallel_size}, twice the devices): up to "
+    how = f", backend={twice.backend!r}" if twice.backend != rec.backend else ""
+    return (f"twice the sequence-parallel degree (sp={twice.sequence_parallel_size}{how}, twice the devices): up to "
             f"N={longer} (from {base})")
 
 

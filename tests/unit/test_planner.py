@@ -180,6 +180,15 @@ def test_llama_8b_at_128k_recommends_the_tiled_loss_and_says_what_lets_longer_fi
     assert longer > p.recommended.max_seq_len
 
 
+def test_cheapest_change_from_a_local_recommendation():
+    """Without sequence parallelism (``local``) and every cheaper change already taken (FSDP asked for), the
+    last suggestion is a sequence-parallel split; doubling ``local``'s degree once raised a ValueError."""
+    p = plan(ESM2_650M, seq_len=131072, devices=1, hardware="h100", data_parallel="fsdp")
+    assert p.recommended.backend == "local"
+    assert "sp=2, backend='zigzag_ring'" in p.cheapest_change
+    assert int(p.cheapest_change.split("up to N=")[1].split()[0]) > p.recommended.max_seq_len
+
+
 def test_no_layout_fits_says_so_and_what_would_help():
     p = plan(LLAMA3_8B, seq_len=1 << 21, devices=8, hardware="h100")
     assert not any(c.fits for c in p.candidates)
