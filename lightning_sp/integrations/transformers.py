@@ -25,8 +25,12 @@ Note [Hugging Face under sequence parallelism]
       (bidirectional models attend to padding)     the attention passes it on every call
     ``scaling`` per call (ESM passes 1.0)        passed as ``softmax_scale`` per call
     padding ``attention_mask`` dropped for a     a mask function is registered too; ``shard_inputs``
-      custom attention without a mask function     drops right padding (rows of different lengths:
-                                                   packed documents); others raise
+      custom attention without a mask function     drops padding on either side (rows of different
+                                                   lengths: packed documents); an unsharded call
+                                                   gets ``AttentionMask(key_padding=...)``
+    4-D ``attention_mask`` ``[B, 1|H, N, N]``      recognised (causal / bidirectional, window, padding)
+                                                   or each rank's query rows as a ``mask_mod``
+                                                   (Note [Recognising a 4-D mask])
     causal-LM loss shifts labels inside a shard  labels shifted over the global sequence first
     ``position_ids`` default to local positions  global ``position_ids`` always passed
     positions by cumulative sums (RoBERTa/ESM-1b) computed over the global sequence (``_FIXES``)
@@ -448,7 +452,7 @@ def _padding_mask_only(
     mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any,
 ) -> torch.Tensor | None:
     """``AttentionMaskInterface["lightning_sp"]``: hand the 2-D padding mask ``[B, N]`` through (``None``
-    if it has no padding) so the attention can turn it into a length or refuse it, instead of HF
+    if it has no padding) so the attention can turn it into a length or ``key_padding`` (or refuse holes), instead of HF
     silently dropping it. Causality, windows and packing are the attention function's business."""
     if attention_mask is None or bool(attention_mask.all()):
         return None
@@ -1097,16 +1101,20 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
 
     ``batch`` (the same on every rank of the group): ``input_ids [B, N]`` (or ``inputs_embeds [B, N, E]``),
     optional ``labels [B, N]`` in HF's convention (the tokens themselves, ``ignore_index`` to ignore; NOT
-    shifted), optional right-padding ``attention_mask [B, N]``, optional packed ``position_ids [B, N]``
+    shifted), optional ``attention_mask``: padding ``[B, N]`` (left and/or right) or a 4-D token-to-token mask
+    ``[B, 1 or H, N, N]`` (bool, or additive 0 / -inf; Note [Recognising a 4-D mask]), optional packed
+    ``position_ids [B, N]``
     (restarting at 0 per document; causal LMs) or a global ``cu_seqlens [n_docs + 1]`` (``B == 1``).
     Other tensors ``[B, N, ...]`` are sharded along dim 1, anything else passes through.
 
     Returns ``input_ids [B', S_local]``, global ``position_ids``, ``labels`` (for causal LMs shifted over
     the global sequence as HF's loss does; each row's last token ``ignore_index``) and a ``ShardInfo``
-    under ``"sequence_parallel"``. The attention mask is not passed on: right padding is dropped (rows of
-    one length ``L`` are cut to ``L`` columns; rows of different lengths are packed into one row of
-    documents, ``B' = 1``, Note [Packing padded rows]); any other mask raises. Logits therefore cover
-    the real tokens only, in row order.
+    under ``"sequence_parallel"``. The attention mask is not passed on: padding (left and/or right) is
+    dropped (rows of one length ``L`` are cut to ``L`` columns; rows of different lengths are packed into
+    one row of documents, ``B' = 1``, Note [Packing padded rows]), positions staying HF's; a recognised
+    4-D mask likewise, plus its causality and window in the ShardInfo; any other 4-D mask stays whole and
+    each rank gets its query rows (``ShardInfo.given_mask``); a 2-D mask with holes raises. Logits
+    therefore cover the real tokens only, in row order.
 
     Either pop ``labels`` and take ``sequence_parallel_cross_entropy(model(**shard).logits, labels, group=...)``,
     or leave them in: ``model(**shard).loss`` is then the same global token mean, HF's ``num_items_in_batch``
