@@ -310,6 +310,22 @@ def _padding_and_4d_cases(group) -> dict:
             out[("llama", "arbitrary_4d", backend)] = _sharded_run(base, rows_4d, backend, group, ref_logits, ref_loss,
                                                                    ref)
     out["rows_warning"] = [str(w.message) for w in caught if "query rows" in str(w.message)][:1]
+    # what each rank holds: [B, H, N_pad / P, N_pad] rows, of its own (zigzag) positions, in its layout order
+    import torch.distributed as dist
+
+    from lightning_sp.layout import token_indices
+
+    held = {}
+    for backend in ("zigzag_ring", "ulysses"):
+        model = integration.apply_sequence_parallel(clone(base), group=group, backend=backend)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows = integration.shard_inputs(rows_4d, model)["sequence_parallel"].given_mask.mask.mask_mod
+        layout, world = integration._sp_modules(model)[0].layout, dist.get_world_size(group)
+        mine = token_indices(layout, world, rows.row_of.numel(), dist.get_rank(group))
+        in_order = bool((rows.row_of[mine] == torch.arange(mine.numel())).all()) if backend == "zigzag_ring" else None
+        held[backend] = (tuple(rows.rows.shape), rows.row_of.numel(), in_order)
+    out["rows_held"] = held
     # negative controls: the 4-D mask ignored; every head given head 0's rows
     out["control_4d_ignored"] = _sharded_run(base, dict(batch, attention_mask=None), "zigzag_ring", group,
                                              ref_logits, ref_loss, clone(base))["logits"]
@@ -336,3 +352,7 @@ def test_left_padding_and_4d_masks_are_exact(results):
         for control in (("gpt2", "control_positions_restarted"), "control_4d_ignored", "control_4d_heads_collapsed"):
             assert cases[control] > MISS, (world, rank, control, cases[control])
         assert cases["rows_warning"] and "O(N^2 / P)" in cases["rows_warning"][0]
+        shape, n_pad, in_order = cases["rows_held"]["zigzag_ring"]
+        assert shape == (2, 4, n_pad // world, n_pad) and in_order, (world, rank, shape, n_pad)
+        shape, n_pad, _ = cases["rows_held"]["ulysses"]
+        assert shape == (2, 4, n_pad, n_pad), (world, rank, shape)  # Ulysses: every query position
