@@ -116,7 +116,9 @@ class _RowsKeyPadding:
         self.inner = inner
 
     def __call__(self, b, h, q, k):
-        bounds = self.bounds.to(k.device)[b.flatten()].view(-1, 1, 1, 1, 2)  # [B, 1, 1, 1, 2]
+        if self.bounds.device != k.device:
+            self.bounds = self.bounds.to(k.device)
+        bounds = self.bounds[b.flatten()].view(-1, 1, 1, 1, 2)  # [B, 1, 1, 1, 2]
         visible = (k >= bounds[..., 0]) & (k < bounds[..., 1])  # [B, 1, 1, Sk]
         return visible if self.inner is None else visible & torch.as_tensor(self.inner(b, h, q, k), dtype=torch.bool)
 

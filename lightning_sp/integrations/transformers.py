@@ -1038,9 +1038,13 @@ class _DenseRows:
         self.rows = rows
         self.row_of = torch.full((padded_len,), -1, dtype=torch.long)
         self.row_of[positions] = torch.arange(positions.numel())
+        self._on_device: dict = {}  # device -> (rows, row_of): copied once, not per block
 
     def __call__(self, b, h, q, k):
-        rows, row_of = self.rows.to(k.device), self.row_of.to(q.device)[q]  # [1, 1, Sq, 1]
+        if k.device not in self._on_device:
+            self._on_device[k.device] = (self.rows.to(k.device), self.row_of.to(k.device))
+        rows, row_of = self._on_device[k.device]
+        row_of = row_of[q]  # [1, 1, Sq, 1]
         if bool((row_of < 0).any()):
             raise RuntimeError("a 4-D attention mask was asked for query rows this rank does not hold: the backend "
                                "computes other positions than the shard_inputs of this batch expected")
