@@ -203,7 +203,7 @@ def test_window_over_packed_rows_is_exact(results):
 
 PAD_LEFT = 4  # row 0: 4 padding tokens, then 9 real ones; row 1: 13 real tokens
 PAD_BACKENDS = ("zigzag_ring", "ulysses")
-ROWS_BACKENDS = ("ring", "zigzag_ring", "ulysses", "usp", "colossal")
+ROWS_BACKENDS = ("ring", "zigzag_ring", "allgather_kv", "ulysses", "usp", "colossal")
 
 
 def _left_padded_batch(name: str) -> dict:
@@ -336,10 +336,11 @@ def _padding_and_4d_cases(group) -> dict:
 
 
 def test_left_padding_and_4d_masks_are_exact(results):
-    """Left padding (Llama, ESM, GPT-2) and a 4-D mask, sharded, equal HF's eager model on the padded batch (logits of the
-    real tokens, the loss, every gradient) to 1e-9; an arbitrary per-head 4-D mask on the ring, zigzag, Ulysses,
-    usp and colossal layouts too (each rank reads its own rows), with the memory warning; the unsharded model with
-    left padding as well. Controls that must miss: HF's positions not kept, the 4-D mask ignored, heads collapsed."""
+    """Left padding (Llama, ESM, GPT-2) and a 4-D mask, sharded, equal HF's eager model on the padded batch
+    (logits of the real tokens, the loss, every gradient) to 1e-9; an arbitrary per-head 4-D mask on the ring,
+    zigzag, allgather_kv, Ulysses, usp and colossal layouts too (each rank reads its own rows, N_pad / P of them
+    off Ulysses), with the memory warning; the unsharded model with left padding as well. Controls that must
+    miss: HF's positions not kept, the 4-D mask ignored, heads collapsed."""
     world, per_rank = results
     for rank, res in enumerate(per_rank):
         cases = res["padding_4d"]
