@@ -855,6 +855,9 @@ def _mask_input_error(q, attn_mask: AttentionMask | None, sinks) -> tuple[int, s
     if attn_mask is not None and attn_mask.alibi_slopes is not None and len(attn_mask.alibi_slopes) != h:
         return 14, (f"mask.alibi_slopes has {len(attn_mask.alibi_slopes)} slopes but q has {h} heads: pass one slope "
                     f"per query head")
+    if attn_mask is not None and attn_mask.key_padding is not None and len(attn_mask.key_padding) != q.size(0):
+        return 14, (f"mask.key_padding has {len(attn_mask.key_padding)} (start, end) ranges but q has batch size "
+                    f"{q.size(0)}: pass one range of real tokens per batch row")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.numel() != h
                               or not sinks.is_floating_point()):
         got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
