@@ -5,19 +5,31 @@ one run: the K/V rows the mask needs (ours), what the rings sent before they fol
 same backend with ``follow_mask=False``), and the minimum (every K/V row of another rank that some local query
 sees, sent once). CPU gloo ranks, one thread each, fp32, causal.
 
-    python -m benchmarks.masks.run --time --out benchmarks/masks/results/<date>_traffic-and-window.json
+    python -m benchmarks.masks.run --time --worlds 2 --publish
+    python -m benchmarks.masks.run --time --worlds 4 --publish
 
 1. Packed protein-like documents (lengths uniform in 50..1000, seeded) at N = 16384, P = 2 and 4: ``ring``,
    ``zigzag_ring``, ``allgather_kv``.
 2. A causal sliding window W = 512 (``AttentionMask(window=(511, 0))``) on the contiguous ``ring``, N = 16K, 32K,
    64K: bytes per rank constant in N, against the full causal ring's ``(P-1)/P * 2 * N * h_kv * D`` elements.
    ``--time``: also the median fwd+bwd per rank against one local windowed kernel call on the rank's own work
-   (its N/P queries and the W - 1 keys before them: the limit).
+   (its N/P queries and the W - 1 keys before them: the limit), and against the same ring with the mask ignored
+   for traffic (``full ring``: every block passed on, with the whole-block ring's head-major copies and its
+   dK/dV transfer behind the next block).
+3. Prefix-LM (``AttentionMask(bidirectional_spans=((0, s),))``, s = 10% and 50% of N, then causal) on ``ring`` and
+   ``zigzag_ring`` at N = 16K: bytes as above and, with ``--time``, the median fwd+bwd per rank against plain
+   causal attention at the same N and backend, alternating in one run; with the plan's kernel calls by kind
+   (``dense``: the masked kernel path; 0 when the plan cuts every block at the span's ends) and the rank's
+   visible (query, key) pairs over causal's, the work the span adds.
+
+``--publish`` writes ``benchmarks/masks/results/<date>_traffic-window-prefix.json``, replacing the rows of the
+worlds and sections this run measured and keeping the others (so one world at a time fits a short slot).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import random
@@ -28,6 +40,9 @@ from experiments.common.results import run_metadata
 
 H, H_KV, D = 4, 4, 32
 BYTES = 4  # fp32
+WINDOW = 512
+PREFIX_FRACTIONS = (0.1, 0.5)
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def protein_docs(n: int, seed: int = 0) -> list[int]:
@@ -72,9 +87,10 @@ def _worker(rank, world, cases, reps):
 
     group = dist.group.WORLD
     rows = []
-    for what, backend, n, time_it in cases:
+    for what, backend, n, time_it, prefix in cases:
         docs = protein_docs(n) if what == "docs" else None
-        user_mask = AttentionMask(window=(511, 0)) if what == "window" else None
+        user_mask = (AttentionMask(window=(WINDOW - 1, 0)) if what == "window" else
+                     AttentionMask(bidirectional_spans=((0, prefix),)) if what == "prefix" else None)
         layout = SequenceParallelAttention(causal=True, backend=backend, group=group).layout
         g = torch.Generator().manual_seed(0)
         full = [torch.randn(1, n, hh, D, generator=g) for hh in (H, H_KV, H_KV, H)]
@@ -98,68 +114,147 @@ def _worker(rank, world, cases, reps):
             out.backward(shards[3])
             sent[follow] = (fwd, stats.total_bytes)
         row = {"case": what, "backend": backend, "N": n, "P": world, "rank": rank,
+               **({"prefix": prefix, "prefix_fraction": prefix / n} if what == "prefix" else {}),
                "forward_bytes": sent[True][0], "fwd_bwd_bytes": sent[True][1],
                "today_forward_bytes": sent[False][0], "today_fwd_bwd_bytes": sent[False][1],
                "minimum_forward_bytes": 2 * _minimum_rows(layout, world, rank, n, structured) * H_KV * D * BYTES,
                "full_causal_ring_forward_bytes": (world - 1) * 2 * n // world * H_KV * D * BYTES}
-        if time_it:
-            attn = SequenceParallelAttention(causal=True, backend=backend, group=group, mask=user_mask, kv_pieces=1,
-                                             kernel="sdpa", validate_inputs=False)
+        if what == "prefix":
+            row.update(_plan_stats(layout, world, rank, n, structured))
+        if time_it and what == "window":
             c = n // world
-            lo = max(0, rank * c - 511)
+            lo = max(0, rank * c - (WINDOW - 1))
             own = [t[:, lo:(rank + 1) * c].contiguous() for t in full]  # the rank's queries' whole window
             local = SequenceParallelAttention(causal=True, mask=user_mask, kernel="sdpa")
             # the limit: this rank's queries over their windows, one local call (its extra W - 1 queries are the
             # halo rows' share of the work; counted, so the limit is a slight over-estimate of the floor)
+            # ours and the full ring: the same backend call, the mask followed for traffic or not
+            calls = {follow: backends.AttentionCall(kernel=make_kernel("sdpa"), scale=D ** -0.5, causal=True,
+                                                    layout=layout, padded_len=n, doc_bounds=None, stats=None,
+                                                    kv_pieces=1, **fields[follow]) for follow in (True, False)}
 
-            def ours():
-                q, k, v = (t.detach().clone().requires_grad_() for t in shards[:3])
-                attn(q, k, v, seq_len=n).backward(shards[3])
+            def ring(follow):
+                def run():
+                    q, k, v = (t.detach().clone().requires_grad_() for t in shards[:3])
+                    backends.ring_attention(q, k, v, calls[follow], group=group).backward(shards[3])
+                return run
 
             def limit():
                 q, k, v = (t.detach().clone().requires_grad_() for t in own[:3])
                 local(q, k, v).backward(own[3])
 
-            timings = time_alternating({"ours": ours, "limit": limit}, warmup=1, reps=reps, group=group)
+            timings = time_alternating({"ours": ring(True), "full_ring": ring(False), "limit": limit}, warmup=1,
+                                       reps=reps, group=group)
             row.update(ours_median_s=timings["ours"].median_s, limit_median_s=timings["limit"].median_s,
-                       ratio_to_limit=timings["ours"].median_s / timings["limit"].median_s)
+                       full_ring_median_s=timings["full_ring"].median_s,
+                       ratio_to_limit=timings["ours"].median_s / timings["limit"].median_s,
+                       ratio_to_full_ring=timings["ours"].median_s / timings["full_ring"].median_s)
+        if time_it and what == "prefix":
+            prefix_lm = SequenceParallelAttention(causal=True, backend=backend, group=group, mask=user_mask,
+                                                  kv_pieces=1, kernel="sdpa", validate_inputs=False)
+            causal = SequenceParallelAttention(causal=True, backend=backend, group=group, kv_pieces=1, kernel="sdpa",
+                                               validate_inputs=False)
+
+            def module(attn):
+                def run():
+                    q, k, v = (t.detach().clone().requires_grad_() for t in shards[:3])
+                    attn(q, k, v, seq_len=n).backward(shards[3])
+                return run
+
+            timings = time_alternating({"prefix_lm": module(prefix_lm), "causal": module(causal)}, warmup=1,
+                                       reps=reps, group=group)
+            row.update(prefix_lm_median_s=timings["prefix_lm"].median_s, causal_median_s=timings["causal"].median_s,
+                       ratio_to_causal=timings["prefix_lm"].median_s / timings["causal"].median_s)
         rows.append(row)
     return rows
+
+
+def _plan_stats(layout, world, rank, n, structured) -> dict:
+    """This rank's kernel calls by kind over every source block, under the prefix-LM mask and plain causal (the
+    plans the two calls run), and the visible (query, key) pairs those calls compute (a CAUSAL square: its lower
+    triangle)."""
+    from lightning_sp.layout import runs_for_ranks
+    from lightning_sp.ops.plan import plan_blocks
+
+    runs = [runs_for_ranks(layout, world, n, (r,)) for r in range(world)]
+    out = {}
+    for name, mask in (("prefix_lm", structured), ("causal", None)):
+        kinds, pairs = {"full": 0, "causal": 0, "dense": 0}, 0
+        for src in range(world):
+            for c in plan_blocks(runs[rank], runs[src], causal=True, mask=mask):
+                kinds[c.kind.value] += 1
+                pairs += c.q_len * (c.k_len + 1) // 2 if c.kind.value == "causal" else c.q_len * c.k_len
+        out[f"{name}_calls"], out[f"{name}_pairs"] = kinds, pairs
+    out["work_ratio"] = out["prefix_lm_pairs"] / out["causal_pairs"]
+    return out
+
+
+def _section_rows(rows, worlds, sections):
+    """``rows`` less those of ``worlds`` x ``sections`` (what a new run replaces)."""
+    return [r for r in rows if not (r["P"] in worlds and r["case"] in sections)]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--sections", nargs="+", choices=("docs", "window", "prefix"), default=["docs", "window", "prefix"])
     ap.add_argument("--docs-len", type=int, default=16384)
     ap.add_argument("--window-lens", type=int, nargs="+", default=[16384, 32768, 65536])
-    ap.add_argument("--time", action="store_true", help="also time the window cases against the local limit")
+    ap.add_argument("--prefix-len", type=int, default=16384)
+    ap.add_argument("--prefix-backends", nargs="+", default=["ring", "zigzag_ring"])
+    ap.add_argument("--time", action="store_true", help="also time the window and prefix-LM cases")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=None)
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=None)
+    where.add_argument("--publish", action="store_true",
+                       help="write (merge into) benchmarks/masks/results/<date>_traffic-window-prefix.json")
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = a.out
+    if a.publish:
+        out = RESULTS / f"{datetime.date.today().isoformat()}_traffic-window-prefix.json"
     load_before = os.getloadavg()[0]
     rows = []
     for world in a.worlds:
-        cases = [("docs", b, a.docs_len, False) for b in ("ring", "zigzag_ring", "allgather_kv")]
-        cases += [("window", "ring", n, a.time) for n in a.window_lens]
+        cases = []
+        if "docs" in a.sections:
+            cases += [("docs", b, a.docs_len, False, None) for b in ("ring", "zigzag_ring", "allgather_kv")]
+        if "window" in a.sections:
+            cases += [("window", "ring", n, a.time, None) for n in a.window_lens]
+        if "prefix" in a.sections:
+            cases += [("prefix", b, a.prefix_len, a.time, int(f * a.prefix_len))
+                      for b in a.prefix_backends for f in PREFIX_FRACTIONS]
         per_rank = run_on_ranks(_worker, world, (cases, a.reps), timeout_s=3000)
         for rank_rows in per_rank:
             rows += rank_rows
     mib = 2 ** 20
     for r in rows:
-        line = (f"{r['case']:6s} {r['backend']:12s} N={r['N']:6d} P={r['P']} rank {r['rank']}: forward "
+        what = r["case"] + (f" s={r['prefix']}" if r["case"] == "prefix" else "")
+        line = (f"{what:12s} {r['backend']:12s} N={r['N']:6d} P={r['P']} rank {r['rank']}: forward "
                 f"{r['forward_bytes'] / mib:7.3f} MiB (today {r['today_forward_bytes'] / mib:7.3f}, minimum "
                 f"{r['minimum_forward_bytes'] / mib:7.3f}, full causal ring {r['full_causal_ring_forward_bytes'] / mib:7.3f}); "
                 f"fwd+bwd {r['fwd_bwd_bytes'] / mib:7.3f} MiB (today {r['today_fwd_bwd_bytes'] / mib:7.3f})")
         if "ratio_to_limit" in r:
-            line += f"; fwd+bwd {r['ours_median_s']:.3f} s = {r['ratio_to_limit']:.2f}x the local limit"
+            line += (f"; fwd+bwd {r['ours_median_s']:.3f} s = {r['ratio_to_limit']:.2f}x the local limit, "
+                     f"{r['ratio_to_full_ring']:.2f}x the full ring")
+        if "work_ratio" in r:
+            line += f"; calls {r['prefix_lm_calls']} (causal {r['causal_calls']}), work {r['work_ratio']:.3f}x causal"
+        if "ratio_to_causal" in r:
+            line += f"; fwd+bwd {r['prefix_lm_median_s']:.3f} s = {r['ratio_to_causal']:.3f}x causal"
         print(line, flush=True)
-    if a.out is not None:
+    if out is not None:
         meta = run_metadata(__file__, argv, ranks="gloo, one thread per rank", causal=True, heads=H, kv_heads=H_KV,
                             head_dim=D, dtype="float32", load_1m_before=load_before, load_1m_after=os.getloadavg()[0])
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-        print(f"wrote {a.out}")
+        runs = [meta]
+        if a.publish and out.exists():  # keep the rows of the worlds and sections this run did not measure
+            old = json.loads(out.read_text())
+            rows = _section_rows(old["rows"], a.worlds, a.sections) + rows
+            runs = [m for m in old.get("runs", [old["meta"]]) if not (set(m.get("worlds", ())) <= set(a.worlds)
+                                                                         and set(m.get("sections", ())) <= set(a.sections))] + runs
+        meta.update(worlds=a.worlds, sections=a.sections)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -294,8 +294,8 @@ class _AllGatherKVFunction(torch.autograd.Function):
 
 def allgather_kv_attention(q, k, v, call: AttentionCall, *, group) -> torch.Tensor:
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    if call.follow_mask and piece_count(call.kv_pieces, k.size(1)) == 1:  # gather only the rows the mask lets this rank see, from their owners (Note [Traffic
-        # follows the mask] in ops/ring_attention.py): the rings' pairwise exchange, on the same layout
+    if call.follow_mask:  # gather only the rows the mask lets this rank see, from their owners (Note [Traffic follows
+        # the mask] in ops/ring_attention.py): the rings' pairwise exchange, on the same layout, in pieces too
         runs = [call.runs(world, [r]) for r in range(world)]
         return block_attention(q, k, v, call.spec(runs[rank], runs, group=group), call.sinks)
     q_runs = call.runs(world, [rank])

@@ -71,7 +71,8 @@ Note [K/V in pieces]
     many messages; ``piece_count`` keeps pieces at least ``MIN_PIECE_TOKENS`` long, so short blocks
     use fewer pieces and blocks under ``2 * MIN_PIECE_TOKENS`` tokens run the neighbour ring.
     Measured (benchmarks/README.md, section 4): P = 4, N = 8192, peak per rank 0.69 -> 0.33 (ring)
-    of one process's.
+    of one process's. Under a mask whose traffic is followed (``spec.follow_mask``) the pieces carry only the
+    rows the mask needs (Note [Traffic follows the mask]).
 """
 
 from __future__ import annotations
@@ -270,11 +271,11 @@ def block_attention_forward(spec: BlockAttentionSpec, q, k, v) -> AttentionResul
         return AttentionResult(o, l.to(acc))
     merged = _MergedResult(q, v.size(-1), acc)
     pieces = spec.pieces_for(k.size(1))
-    if pieces > 1:  # a memory choice: the pieces travel whatever the mask (Note [K/V in pieces])
-        _pieces_forward(spec, q, k, v, merged, pieces)
+    if spec.follow_mask and spec.group is not None:  # Note [Traffic follows the mask] (in pieces too)
+        _selective_forward(spec, q, k, v, merged, pieces)
         return merged.result()
-    if spec.follow_mask and spec.group is not None:  # Note [Traffic follows the mask]
-        _selective_forward(spec, q, k, v, merged)
+    if pieces > 1:  # Note [K/V in pieces]
+        _pieces_forward(spec, q, k, v, merged, pieces)
         return merged.result()
     hm = _heads_major_ring(spec, q, pieces)
     if hm:  # Note [Head-major blocks]: one copy of each; k, v held by the ring only until step 0 is done
@@ -322,10 +323,10 @@ def block_attention_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
         grads = _call_backward(spec, single, dout, q, k, v, out, lse)
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
     pieces = spec.pieces_for(k.size(1))
+    if spec.follow_mask and spec.group is not None:  # Note [Traffic follows the mask] (in pieces too)
+        return _selective_backward(spec, dout, q, k, v, out, lse, pieces)
     if pieces > 1:
         return _pieces_backward(spec, dout, q, k, v, out, lse, pieces)
-    if spec.follow_mask and spec.group is not None:  # Note [Traffic follows the mask]
-        return _selective_backward(spec, dout, q, k, v, out, lse)
     hm = _heads_major_ring(spec, q, pieces)
     q_in = q
     if hm:  # Note [Head-major blocks]
@@ -556,6 +557,13 @@ def block_attention(q, k, v, spec: BlockAttentionSpec, sinks: torch.Tensor | Non
 # goes straight back to the rows' owner (tag 2), which adds it into its gradient: ``P - 1`` contributions, the
 # rows that were sent. Packed documents that never cross a shard boundary send nothing at all; a causal sliding
 # window sends to the ranks within the window of its keys only, the rows the window reaches.
+#
+# In pieces (``kv_pieces = m > 1``, Note [K/V in pieces]) the same exchange runs once per piece: at step ``t``,
+# piece ``j`` (block rows ``piece_bounds``) moves only the needed rows inside it (``piece_rows_needed``: the
+# needed span cut to the piece), in the pieces path's order (every piece of step ``t`` before step ``t + 1``),
+# the next piece in flight while the current one computes, the queries in ``m`` chunks in backward, and each
+# piece's dK/dV contribution goes back to its owner before the next piece. The pieces of a span add up to the
+# span: the bytes are those of whole blocks (``tests/distributed/test_masks.py``), the memory that of pieces.
 
 
 _KV_TAG, _GRAD_TAG = 1, 2
@@ -570,10 +578,21 @@ def kv_rows_needed(spec: BlockAttentionSpec, dst: int, src: int) -> tuple[int, i
     return min(c.k_start for c in calls), max(c.k_start + c.k_len for c in calls)
 
 
-def _kv_exchange(spec, comm, k, v, t):
-    """Step ``t``'s K/V exchange: ``(pending, source rank, rows received or None)``."""
+def piece_rows_needed(spec: BlockAttentionSpec, dst: int, src: int, piece: tuple[int, int]) -> tuple[int, int] | None:
+    """``kv_rows_needed(spec, dst, src)`` inside the block rows ``piece = (start, stop)`` (``None``: none)."""
+    rows = kv_rows_needed(spec, dst, src)
+    if rows is None:
+        return None
+    lo, hi = max(rows[0], piece[0]), min(rows[1], piece[1])
+    return (lo, hi) if lo < hi else None
+
+
+def _kv_exchange(spec, comm, k, v, t, piece):
+    """Step ``t``'s K/V exchange of the block rows ``piece = (start, stop)``: ``(pending, source rank, rows
+    received or None)``."""
     dst, src = (comm.rank + t) % comm.world, (comm.rank - t) % comm.world
-    send_rows, recv_rows = kv_rows_needed(spec, dst, comm.rank), kv_rows_needed(spec, comm.rank, src)
+    send_rows = piece_rows_needed(spec, dst, comm.rank, piece)
+    recv_rows = piece_rows_needed(spec, comm.rank, src, piece)
     shapes = ()
     if recv_rows is not None:
         n = recv_rows[1] - recv_rows[0]
@@ -585,23 +604,35 @@ def _kv_exchange(spec, comm, k, v, t):
     return pending, src, recv_rows
 
 
-def _selective_steps(spec, k, v):
-    """Yield ``(step, source rank, rows, (k_rows, v_rows))`` for every step (step 0: this rank's own block whole;
-    ``rows = None`` and no blocks where its queries see none of the source's keys), the next exchange in flight
-    meanwhile."""
+def _selective_steps(spec, k, v, pieces: int = 1):
+    """Yield ``(step, source rank, piece, rows, (k_rows, v_rows))`` for every step and piece (Note [Traffic
+    follows the mask]; step 0: this rank's own block, each piece whole; ``rows`` are the source block's rows
+    received, ``None`` with no blocks where this rank's queries see none of that piece), the next exchange in
+    flight meanwhile. ``pieces > 1``: each block in ``piece_bounds`` row ranges, one exchange per piece, so a rank
+    holds at most two received piece-sized row ranges (Note [K/V in pieces])."""
     comm = spec.comm()
-    nxt = _kv_exchange(spec, comm, k, v, 1) if comm.world > 1 else None
-    yield 0, comm.rank, (0, k.size(1)), (k, v)
-    for t in range(1, comm.world):
-        pending, src, rows = nxt
-        blocks = pending.wait()
-        nxt = _kv_exchange(spec, comm, k, v, t + 1) if t + 1 < comm.world else None
-        yield t, src, rows, blocks
-        del blocks, pending
+    kb = piece_bounds(k.size(1), pieces)
+    order = [(t, j) for t in range(comm.world) for j in range(pieces)]
+
+    def fetch(t, j):
+        if t == 0:
+            return None, comm.rank, (kb[j], kb[j + 1])
+        return _kv_exchange(spec, comm, k, v, t, (kb[j], kb[j + 1]))
+
+    nxt = fetch(*order[0])
+    for i, (t, j) in enumerate(order):
+        (pending, src, rows), nxt = nxt, (fetch(*order[i + 1]) if i + 1 < len(order) else None)
+        if pending is None:  # this rank's own piece: views, no copy
+            blocks = (k[:, rows[0]:rows[1]], v[:, rows[0]:rows[1]])
+        else:
+            blocks = pending.wait()
+        del pending
+        yield t, src, j, rows, blocks
+        del blocks  # freed before the piece after next is allocated
 
 
-def _selective_forward(spec: BlockAttentionSpec, q, k, v, merged: _MergedResult) -> None:
-    for _t, src, rows, blocks in _selective_steps(spec, k, v):
+def _selective_forward(spec: BlockAttentionSpec, q, k, v, merged: _MergedResult, pieces: int = 1) -> None:
+    for _t, src, _j, rows, blocks in _selective_steps(spec, k, v, pieces):
         if rows is None:
             continue
         (lo, hi), (k_r, v_r) = rows, blocks
@@ -611,31 +642,37 @@ def _selective_forward(spec: BlockAttentionSpec, q, k, v, merged: _MergedResult)
             o_b, lse_b = _call_forward(spec, c, q[:, qs], k_r[:, ks], v_r[:, ks])
             merged.absorb(qs, o_b, lse_b)
             del o_b, lse_b
+        del k_r, v_r, blocks
 
 
-def _selective_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse):
+def _selective_backward(spec: BlockAttentionSpec, dout, q, k, v, out, lse, pieces: int = 1):
     comm = spec.comm()
     acc = accumulation_dtype(q.dtype)
     dq = None  # first write assigns (Note [First write assigns])
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    whole = [(0, spec.q_runs)]
-    for t, src, rows, blocks in _selective_steps(spec, k, v):
+    kb = piece_bounds(k.size(1), pieces)
+    q_chunks = query_chunks(spec.q_runs, q.size(1), pieces)  # pieces: the kernel's per-call dq is a chunk
+    for t, src, j, rows, blocks in _selective_steps(spec, k, v, pieces):
         send = None
         if rows is not None:
             (lo, hi), (k_r, v_r) = rows, blocks
             runs = slice_runs(spec.k_runs_by_rank[src], lo, hi)
-            if t == 0:
-                dq, _ = accumulate_tile_grads(spec, whole, runs, dout, q, k_r, v_r, out, lse, dq, (dk, dv))
+            if t == 0:  # this rank's own rows: straight into its gradient (views of dk, dv)
+                dq, _ = accumulate_tile_grads(spec, q_chunks, runs, dout, q, k_r, v_r, out, lse, dq,
+                                              (dk[:, lo:hi], dv[:, lo:hi]))
                 continue
-            dq, contribution = accumulate_tile_grads(spec, whole, runs, dout, q, k_r, v_r, out, lse, dq, (None, None))
+            dq, contribution = accumulate_tile_grads(spec, q_chunks, runs, dout, q, k_r, v_r, out, lse, dq,
+                                                     (None, None))
             send = zeros_if_unwritten(contribution, (k_r, v_r), acc)
             del k_r, v_r, contribution
+        if t == 0:
+            continue
         del blocks
         # this step's contribution goes straight back to its owner; the one for this rank's rows comes from the
         # rank that received them (the same pairs as the K/V exchange, reversed)
         owner, asker = src, (comm.rank + t) % comm.world
-        mine = kv_rows_needed(spec, asker, comm.rank)  # rows of this rank's block that `asker` computed on
+        mine = piece_rows_needed(spec, asker, comm.rank, (kb[j], kb[j + 1]))  # rows `asker` computed on
         shapes = () if mine is None else tuple((k.size(0), mine[1] - mine[0], *t_.shape[2:]) for t_ in (k, v))
         got = exchange_rows(spec.group, spec.stats, send_to=None if send is None else owner, send=send or (),
                             recv_from=None if mine is None else asker, recv_shapes=shapes, like=k, dtype=acc,

@@ -91,7 +91,11 @@ def _run_case(group, world, backend, kind, seed, pieces=1):
 
 
 def _traffic(group, world):
-    """Bytes each rank sends (fwd + bwd) under masks that leave most rank pairs empty, next to the plain call."""
+    """Bytes each rank sends (fwd + bwd) under masks that leave most rank pairs empty, next to the plain call; the
+    same masks with K/V in 4 pieces (``"/pieces"``: 8-token pieces of the 32-token contiguous blocks, so the window's
+    11 rows span two pieces), and the K/V send calls of each."""
+    from lightning_sp.ops import ring_attention
+
     out = {}
     n = 32 * world
     g = torch.Generator().manual_seed(0)
@@ -101,27 +105,34 @@ def _traffic(group, world):
     cases = [(b, "docs") for b in ("ring", "zigzag_ring", "allgather_kv")] + [("ring", "window"), ("ring", "plain")]
     if world == 4:
         cases.append(("usp", "docs"))  # 2 x 2: the ring of 2 over chunks of 32 tokens
+    cases += [(b, what + "/pieces") for b, what in cases if what != "plain"]
     for backend, what in cases:
-        mask = AttentionMask(window=(11, 0)) if what == "window" else None
-        attn = SequenceParallelAttention(causal=True, backend=backend, group=group, mask=mask, kv_pieces=1,
+        pieces = 4 if what.endswith("/pieces") else 1
+        ring_attention.MIN_PIECE_TOKENS = 1 if pieces > 1 else 256
+        mask = AttentionMask(window=(11, 0)) if what.startswith("window") else None
+        attn = SequenceParallelAttention(causal=True, backend=backend, group=group, mask=mask, kv_pieces=pieces,
                                          ulysses_degree=2 if backend == "usp" else None)
         local = [shard_sequence(t, group, layout=attn.layout) for t in (q, k, v, dout)]
         for t in local[:3]:
             t.requires_grad_()
         attn.comm_stats.reset()
-        o = attn(*local[:3], cu_seqlens=docs if what == "docs" else None)
+        cu = docs if what.startswith("docs") else None
+        o = attn(*local[:3], cu_seqlens=cu)
         o.backward(local[3])
-        got = [gather_sequence(t, group, layout=attn.layout, seq_len=n) for t in (o.detach(), local[0].grad)]
+        got = [gather_sequence(t, group, layout=attn.layout, seq_len=n)
+               for t in (o.detach(), local[0].grad, local[1].grad, local[2].grad)]
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = dense_attention(*leaves, causal=True, cu_seqlens=docs if what == "docs" else None, mask=mask)
-        ref_dq = torch.autograd.grad(ref, leaves[0], dout)[0]
-        out[(backend, what)] = (dict(attn.comm_stats.bytes_by_op), max(_err(got[0], ref), _err(got[1], ref_dq)))
+        ref = dense_attention(*leaves, causal=True, cu_seqlens=cu, mask=mask)
+        refs = [ref, *torch.autograd.grad(ref, leaves, dout)]
+        out[(backend, what)] = (dict(attn.comm_stats.bytes_by_op), max(_err(a, b) for a, b in zip(got, refs)),
+                                attn.comm_stats.calls_by_op.get("ring_send", 0))
+    ring_attention.MIN_PIECE_TOKENS = 256
     return out
 
 
 PIECES_CASES = [(b, kd) for b in ("ring", "zigzag_ring", "allgather_kv", "usp")
                 for kd in ("prefix_lm_spans", "docs_window_spans_softcap_sinks")]
-"""K/V in pieces (``kv_pieces=3``) under masks: the pieces path (full traffic, a memory choice) is exact too."""
+"""K/V in pieces (``kv_pieces=3``) under masks: each piece carries the rows the mask needs, exact too."""
 
 
 def _disagreeing_masks(group, rank):
@@ -175,23 +186,30 @@ def test_traffic_follows_the_mask(grid):
     """Documents that never cross a shard: no K/V (nor gradient) byte on the rings, allgather_kv and the ring of
     usp (2 x 2; its all-to-alls move the heads whatever the mask). A causal
     window of 11 keys on the contiguous ring: each rank sends only its last 11 K/V rows to the next rank
-    (forward and again in backward) and gets those rows' dK/dV back, nothing to any other rank."""
+    (forward and again in backward) and gets those rows' dK/dV back, nothing to any other rank. K/V in pieces
+    (``kv_pieces=4``): the same bytes in every case, each piece carrying only its share of the rows."""
     world, per_rank = grid
     row = H_KV * D * 8  # bytes of one token's K (or V) in fp64
     for rank, result in enumerate(per_rank):
         traffic = result["traffic"]
-        for key, (sent, err) in traffic.items():
-            assert err < TOL, f"rank {rank} {key}: error {err}"
+        for key, (sent, err, _calls) in traffic.items():
+            assert err < TOL, f"rank {rank} {key}: out/dq/dk/dv error {err}"
         for backend in ("ring", "zigzag_ring", "allgather_kv") + (("usp",) if world == 4 else ()):
-            sent, _ = traffic[(backend, "docs")]
-            kv = {op: b for op, b in sent.items() if op != "all_to_all"}
-            assert sum(kv.values()) == 0, f"rank {rank} {backend} with shard-local documents sent {kv}"
-        sent, _ = traffic[("ring", "window")]
+            for what in ("docs", "docs/pieces"):
+                sent = traffic[(backend, what)][0]
+                kv = {op: b for op, b in sent.items() if op != "all_to_all"}
+                assert sum(kv.values()) == 0, f"rank {rank} {backend} {what} with shard-local documents sent {kv}"
         last = rank == world - 1
-        assert sent.get("ring_send", 0) == (0 if last else 2 * 2 * 11 * row), (rank, sent)  # K and V, fwd and bwd
-        assert sent.get("ring_send_grad", 0) == (0 if rank == 0 else 2 * 11 * row), (rank, sent)  # dK and dV back
+        for what in ("window", "window/pieces"):
+            sent = traffic[("ring", what)][0]
+            assert sent.get("ring_send", 0) == (0 if last else 2 * 2 * 11 * row), (rank, what, sent)  # K, V; fwd, bwd
+            assert sent.get("ring_send_grad", 0) == (0 if rank == 0 else 2 * 11 * row), (rank, what, sent)  # dK, dV
+        # in pieces the window's rows travel as the two pieces they lie in: 2 K/V messages (K and V) per piece
+        # per pass instead of per block, the same bytes
+        whole_calls, piece_calls = traffic[("ring", "window")][2], traffic[("ring", "window/pieces")][2]
+        assert (whole_calls, piece_calls) == ((0, 0) if last else (4, 8)), (rank, whole_calls, piece_calls)
         # the plain causal ring (no mask) passes every block on: (P - 1) blocks of K and V per pass
-        plain, _ = traffic[("ring", "plain")]
+        plain = traffic[("ring", "plain")][0]
         assert plain["ring_send"] >= 2 * (world - 1) * 2 * 32 * row
 
 
