@@ -28,7 +28,7 @@ Note [Schedules under a mask]
     step ``t`` the rows ``kv_rows_needed(r + t, r)`` of its block and receives ``kv_rows_needed(r, r - t)``, from
     the library's own function on the same runs, and in backward sends each step's dK/dV contribution back
     over the same rows. So the bytes are counted, not re-derived: a sliding window's rows, a document that
-    never leaves its shard (nothing). Ulysses' all-to-alls, K/V in pieces and the all-gather move every row
+    never leaves its shard (nothing), whole or in pieces. Ulysses' all-to-alls and the plain all-gather move every row
     whatever the mask; only their kernel calls shrink.
 """
 
@@ -183,7 +183,7 @@ def _backend_schedule(backend, n, p, rank, h, hkv, d, causal, u, kv_pieces, layo
         runs = [runs_for_ranks(layout, p, n, (r,)) for r in range(p)]
         return _ring(runs[rank], runs, rank, p, n // p, h, hkv, d, causal, kv_pieces, masking)
     if backend == "allgather_kv":
-        if masking.follow and piece_count(kv_pieces, n // p) == 1:  # the pairwise exchange (backends.py)
+        if masking.follow:  # the rings' pairwise exchange, in pieces too (backends.py)
             runs = [runs_for_ranks(layout, p, n, (r,)) for r in range(p)]
             return _ring(runs[rank], runs, rank, p, n // p, h, hkv, d, causal, kv_pieces, masking)
         return _allgather_kv(layout, n, p, rank, h, hkv, d, causal, kv_pieces, masking)
@@ -220,8 +220,8 @@ def _ring(q_runs, runs, rank, p, c, h, hkv, d, causal, kv_pieces, masking=NO_MAS
     m = piece_count(kv_pieces, c)
     kv = 2 * c * hkv * d  # K and V of one block
     fwd, bwd = [], []
-    if m == 1 and masking.follow:
-        return _selective_ring(q_runs, runs, rank, p, c, h, hkv, d, causal, masking)
+    if masking.follow:
+        return _selective_ring(q_runs, runs, rank, p, c, h, hkv, d, causal, masking, m)
     if m == 1:
         q_chunks = [(0, tuple(q_runs))]
         for t in range(p):
@@ -263,34 +263,49 @@ def _kv_rows_needed(runs, dst: int, src: int, causal: bool, masking: Masking) ->
     return min(c.k_start for c in calls), max(c.k_start + c.k_len for c in calls)
 
 
-def _selective_ring(q_runs, runs, rank, p, c, h, hkv, d, causal, masking) -> RankSchedule:
+def _selective_ring(q_runs, runs, rank, p, c, h, hkv, d, causal, masking, pieces: int = 1) -> RankSchedule:
     """The ring that follows the mask (Note [Traffic follows the mask] in ``ops/ring_attention.py``): at step
-    ``t`` the rows of ``rank - t``'s block this rank's queries see, exchanged pairwise, step ``t + 1``'s exchange
-    in flight meanwhile; in backward each step's dK/dV contribution goes straight back to its owner."""
+    ``t`` the rows of ``rank - t``'s block this rank's queries see, exchanged pairwise, the next exchange in
+    flight meanwhile; in backward each step's dK/dV contribution goes straight back to its owner. In ``pieces``
+    (Note [K/V in pieces]) the same per piece (``piece_rows_needed``: the needed rows cut to the piece), every
+    piece of step ``t`` before step ``t + 1``, the queries in ``pieces`` chunks in backward."""
     row = 2 * hkv * d  # K and V of one row
+    kb = piece_bounds(c, pieces)
+    q_chunks = query_chunks(q_runs, c, pieces)
+    needed = {}
 
-    def need(dst, src):
-        return _kv_rows_needed(runs, dst % p, src % p, causal, masking)
+    def need(dst, src, j):
+        key = (dst % p, src % p)
+        if key not in needed:
+            needed[key] = _kv_rows_needed(runs, key[0], key[1], causal, masking)
+        rows = needed[key]
+        if rows is None:
+            return None
+        lo, hi = max(rows[0], kb[j]), min(rows[1], kb[j + 1])
+        return (lo, hi) if lo < hi else None
 
     def length(rows):
         return 0 if rows is None else rows[1] - rows[0]
 
     fwd, bwd = [], []
-    for t in range(p):
+    order = [(t, j) for t in range(p) for j in range(pieces)]
+    for i, (t, j) in enumerate(order):
         src = (rank - t) % p
-        rows = (0, c) if t == 0 else need(rank, src)
+        rows = (kb[j], kb[j + 1]) if t == 0 else need(rank, src, j)
         k_runs = None if rows is None else slice_runs(runs[src], *rows)
         calls = [] if k_runs is None else _calls(q_runs, k_runs, causal, h, hkv, False, masking)
-        bcalls = [] if k_runs is None else _calls(q_runs, k_runs, causal, h, hkv, True, masking)
+        bcalls = [] if k_runs is None else [x for _, cr in q_chunks for x in _calls(cr, k_runs, causal, h, hkv, True,
+                                                                                     masking)]
         sent = got = 0
-        if t + 1 < p:  # step t + 1's exchange, in flight during this step
-            sent, got = length(need(rank + t + 1, rank)), length(need(rank, rank - t - 1))
+        nxt = order[i + 1] if i + 1 < len(order) else None
+        if nxt is not None and nxt[0] > 0:  # the next piece's exchange, in flight during this one
+            sent, got = length(need(rank + nxt[0], rank, nxt[1])), length(need(rank, rank - nxt[0], nxt[1]))
         kv = dict(overlapped_send=sent * row, overlapped_recv=got * row, messages=int(bool(sent or got)))
         fwd.append(Step(calls=calls, merges=[x.q_len * h * d for x in calls], **kv))
         acc = [(x.q_len * h + 2 * x.k_len * hkv) * d for x in bcalls]
         grad = {}
-        if t > 0:  # this step's contribution back to `src`; the one for this rank's rows from `rank + t`
-            back, mine = length(rows), length(need(rank + t, rank))
+        if t > 0:  # this piece's contribution back to `src`; the one for this rank's rows from `rank + t`
+            back, mine = length(rows), length(need(rank + t, rank, j))
             acc += [mine * row] if mine else []
             grad = dict(exposed_send_acc=back * row, exposed_recv_acc=mine * row)
             kv["messages"] += int(bool(back or mine))
