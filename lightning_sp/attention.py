@@ -26,7 +26,7 @@ from lightning_sp.comm.agree import describe_disagreement, gather_rows, global_r
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.context import SequenceParallelContext
 from lightning_sp.layout import Run, SequenceLayout, global_seq_len_of, padded_length
-from lightning_sp.masks import AttentionMask
+from lightning_sp.masks import AttentionMask, route_table_gradient
 from lightning_sp.ops import backends
 from lightning_sp.ops.kernels import KERNELS, make_kernel, prefers_heads_major
 
@@ -485,6 +485,7 @@ class SequenceParallelAttention(nn.Module):
             padded_len=n, doc_bounds=doc_bounds, stats=None, **_mask_fields(attn_mask, sinks, self.causal, doc_bounds, n,
                                                                             follow=False),
         )
+        q = route_table_gradient(q, call.score_mods)  # Note [Relative-position bias gradient] in masks.py
         with torch.autocast(q.device.type, enabled=False):
             return backends.local_attention(q, k, v, call)
 
@@ -563,6 +564,7 @@ class SequenceParallelAttention(nn.Module):
             return backends.block_attention(q, k, v, call.spec(queries, [memory]))
 
     def _dispatch(self, backend, auto_u, q, k, v, call, group, world) -> torch.Tensor:
+        q = route_table_gradient(q, call.score_mods)  # Note [Relative-position bias gradient] in masks.py
         with torch.autocast(q.device.type, enabled=False):
             if backend == "ulysses":
                 return backends.ulysses_attention(q, k, v, call, group=group)
@@ -849,6 +851,10 @@ def _mask_input_error(q, attn_mask: AttentionMask | None, sinks) -> tuple[int, s
     if attn_mask is not None and attn_mask.alibi_slopes is not None and len(attn_mask.alibi_slopes) != h:
         return 14, (f"mask.alibi_slopes has {len(attn_mask.alibi_slopes)} slopes but q has {h} heads: pass one slope "
                     f"per query head")
+    bias = None if attn_mask is None else attn_mask.relative_bias
+    if bias is not None and bias.num_heads != h:
+        return 14, (f"mask.relative_bias.table has {bias.num_heads} columns but q has {h} heads: pass a "
+                    f"[num_buckets, H] table, one column per query head")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.numel() != h
                               or not sinks.is_floating_point()):
         got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__

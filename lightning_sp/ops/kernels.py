@@ -705,7 +705,8 @@ class ScoreModKernel(TorchBlockwiseKernel):
     under a mask] in ``ops/plan.py``), ``head_offset`` the global index of the first query head. No fused op
     takes these (flash-attn's softcap/ALiBi arguments have no equivalent for the others, and the SDPA ops none),
     so a call with score modifiers always runs here, whatever ``kernel=`` says: exact in every dtype, any device.
-    The backward differentiates the modifiers by autograd on each tile (``ds = d mod(s) / ds . dS``)."""
+    The backward differentiates the modifiers by autograd on each tile (``ds = d mod(s) / ds . dS``) and adds the
+    tile's share of a relative bias's table gradient to ``mods.table_grad`` (``ScoreMods.backward_through``)."""
 
     name = "torch+score_mods"
 
@@ -748,17 +749,15 @@ class ScoreModKernel(TorchBlockwiseKernel):
         dq, dk, dv = torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
         for q0, q1, k0, k1 in self._tiles(q.size(1), k.size(1), kind):
             idx = self._indices(b, h, q0, q1, k0, k1, q.device)
-            with torch.enable_grad():
-                raw = (qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2) * scale).requires_grad_()
-                s = self.mods.apply(raw, *idx)
+            raw = qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2) * scale  # [B, H, bq, bk]
+            s, through_mods = self.mods.differentiable(raw, *idx)
             visible = self._visible(kind, mask, idx, q0, q1, k0, k1, q.device)
-            s_masked = s.detach() if visible is None else s.detach().masked_fill(~visible, -math.inf)
+            s_masked = s if visible is None else s.masked_fill(~visible, -math.inf)
             p = torch.exp(s_masked - lse[:, :, q0:q1, None]).nan_to_num(nan=0.0)  # [B, H, bq, bk]
             dv[:, :, k0:k1] += p.transpose(-1, -2) @ doh[:, :, q0:q1]
             dp = doh[:, :, q0:q1] @ vh[:, :, k0:k1].transpose(-1, -2)
             ds = p * (dp - delta[:, :, q0:q1, None])  # d loss / d modified score
-            if s.requires_grad:
-                (ds,) = torch.autograd.grad(s, raw, ds)  # through the modifiers
+            ds = through_mods(ds)  # through the modifiers; adds the bias table's share to mods.table_grad
             dq[:, :, q0:q1] += ds @ kh[:, :, k0:k1] * scale
             dk[:, :, k0:k1] += ds.transpose(-1, -2) @ qh[:, :, q0:q1] * scale
         return dq.transpose(1, 2), reduce_kv_grad(dk.transpose(1, 2), h_kv), reduce_kv_grad(dv.transpose(1, 2), h_kv)
