@@ -362,6 +362,12 @@ def _relative_position_bias(module: nn.Module, query: torch.Tensor, kwargs: dict
     owner = module if getattr(module, "has_relative_attention_bias", False) else module.__dict__.get(_BIAS_OWNER_ATTR)
     table = getattr(getattr(owner, "relative_attention_bias", None), "weight", None)
     if owner is None or not isinstance(table, torch.Tensor):
+        if hasattr(module, "has_relative_attention_bias"):  # T5's cross-attention: no table, a zero bias
+            raise NotImplementedError(
+                f"{type(module).__name__} gets a position_bias but no relative_attention_bias table (of its own or of "
+                "its stack's first layer): T5's cross-attention (encoder-decoder models) is not supported under "
+                "sequence parallelism; run the encoder alone (T5EncoderModel, MT5EncoderModel, UMT5EncoderModel)"
+            )
         raise NotImplementedError(
             f"{type(module).__name__} passes an additive position_bias whose source lightning_sp does not know (only "
             "T5-style learned relative-position buckets, relative_attention_bias of the layer or of its stack's first "
