@@ -393,3 +393,26 @@ def test_relative_bias_of_the_wrong_width_is_refused():
     bias = RelativePositionBias(torch.zeros(8, 3, dtype=torch.float64), num_buckets=8, max_distance=20)
     with pytest.raises(ValueError, match="relative_bias.table has 3 columns but q has 4 heads"):
         SequenceParallelAttention(causal=False)(q, q[:, :, :2], q[:, :, :2], mask=AttentionMask(relative_bias=bias))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_relative_bias_table_gradient_under_activation_checkpointing(use_reentrant):
+    """The recompute in backward builds a second call (and accumulator); the table still gets the gradient once."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_sp import RelativePositionBias, SequenceParallelAttention
+
+    q, k, v, dout, table = _bias_case(seed=2, n=40)
+    q, table = q.requires_grad_(), table[:8].clone().requires_grad_()
+    attn = SequenceParallelAttention(causal=False)
+
+    def layer(x):
+        return attn(x * 1.0, k, v, mask=AttentionMask(relative_bias=RelativePositionBias(table, num_buckets=8,
+                                                                                           max_distance=10)))
+
+    layer(q).backward(dout)
+    expected, expected_dq = table.grad.clone(), q.grad.clone()
+    table.grad = q.grad = None
+    checkpoint(layer, q, use_reentrant=use_reentrant).backward(dout)
+    assert float(expected.abs().max()) > 1e-2
+    assert torch.allclose(table.grad, expected, rtol=0, atol=1e-12) and torch.allclose(q.grad, expected_dq, rtol=0, atol=1e-12)
