@@ -498,7 +498,7 @@ class SequenceParallelAttention(nn.Module):
         # Every local problem becomes an error code, raised only after the cross-rank check that every
         # rank joins at every call (Note [Cross-rank checks are decided together] in comm/agree.py)
         error = (_local_input_error(q, k, v, cu_seqlens, kv_layout, self.causal, attn_mask, sinks)
-                 or _mask_input_error(q, attn_mask, sinks))
+                 or _mask_input_error(q, attn_mask, sinks, world))
         bounds = ctx.cu_bounds(cu_seqlens) if cu_seqlens is not None and error is None else None
         try:  # a replicated memory is no shard: only q's sequence has a global length
             seq_len = self._global_seq_len(seq_len, q, q, q) if replicated else self._global_seq_len(seq_len, q, k, v)
@@ -843,8 +843,8 @@ def _mask_fields(attn_mask: AttentionMask | None, sinks, causal, doc_bounds, pad
                 follow_mask=follow or not structured.is_plain() or attn_mask.chunk_size is not None)
 
 
-def _mask_input_error(q, attn_mask: AttentionMask | None, sinks) -> tuple[int, str] | None:
-    """``(code, message)`` for a mask or sinks that do not fit ``q [B, S, H, D]``."""
+def _mask_input_error(q, attn_mask: AttentionMask | None, sinks, world: int = 1) -> tuple[int, str] | None:
+    """``(code, message)`` for a mask or sinks that do not fit ``q [B, S, H, D]`` (``world`` shards of it)."""
     if q.dim() != 4:
         return None  # reported by _local_input_error
     h = q.size(2)
@@ -855,6 +855,8 @@ def _mask_input_error(q, attn_mask: AttentionMask | None, sinks) -> tuple[int, s
     if bias is not None and bias.num_heads != h:
         return 14, (f"mask.relative_bias.table has {bias.num_heads} columns but q has {h} heads: pass a "
                     f"[num_buckets, H] table, one column per query head")
+    if bias is not None and bias.bucket_error(q.size(1) * world) is not None:
+        return 14, f"mask.relative_bias: {bias.bucket_error(q.size(1) * world)}"
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.numel() != h
                               or not sinks.is_floating_point()):
         got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__

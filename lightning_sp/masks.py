@@ -183,11 +183,22 @@ class RelativePositionBias:
         if self.bucket_fn is None:
             return t5_relative_position_bucket(relative_position, bidirectional=self.bidirectional,
                                                num_buckets=self.num_buckets, max_distance=self.max_distance)
-        bucket = torch.as_tensor(self.bucket_fn(relative_position)).to(torch.int64)
-        if bucket.numel() and (bool(bucket.min() < 0) or bool(bucket.max() >= self.table.size(0))):
-            raise ValueError(f"bucket_fn returned buckets in [{int(bucket.min())}, {int(bucket.max())}], outside the "
-                             f"table's [0, {self.table.size(0)}) rows")
-        return bucket
+        return torch.as_tensor(self.bucket_fn(relative_position)).to(torch.int64)
+
+    def bucket_error(self, length: int) -> str | None:
+        """Why the buckets of a ``length``-token sequence (every ``k - q`` in ``(-length, length)``) do not index the
+        table, or ``None``. A pure function of global inputs: the attention checks it before any collective, so every
+        rank raises together (the kernels index the table without checking)."""
+        if self.bucket_fn is None or length < 1:
+            return None
+        bucket = self.buckets(torch.arange(1 - length, length))
+        if bucket.shape != (2 * length - 1,):
+            return f"bucket_fn returned shape {tuple(bucket.shape)} for relative positions of shape {(2 * length - 1,)}"
+        low, high = int(bucket.min()), int(bucket.max())
+        if low < 0 or high >= self.table.size(0):
+            return (f"bucket_fn returned buckets in [{low}, {high}], outside the table's [0, {self.table.size(0)}) rows "
+                    f"(relative positions {1 - length}..{length - 1})")
+        return None
 
     def signature(self) -> tuple:
         """What every rank compares (the table by shape and dtype: its values are a parameter's)."""

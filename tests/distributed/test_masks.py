@@ -145,7 +145,8 @@ def _worker(rank, world):
     pieces = {case: _run_case(group, world, *case, seed=i, pieces=3) for i, case in enumerate(PIECES_CASES)}
     ring_attention.MIN_PIECE_TOKENS = 256
     return {"cases": cases, "pieces": pieces, "traffic": _traffic(group, world),
-            "disagree": _disagreeing_masks(group, rank), "relative_bias": _relative_bias_cases(group, world)}
+            "disagree": _disagreeing_masks(group, rank), "relative_bias": _relative_bias_cases(group, world),
+            "bad_bucket_fn": _bucket_fn_out_of_range(group)}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -261,6 +262,22 @@ def _relative_bias_cases(group, world):
             for i, (backend, kind) in enumerate((b, kd) for b in BACKENDS for kd in BIAS_KINDS)}
 
 
+def _bucket_fn_out_of_range(group):
+    """Buckets ``|k - q|`` over a 30-row table: in range within any shard (at most 21 tokens), not over the whole
+    sequence (N = 43, padded to 44): every rank raises before any collective, naming it (no hang)."""
+    from lightning_sp import RelativePositionBias
+
+    bias = RelativePositionBias(torch.zeros(30, H, dtype=torch.float64), bucket_fn=lambda rel: rel.abs())
+    q, k, v, _, _ = _tensors(0)
+    attn = SequenceParallelAttention(causal=False, backend="ring", group=group)
+    local = [shard_sequence(t, group, layout=attn.layout) for t in (q, k, v)]
+    try:
+        attn(*local, mask=AttentionMask(relative_bias=bias))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def test_relative_position_bias_on_every_backend_matches_dense_fp64_with_its_table_gradient(grid):
     """T5 buckets (bidirectional over packed documents, unidirectional causal) and a custom ``bucket_fn`` beside a
     soft-cap, a window and sinks, on every backend (Ulysses and usp: each rank's heads are the table's global
@@ -280,3 +297,10 @@ def test_relative_position_bias_on_every_backend_matches_dense_fp64_with_its_tab
                 failures.append(f"rank {rank} {key}: one rank's table gradient alone passes ({r['not_reduced']}, "
                                 f"gradient size {r['table_grad_norm']})")
     assert not failures, f"world={world}:\n" + "\n".join(failures)
+
+
+def test_a_bucket_fn_out_of_the_table_raises_on_every_rank(grid):
+    world, per_rank = grid
+    for rank, result in enumerate(per_rank):
+        message = result["bad_bucket_fn"]
+        assert message is not None and "outside the table's [0, 30) rows" in message, (world, rank, message)

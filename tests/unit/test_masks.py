@@ -290,8 +290,13 @@ def test_relative_position_bias_arguments_are_validated():
     with pytest.raises(ValueError, match="relative_bias must be a lightning_sp.RelativePositionBias"):
         AttentionMask(relative_bias=table)
     out_of_range = RelativePositionBias(table, bucket_fn=lambda rel: rel.abs())
-    with pytest.raises(ValueError, match="outside the table's \\[0, 8\\) rows"):
-        out_of_range.buckets(torch.arange(-9, 9))
+    assert out_of_range.bucket_error(8) is None  # |k - q| <= 7
+    assert "buckets in [0, 8], outside the table's [0, 8) rows" in out_of_range.bucket_error(9)
+    from lightning_sp import SequenceParallelAttention
+
+    q = torch.randn(1, 9, 4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="mask.relative_bias: bucket_fn returned buckets in \\[0, 8\\]"):
+        SequenceParallelAttention(causal=False)(q, q, q, mask=AttentionMask(relative_bias=out_of_range))
 
 
 def _bias_case(seed=0, n=150, h=4, h_kv=2, d=8, rows=16):
