@@ -10,6 +10,7 @@ binds it (``bind``), so one model runs with and without sequence parallelism.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -81,14 +82,15 @@ def default_ulysses_degree(group_size: int, *, ranks_per_node: int | None = None
 def resolve_auto_backend(num_heads: int, group_size: int, *, ranks_per_node: int | None = None,
                          seq_len: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
                          dtype: torch.dtype | None = None, batch: int = 1, causal: bool = True,
-                         hardware=None, usp_allowed: bool = False) -> tuple[str, str]:
+                         hardware=None, usp_allowed: bool = False, mask: AttentionMask | None = None) -> tuple[str, str]:
     """What ``backend="auto"`` runs, and why (the layout is zigzag either way).
 
     With the shapes (``seq_len``; ``num_kv_heads``, ``head_dim``, ``dtype`` default to MHA, 64, bf16)
     the choice is the cost model's (``lightning_sp.cost_model.choose_backend`` on ``hardware``, default
     ``default_profile``; ``ranks_per_node`` replaces the profile's): the fastest predicted among the
     backends exact on the zigzag layout, ``usp`` degrees only with ``usp_allowed``. The reason lists
-    every candidate's predicted time. Returns ``(backend, why)``; ``why`` names ``usp``'s degree.
+    every candidate's predicted time. Returns ``(backend, why)``; ``why`` names ``usp``'s degree. ``mask``: every
+    candidate priced under it (its window, chunks and spans; Note [Cost model under a mask]).
 
     Without ``seq_len``, the rule used before there was a model: Ulysses (``4*N*h/P`` per rank, no
     per-step merges) when the heads split over ``P`` and the group fits in a node (an all-to-all across
@@ -97,7 +99,7 @@ def resolve_auto_backend(num_heads: int, group_size: int, *, ranks_per_node: int
     if seq_len is not None:
         choice = auto_choice(num_heads, group_size, seq_len=seq_len, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              dtype=dtype, batch=batch, causal=causal, ranks_per_node=ranks_per_node,
-                             hardware=hardware, usp_allowed=usp_allowed)
+                             hardware=hardware, usp_allowed=usp_allowed, mask=mask)
         return choice.backend, choice.summary()
     if num_heads % group_size:
         return "zigzag_ring", f"num_heads={num_heads} is not divisible by the group size {group_size}"
@@ -121,8 +123,9 @@ def hardware_profile(hardware, device_type: str = "cpu"):
 
 def auto_choice(num_heads: int, group_size: int, *, seq_len: int, num_kv_heads: int | None = None,
                 head_dim: int | None = None, dtype: torch.dtype | None = None, batch: int = 1, causal: bool = True,
-                ranks_per_node: int | None = None, hardware=None, usp_allowed: bool = False, device_type: str = "cpu"):
-    """The cost model's ``AutoChoice`` for these shapes (see ``resolve_auto_backend``)."""
+                ranks_per_node: int | None = None, hardware=None, usp_allowed: bool = False, device_type: str = "cpu",
+                mask: AttentionMask | None = None):
+    """The cost model's ``AutoChoice`` for these shapes (see ``resolve_auto_backend``), under ``mask``."""
     from dataclasses import replace
 
     from lightning_sp import cost_model
@@ -135,7 +138,7 @@ def auto_choice(num_heads: int, group_size: int, *, seq_len: int, num_kv_heads: 
         seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads, head_dim=head_dim or 64,
         batch=batch, dtype_bytes=torch.empty((), dtype=dtype).element_size(), causal=causal,
     )
-    return cost_model.choose_backend(shape, group_size, hw, usp_allowed=usp_allowed)
+    return cost_model.choose_backend(shape, group_size, hw, usp_allowed=usp_allowed, mask=mask)
 
 
 def layout_for_backend(backend: str, *, group_size: int | None = None, ulysses_degree: int | None = None) -> SequenceLayout:
@@ -518,7 +521,7 @@ class SequenceParallelAttention(nn.Module):
             return self._replicated_kv_attention(q, k, v, scale)
         auto_u = None
         if backend == "auto":  # after the check: measuring the candidates runs collectives on agreed shapes
-            backend, auto_u = self._resolve_auto(q, k, v, cu_seqlens, seq_len, world, scale, layout)
+            backend, auto_u = self._resolve_auto(q, k, v, cu_seqlens, seq_len, world, scale, layout, attn_mask)
         if backend in ("ulysses", "usp"):  # heads the all-to-all cannot split: say so before anything else
             u = world if backend == "ulysses" else (auto_u or layout.ulysses_degree)
             backends.kv_head_replication(q.size(2), k.size(2), u)
@@ -646,26 +649,30 @@ class SequenceParallelAttention(nn.Module):
             return recorded.pop()
         return self.context.global_seq_len
 
-    def _resolve_auto(self, q, k, v, cu_seqlens, seq_len, world, scale, layout) -> tuple[str, int | None]:
+    def _resolve_auto(self, q, k, v, cu_seqlens, seq_len, world, scale, layout,
+                      attn_mask: AttentionMask | None = None) -> tuple[str, int | None]:
         """``(backend, usp degree or None)`` for ``backend="auto"``, among the backends exact on the zigzag
         layout ``auto`` shards for: the cost model names the candidates (Note [Cost model of one attention
         layer]); the fastest is measured on this machine (Note [auto measures its candidates] in
         ``lightning_sp/choices.py``), or predicted with ``auto_policy="model"``. Decided once per shape
-        bucket, the same on every rank; logged whenever it changes."""
+        bucket, the same on every rank; logged whenever it changes. Under ``attn_mask`` the candidates are priced
+        and timed with it (a sliding window's ring sends almost nothing; Ulysses' all-to-alls move every row);
+        packed documents change every batch and are not priced (the measured trials run with this call's)."""
         ctx = self.context
         n = seq_len if seq_len is not None else q.size(1) * world
         policy = choices.auto_policy(ctx.auto_policy, ctx.hardware)
         key = (n if policy == "model" else choices.length_bucket(n), q.size(0), q.size(2), k.size(2), q.size(3),
-               q.dtype, self.causal, world, ctx.ranks_per_node, q.device.type, policy)
+               q.dtype, self.causal, world, ctx.ranks_per_node, q.device.type) \
+            + (() if attn_mask is None else (attn_mask.signature(),)) + (policy,)  # unmasked: the cache's old keys
         choice = ctx.auto_choices.get(key)
         if choice is None:
             choice = auto_choice(
                 q.size(2), world, seq_len=n, num_kv_heads=k.size(2), head_dim=q.size(3), dtype=q.dtype,
                 batch=q.size(0), causal=self.causal, ranks_per_node=ctx.ranks_per_node, hardware=ctx.hardware,
-                usp_allowed=self._usp_groups_available(world), device_type=q.device.type,
+                usp_allowed=self._usp_groups_available(world), device_type=q.device.type, mask=attn_mask,
             )
             if policy == "measure":
-                choice = self._measured_choice(choice, key, q, k, v, cu_seqlens, n, world, scale, layout)
+                choice = self._measured_choice(choice, key, q, k, v, cu_seqlens, n, world, scale, layout, attn_mask)
             if len(ctx.auto_choices) > 64:  # lengths that change every batch: bound the cache
                 ctx.auto_choices.clear()
             ctx.auto_choices[key] = choice
@@ -675,7 +682,7 @@ class SequenceParallelAttention(nn.Module):
             ctx.auto_choice = choice
         return choice.backend, choice.ulysses_degree
 
-    def _measured_choice(self, model_choice, key, q, k, v, cu_seqlens, n, world, scale, layout):
+    def _measured_choice(self, model_choice, key, q, k, v, cu_seqlens, n, world, scale, layout, attn_mask=None):
         """The model's candidates timed on this call's shapes (every rank, same order): the fastest, agreed."""
         from dataclasses import replace
 
@@ -689,7 +696,8 @@ class SequenceParallelAttention(nn.Module):
         def run(label: str) -> None:
             backend, u = candidates[label]
             tq, tk, tv = (t.detach().requires_grad_() for t in trial[:3])
-            call = self._attention_call(tq, tk, backend, world, scale, layout, bounds, n, None, u)
+            call = self._attention_call(tq, tk, backend, world, scale, layout, bounds, n, None, u,
+                                        attn_mask=_without_learned_tables(attn_mask))
             # identity hooks: a trial inside activation checkpointing must not be packed for recomputation
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 self._dispatch(backend, u, tq, tk, tv, call, group, world).backward(trial[3])
@@ -843,6 +851,15 @@ def _mask_fields(attn_mask: AttentionMask | None, sinks, causal, doc_bounds, pad
                 follow_mask=follow or not structured.is_plain() or attn_mask.chunk_size is not None)
 
 
+def _without_learned_tables(attn_mask: AttentionMask | None) -> AttentionMask | None:
+    """``attn_mask`` with its relative bias's table detached: a timed trial's backward must not add to the
+    parameter's gradient."""
+    bias = None if attn_mask is None else attn_mask.relative_bias
+    if bias is None or not bias.table.requires_grad:
+        return attn_mask
+    return dataclasses.replace(attn_mask, relative_bias=dataclasses.replace(bias, table=bias.table.detach()))
+
+
 def _mask_input_error(q, attn_mask: AttentionMask | None, sinks, world: int = 1) -> tuple[int, str] | None:
     """``(code, message)`` for a mask or sinks that do not fit ``q [B, S, H, D]`` (``world`` shards of it)."""
     if q.dim() != 4:
@@ -857,6 +874,9 @@ def _mask_input_error(q, attn_mask: AttentionMask | None, sinks, world: int = 1)
                     f"[num_buckets, H] table, one column per query head")
     if bias is not None and bias.bucket_error(q.size(1) * world) is not None:
         return 14, f"mask.relative_bias: {bias.bucket_error(q.size(1) * world)}"
+    if attn_mask is not None and attn_mask.key_padding is not None and len(attn_mask.key_padding) != q.size(0):
+        return 14, (f"mask.key_padding has {len(attn_mask.key_padding)} (start, end) ranges but q has batch size "
+                    f"{q.size(0)}: pass one range of real tokens per batch row")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.numel() != h
                               or not sinks.is_floating_point()):
         got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__

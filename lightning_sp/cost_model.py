@@ -6,6 +6,7 @@ papers' numbers, are built on it in ``experiments/cost_model/papers.py``.)
     shape = AttentionShape(seq_len=65536, num_heads=32, num_kv_heads=8, head_dim=128)
     predict_attention("zigzag_ring", shape, world=8, hw=hw).total_s    # model output, seconds
     choose_backend(shape, world=16, hw=hw)                              # what backend="auto" runs
+    predict_attention("zigzag_ring", shape, 8, hw, mask=AttentionMask(window=(4095, 0)))  # under a mask
 
 Everything this module returns is *model output*, never a measurement; experiments label it so
 (``experiments/cost_model/run.py`` puts it beside measured times and the papers' numbers).
@@ -40,6 +41,25 @@ Note [Cost model of one attention layer]
 
     Ranks modelled: all up to 16, beyond that ranks 0, 1, P/2 and P-1 (the backends' extremes), so
     ``backend="auto"`` stays cheap at large P.
+
+Note [Cost model under a mask]
+    ``predict_attention(..., mask=AttentionMask(...), cu_seqlens=...)`` (and ``choose_backend``, ``rank_counts``)
+    price a call under a sliding window (left/right), chunks, bidirectional spans and packed documents as the
+    backends run it: ``rank_schedule(mask=, doc_bounds=)`` resolves them as ``SequenceParallelAttention`` does and
+    plans every kernel call with the library's ``plan_blocks(mask=)`` on global ranges (``StructuredMask.classify``),
+    and the K/V rows a ring that follows the mask exchanges are ``kv_rows_needed``'s (Note [Schedules under a mask]
+    in ``ops/schedule.py``). Nothing here re-derives a formula for a mask, so the prediction cannot drift from the
+    code: ``tests/distributed/test_cost_model_counts.py`` checks calls, pairs and bytes per ``CommStats`` operation
+    equal on real ranks, and ``tests/unit/test_cost_model_masks.py`` the committed mask benchmark's bytes.
+
+    What follows: compute is the visible blocks' calls (a window leaves ``~N W H / P`` pairs per rank; its partial
+    tiles are ``MASK_TILE``-sized DENSE calls, priced at that block's rate); traffic shrinks only where it follows
+    the mask (rings, ``allgather_kv`` and ``usp``'s ring with whole K/V blocks: a window's rows, nothing for a
+    document inside one shard), never for Ulysses' all-to-alls, K/V in pieces or the all-gather. So under a
+    window ``W << N`` ``backend="auto"`` prefers a ring that sends ``~W`` rows per neighbour over all-to-alls that
+    move every row. Score modifiers (softcap, ALiBi, ``score_mod``, ``mask_mod``) are priced as the plain kernel.
+    ``comm_bytes`` is counted the same way with or without a mask (``rank_counts``: dK/dV sums in the accumulation
+    dtype), so the two compare.
 
 Note [Per-call terms]
     What a calibrated profile (``experiments/cost_model/calibrate.py``) adds to FLOPs / rate; every
@@ -98,7 +118,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from lightning_sp.comm.volume import forward_elements, replicated_kv_heads
+from typing import TYPE_CHECKING
+
+from lightning_sp.comm.volume import replicated_kv_heads
+
+if TYPE_CHECKING:
+    from lightning_sp.masks import AttentionMask
 
 MODEL_BACKENDS = ("ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal", "megatron_sp")
 """Backends the model knows (``megatron_sp``: Megatron TP+SP over the same ranks, attention half)."""
@@ -442,10 +467,15 @@ class Prediction:
     """The part of ``comm_s`` not hidden behind compute."""
     total_s: float
     comm_bytes: float
-    """Bytes sent per rank, fwd+bwd."""
+    """Bytes sent per rank, fwd+bwd, on the modelled rank that sends most: counted from its schedule as
+    ``CommStats`` counts them (``rank_counts``; dK/dV sums in the accumulation dtype); ``megatron_sp``: its
+    closed form."""
     activation_bytes: float
     """Per-rank activation memory of one transformer layer with this attention (Note above)."""
     notes: str = ""
+    attention_pairs: float = 0.0
+    """Query-key pairs the forward's kernel calls compute on the most loaded modelled rank, over its query heads
+    and the batch (``RankCounts.pairs``); 0 where not counted (``colossal``: every score)."""
 
     @property
     def label(self) -> str:
@@ -512,10 +542,13 @@ def attention_transient_bytes(backend: str, shape: AttentionShape, world: int, *
 
 
 def predict_attention(backend: str, shape: AttentionShape, world: int, hw: HardwareProfile, *,
-                      ulysses_degree: int | None = None, kv_pieces: int = 1) -> Prediction:
+                      ulysses_degree: int | None = None, kv_pieces: int = 1, mask: "AttentionMask | None" = None,
+                      cu_seqlens=None) -> Prediction:
     """Model fwd+bwd time of one attention layer on one of ``world`` ranks (Note [Cost model of one
     attention layer]). ``ulysses_degree``: ``usp``'s inner degree (required for ``usp``);
-    ``kv_pieces``: as ``SequenceParallelAttention(kv_pieces=)``, resolved to an int."""
+    ``kv_pieces``: as ``SequenceParallelAttention(kv_pieces=)``, resolved to an int. ``mask`` (an
+    ``AttentionMask``) and ``cu_seqlens`` (packed documents' global bounds ``[0, ..., seq_len]``): priced as the
+    backends run them (Note [Cost model under a mask])."""
     if backend not in MODEL_BACKENDS:
         raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {backend!r}")
     if world < 1:
@@ -524,38 +557,34 @@ def predict_attention(backend: str, shape: AttentionShape, world: int, hw: Hardw
     eb = shape.dtype_bytes * shape.batch
     u = None
     notes = ""
+    masking = dict(mask=mask, cu_seqlens=None if cu_seqlens is None else tuple(int(b) for b in cu_seqlens))
     if p == 1:
-        total, compute, comm = _schedule_time("local", shape, 1, hw, None, kv_pieces)
+        total, compute, comm = _schedule_time("local", shape, 1, hw, None, kv_pieces, **masking)
+        pairs = max(c.pairs for c in rank_counts("local", shape, 1, **masking))
         return Prediction(backend=backend, world=1, ulysses_degree=None, compute_s=compute, comm_s=0.0, exposed_comm_s=0.0,
-                          total_s=total, comm_bytes=0.0, activation_bytes=activation_bytes_per_layer(shape, backend, 1))
-    vol = lambda name, **kw: forward_elements(name, seq_len=n, world=p, num_heads=h, num_kv_heads=hkv, head_dim=d, **kw) * eb  # noqa: E731
-    if backend == "ulysses":
-        if h % p:
-            raise ValueError(f"ulysses needs num_heads ({h}) divisible by world ({p})")
-        comm_bytes = 2 * vol("ulysses")
-    elif backend in ("ring", "zigzag_ring"):
-        comm_bytes = 2 * vol(backend)
-    elif backend == "allgather_kv":
-        comm_bytes = 3 * vol("allgather_kv")
-    elif backend == "usp":
+                          total_s=total, comm_bytes=0.0, activation_bytes=activation_bytes_per_layer(shape, backend, 1),
+                          attention_pairs=pairs)
+    if backend in ("ulysses", "megatron_sp") and h % p:
+        what = "world" if backend == "ulysses" else "the TP degree"
+        raise ValueError(f"{backend} needs num_heads ({h}) divisible by {what} ({p})")
+    if backend == "usp":
         u = ulysses_degree
         if u is None or p % u or not 1 <= u <= p:
             raise ValueError(f"usp needs ulysses_degree dividing world={p}, got {u}")
         if h % u:
             raise ValueError(f"usp needs num_heads ({h}) divisible by ulysses_degree ({u})")
-        r = p // u
-        comm_bytes = 2 * vol("usp", ulysses_degree=u)
-        notes = f"U={u} x R={r}"
-    elif backend == "colossal":
-        comm_bytes = 3 * vol("colossal")
+        notes = f"U={u} x R={p // u}"
+    pairs = 0.0
     if backend != "megatron_sp":
-        total, compute, comm = _schedule_time(backend, shape, p, hw, u, kv_pieces)
+        total, compute, comm = _schedule_time(backend, shape, p, hw, u, kv_pieces, **masking)
         exposed = total - compute
+        counts = rank_counts(backend, shape, p, ulysses_degree=u, kv_pieces=kv_pieces, **masking)
+        comm_bytes = max(sum(c.bytes_by_op.values()) for c in counts)  # counted (Note [Cost model under a mask])
+        pairs = 0.0 if backend == "colossal" else max(c.pairs for c in counts)  # colossal: every score
     else:  # megatron_sp: TP+SP over the same ranks, attention half of the layer
-        if h % p:
-            raise ValueError(f"megatron_sp needs num_heads ({h}) divisible by the TP degree ({p})")
-        compute, _, _ = _schedule_time("local", replace(shape, num_heads=h // p, num_kv_heads=max(1, hkv // p)), 1, hw,
-                                       None, 1)
+        local = replace(shape, num_heads=h // p, num_kv_heads=max(1, hkv // p))
+        compute, _, _ = _schedule_time("local", local, 1, hw, None, 1, **masking)
+        pairs = max(c.pairs for c in rank_counts("local", local, 1, **masking))
         compute *= hw.compute_stretch(p)
         hidden = h * d
         # all-gather of [N, h] before QKV and reduce-scatter after the projection, fwd and bwd
@@ -567,7 +596,49 @@ def predict_attention(backend: str, shape: AttentionShape, world: int, hw: Hardw
     act = activation_bytes_per_layer(shape, backend, p) + attention_transient_bytes(backend, shape, p, ulysses_degree=u)
     return Prediction(backend=backend, world=p, ulysses_degree=u, compute_s=compute, comm_s=comm,
                       exposed_comm_s=max(exposed, 0.0), total_s=total, comm_bytes=comm_bytes,
-                      activation_bytes=act, notes=notes)
+                      activation_bytes=act, notes=notes, attention_pairs=pairs)
+
+
+@dataclass(frozen=True)
+class RankCounts:
+    """What one rank's schedule (``ops.schedule.rank_schedule``) does for one layer fwd+bwd, in the units
+    ``CommStats`` and a counting kernel see (model output: counted from the plans, not measured)."""
+
+    rank: int
+    pairs: float
+    """Query-key pairs the forward's kernel calls compute, summed over the rank's query heads (a CAUSAL square of
+    side ``s``: ``s (s + 1) / 2``; a DENSE tile: all of it, as the kernel computes it)."""
+    bytes_by_op: dict[str, float]
+    """Bytes this rank sends, fwd+bwd, by ``CommStats`` operation: ``ring_send`` (K/V, input dtype),
+    ``ring_send_grad`` (dK/dV sums and contributions, accumulation dtype), ``all_to_all`` (send buffers),
+    ``all_gather`` (``P - 1`` copies of the rank's input)."""
+
+
+def rank_counts(backend: str, shape: AttentionShape, world: int, *, ulysses_degree: int | None = None,
+                kv_pieces: int = 1, mask=None, cu_seqlens=None, ranks=None) -> list[RankCounts]:
+    """Pairs computed and bytes sent per rank (``ranks``; default ``_modelled_ranks``), counted from each rank's
+    schedule under ``mask`` / ``cu_seqlens`` (Note [Cost model under a mask])."""
+    from lightning_sp.ops.schedule import rank_schedule  # here, not at import: ops loads torch
+
+    eb = shape.dtype_bytes * shape.batch
+    acc_b = max(shape.dtype_bytes, 4) * shape.batch
+    out = []
+    for r in (_modelled_ranks(world) if ranks is None else ranks):
+        s = rank_schedule(backend, seq_len=shape.seq_len, world=world, rank=r, heads=shape.num_heads,
+                          kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, causal=shape.causal,
+                          ulysses_degree=ulysses_degree, kv_pieces=kv_pieces, mask=mask,
+                          doc_bounds=None if cu_seqlens is None else tuple(cu_seqlens))
+        pairs = sum((c.q_len * (c.q_len + 1) / 2 if c.kind == "causal" else c.q_len * c.k_len) * c.heads
+                    for c in s.calls() if not c.backward) * shape.batch
+        sent = {"ring_send": 0.0, "ring_send_grad": 0.0, "all_to_all": 0.0, "all_gather": 0.0}
+        for st in s.forward + s.backward:
+            sent["ring_send"] += st.overlapped_send * eb
+            sent["ring_send_grad"] += st.exposed_send_acc * acc_b
+            if st.collective is not None:
+                op, elems, group = st.collective
+                sent[op] += elems * eb * (group - 1 if op == "all_gather" else 1)
+        out.append(RankCounts(rank=r, pairs=pairs, bytes_by_op={k: v for k, v in sent.items() if v}))
+    return out
 
 
 def _modelled_ranks(world: int) -> list[int]:
@@ -576,7 +647,7 @@ def _modelled_ranks(world: int) -> list[int]:
 
 
 def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: HardwareProfile, u: int | None,
-                   kv_pieces: int) -> tuple[float, float, float]:
+                   kv_pieces: int, mask=None, cu_seqlens=None) -> tuple[float, float, float]:
     """``(total, compute, link busy)`` seconds from the ranks' ``ops.schedule`` steps (Note [Per-call terms])."""
     from lightning_sp.ops.schedule import rank_schedule  # here, not at import: ops loads torch (a light import)
 
@@ -593,7 +664,7 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
     overlapped_lat = 0.0 if hw.message_s else lat
     scheds = [rank_schedule(backend, seq_len=shape.seq_len, world=world, rank=r, heads=shape.num_heads,
                             kv_heads=shape.num_kv_heads, head_dim=d, causal=shape.causal, ulysses_degree=u,
-                            kv_pieces=kv_pieces) for r in _modelled_ranks(world)]
+                            kv_pieces=kv_pieces, mask=mask, doc_bounds=cu_seqlens) for r in _modelled_ranks(world)]
     ew_call, ew_elem = hw.elementwise_s
     mg_call, mg_elem = hw.merge_s
 
@@ -639,9 +710,12 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
                 continue
             ranks_t, comm_t, busy_r = [], [], 0.0
             for st, w in zip(steps, work):
-                exposed_msgs = 1 if st.exposed_send_acc else 0
-                over = (st.messages - exposed_msgs) * overlapped_lat + st.overlapped_send * eb / bw
-                exposed = exposed_msgs * lat * (overlapped_lat > 0) + st.exposed_send_acc * acc_b / bw
+                # a ring that follows the mask may receive other rows than it sends: the larger side
+                exposed_msgs = 1 if st.exposed_send_acc or st.exposed_recv_acc else 0
+                over = ((st.messages - exposed_msgs) * overlapped_lat
+                        + max(st.overlapped_send, st.overlapped_recv) * eb / bw)
+                exposed = (exposed_msgs * lat * (overlapped_lat > 0)
+                           + max(st.exposed_send_acc, st.exposed_recv_acc) * acc_b / bw)
                 fixed = st.messages * msg
                 ranks_t.append(max(w, over) + fixed + exposed + latency)
                 comm_t.append(fixed + exposed)
@@ -702,20 +776,23 @@ class AutoChoice:
         return out + ")"
 
 
-def choose_backend(shape: AttentionShape, world: int, hw: HardwareProfile, *, usp_allowed: bool = True) -> AutoChoice:
+def choose_backend(shape: AttentionShape, world: int, hw: HardwareProfile, *, usp_allowed: bool = True,
+                   mask: "AttentionMask | None" = None, cu_seqlens=None) -> AutoChoice:
     """The fastest backend by the model among those exact on ``auto``'s zigzag layout: ``ulysses``
     (heads divisible by ``world``), ``zigzag_ring``, ``allgather_kv`` and ``usp`` for every inner
     degree ``1 < U < world`` dividing ``world`` and the heads (``usp_allowed=False`` when its
-    sub-groups cannot be built). Ties go to the earlier of ``AUTO_LAYOUT_BACKENDS``."""
+    sub-groups cannot be built). Ties go to the earlier of ``AUTO_LAYOUT_BACKENDS``. ``mask``,
+    ``cu_seqlens``: every candidate priced under them (Note [Cost model under a mask])."""
     if world < 2:
         raise ValueError(f"choose_backend needs a group of >= 2 ranks, got {world}")
     preds, excluded = [], {}
+    masking = dict(mask=mask, cu_seqlens=cu_seqlens)
     if shape.num_heads % world == 0:
-        preds.append(predict_attention("ulysses", shape, world, hw))
+        preds.append(predict_attention("ulysses", shape, world, hw, **masking))
     else:
         excluded["ulysses"] = f"num_heads={shape.num_heads} not divisible by {world}"
-    preds.append(predict_attention("zigzag_ring", shape, world, hw))
-    preds.append(predict_attention("allgather_kv", shape, world, hw))
+    preds.append(predict_attention("zigzag_ring", shape, world, hw, **masking))
+    preds.append(predict_attention("allgather_kv", shape, world, hw, **masking))
     degrees = [u for u in range(2, world) if world % u == 0]
     for u in degrees:
         if not usp_allowed:
@@ -723,7 +800,7 @@ def choose_backend(shape: AttentionShape, world: int, hw: HardwareProfile, *, us
         elif shape.num_heads % u:
             excluded[f"usp(ulysses={u})"] = f"num_heads={shape.num_heads} not divisible by {u}"
         else:
-            preds.append(predict_attention("usp", shape, world, hw, ulysses_degree=u))
+            preds.append(predict_attention("usp", shape, world, hw, ulysses_degree=u, **masking))
     order = {b: i for i, b in enumerate(AUTO_LAYOUT_BACKENDS)}
     best = min(preds, key=lambda p: (p.total_s, order[p.backend], p.ulysses_degree or 0))
     return AutoChoice(backend=best.backend, ulysses_degree=best.ulysses_degree, predictions=preds,

@@ -12,6 +12,7 @@ Visibility of key ``k`` from query ``q`` (global positions; every part is option
     and (k <= q if causal, unless q and k lie in the same bidirectional span)
     and q - left <= k <= q + right             (window=(left, right); -1: unbounded on that side)
     and mask_mod(b, h, q, k)                    (FlexAttention's form, on global indices)
+    and start_b <= k < end_b                    (key_padding=((start_b, end_b), ...): row b's real tokens)
 
 Scores (``s = q.k * scale``) are modified in this order: ``softcap * tanh(s / softcap)``, then ``- slope_h * |q - k|``
 (ALiBi, one slope per query head), then ``+ table[bucket(k - q), h]`` (``relative_bias``: a learned relative-position
@@ -28,6 +29,12 @@ indexed by ``k - q`` is ``relative_bias``, whose table does get its gradient).
 
     bias = RelativePositionBias(t5_layer.relative_attention_bias.weight, num_buckets=32, max_distance=128)
     out = attn(q, k, v, mask=AttentionMask(relative_bias=bias))   # T5 encoder attention; d(table) exact
+
+Padding (``key_padding``, one global ``[start, end)`` of real tokens per batch row: left, right or both
+sides padded): padded keys are never seen; a query row that sees no key at all (a causal query in the left
+padding) outputs zeros, its gradients are zero, never NaN. Keys no row holds (the padding every row shares)
+are skipped block by block like a window (``StructuredMask.keys``); rows that differ are told apart per
+computed block, as a ``mask_mod``. ``padding_ranges(attention_mask)`` reads them from a ``[B, N]`` 0/1 mask.
 
 Window conventions: flash-attn's ``window_size=(left, right)``. Hugging Face's ``sliding_window=W`` (Mistral,
 Qwen2, Gemma) is ``window=(W - 1, 0)`` with ``causal=True``; chunked attention (Llama 4) is ``chunk_size`` on
@@ -75,7 +82,7 @@ from typing import Callable
 import torch
 
 __all__ = ["AttentionMask", "RelativePositionBias", "StructuredMask", "ScoreMods", "BlockClass", "resolve_window",
-           "route_table_gradient", "t5_relative_position_bucket"]
+           "padding_ranges", "route_table_gradient", "t5_relative_position_bucket"]
 
 
 class BlockClass(Enum):
@@ -102,6 +109,42 @@ def resolve_window(window) -> tuple[int | None, int | None]:
         else:
             raise ValueError(f"window must be (left, right) with ints >= -1 (-1: unbounded), got {window!r}")
     return out[0], out[1]
+
+
+def padding_ranges(attention_mask: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """``[B, N]`` 0/1 (or bool) padding mask, 1 = real token -> ``key_padding``: each row's ``(start, end)``.
+    Raises unless every row's real tokens are one contiguous run (left, right or both sides padded)."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        raise ValueError(f"a padding mask must be a [B, N] tensor (1 = real token); got "
+                         f"{tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
+    real = attention_mask.bool().cpu()
+    n = real.size(1)
+    cols = torch.arange(n)
+    counts = real.sum(-1)
+    starts = torch.where(real.any(-1), real.int().argmax(-1), torch.zeros_like(counts))
+    ends = starts + counts
+    runs = (cols[None, :] >= starts[:, None]) & (cols[None, :] < ends[:, None])
+    if not torch.equal(runs, real):
+        bad = int((runs != real).any(-1).nonzero()[0])
+        raise ValueError(
+            f"row {bad} of the padding mask is not one run of real tokens (1s) between padding (0s) on the left and/or "
+            f"right: {real[bad].int().tolist()[:32]}...; pack such sequences as documents (cu_seqlens) instead")
+    return tuple((int(s), int(e)) for s, e in zip(starts.tolist(), ends.tolist()))
+
+
+class _RowsKeyPadding:
+    """``key_padding`` as a ``mask_mod``: key ``k`` of batch row ``b`` is visible iff ``start_b <= k < end_b``."""
+
+    def __init__(self, ranges: tuple[tuple[int, int], ...], inner: Callable | None):
+        self.bounds = torch.tensor(ranges, dtype=torch.long)  # [B, 2]
+        self.inner = inner
+
+    def __call__(self, b, h, q, k):
+        if self.bounds.device != k.device:
+            self.bounds = self.bounds.to(k.device)
+        bounds = self.bounds[b.flatten()].view(-1, 1, 1, 1, 2)  # [B, 1, 1, 1, 2]
+        visible = (k >= bounds[..., 0]) & (k < bounds[..., 1])  # [B, 1, 1, Sk]
+        return visible if self.inner is None else visible & torch.as_tensor(self.inner(b, h, q, k), dtype=torch.bool)
 
 
 def _callable_name(fn) -> str | None:
@@ -225,6 +268,9 @@ class AttentionMask:
     score_mod: Callable | None = field(default=None, compare=False)
     relative_bias: RelativePositionBias | None = field(default=None, compare=False)
     """A learned bias ``table[bucket(k - q), h]`` added to the scores (T5), whose table gets its gradient."""
+    key_padding: tuple[tuple[int, int], ...] | None = None
+    """One global ``[start, end)`` of real tokens per batch row (``padding_ranges(attention_mask)``): keys
+    outside are never seen; a query that sees no key outputs zeros (module docstring)."""
 
     def __post_init__(self):
         resolve_window(self.window)
@@ -242,6 +288,12 @@ class AttentionMask:
             raise ValueError(f"softcap must be a positive number, got {self.softcap!r}")
         if self.alibi_slopes is not None:
             object.__setattr__(self, "alibi_slopes", tuple(float(s) for s in self.alibi_slopes))
+        if self.key_padding is not None:
+            ranges = tuple((int(s), int(e)) for s, e in self.key_padding)
+            if not ranges or any(not 0 <= s <= e for s, e in ranges):
+                raise ValueError(f"key_padding must be one (start, end) with 0 <= start <= end per batch row, got "
+                                 f"{self.key_padding!r}")
+            object.__setattr__(self, "key_padding", ranges)
         for name in ("mask_mod", "score_mod"):
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
@@ -253,7 +305,7 @@ class AttentionMask:
     def signature(self) -> tuple:
         """A description every rank can compare (callables by qualified name)."""
         return (self.window, self.chunk_size, self.bidirectional_spans, self.softcap, self.alibi_slopes,
-                _callable_name(self.mask_mod), _callable_name(self.score_mod),
+                _callable_name(self.mask_mod), _callable_name(self.score_mod), self.key_padding,
                 None if self.relative_bias is None else self.relative_bias.signature())
 
     def merged(self, other: "AttentionMask | None") -> "AttentionMask":
@@ -266,15 +318,20 @@ class AttentionMask:
             bidirectional_spans=pick(self.bidirectional_spans, other.bidirectional_spans),
             softcap=pick(self.softcap, other.softcap), alibi_slopes=pick(self.alibi_slopes, other.alibi_slopes),
             mask_mod=pick(self.mask_mod, other.mask_mod), score_mod=pick(self.score_mod, other.score_mod),
+            key_padding=pick(self.key_padding, other.key_padding),
             relative_bias=pick(self.relative_bias, other.relative_bias),
         )
 
     def score_mods(self) -> "ScoreMods | None":
-        """The per-score parts (``None``: none), which need the score-modifying kernel."""
-        if (self.softcap is None and self.alibi_slopes is None and self.mask_mod is None and self.score_mod is None
+        """The per-score parts (``None``: none), which need the score-modifying kernel. Rows padded alike need
+        none (``StructuredMask.keys`` says it all); rows padded differently are told apart per block."""
+        mask_mod = self.mask_mod
+        if self.key_padding is not None and len(set(self.key_padding)) > 1:
+            mask_mod = _RowsKeyPadding(self.key_padding, mask_mod)
+        if (self.softcap is None and self.alibi_slopes is None and mask_mod is None and self.score_mod is None
                 and self.relative_bias is None):
             return None
-        return ScoreMods(self.softcap, self.alibi_slopes, self.mask_mod, self.score_mod, self.relative_bias)
+        return ScoreMods(self.softcap, self.alibi_slopes, mask_mod, self.score_mod, self.relative_bias)
 
     def structured(self, *, causal: bool, doc_bounds, padded_len: int) -> "StructuredMask":
         """The structural parts resolved against a sequence of ``padded_len`` positions: ``chunk_size`` becomes
@@ -285,8 +342,11 @@ class AttentionMask:
             bounds = sorted(cuts | set(bounds or ()))
         left, right = resolve_window(self.window)
         spans = tuple((s, min(e, padded_len)) for s, e in self.bidirectional_spans if s < padded_len)
+        keys = None  # keys no row holds: [min start, max end) over the rows
+        if self.key_padding is not None:
+            keys = (min(s for s, _ in self.key_padding), min(max(e for _, e in self.key_padding), padded_len))
         return StructuredMask(bool(causal), None if bounds is None else tuple(bounds), left, right,
-                              spans if causal else ())
+                              spans if causal else (), keys)
 
 
 @dataclass(frozen=True)
@@ -299,10 +359,12 @@ class StructuredMask:
     left: int | None
     right: int | None
     spans: tuple[tuple[int, int], ...] = ()
+    keys: tuple[int, int] | None = None
+    """Global ``[lo, hi)``: no query sees a key outside it (padding that every batch row has)."""
 
     def is_plain(self) -> bool:
         """Only causality and documents: the original planner's masks."""
-        return self.left is None and self.right is None and not self.spans
+        return self.left is None and self.right is None and not self.spans and self.keys is None
 
     def split_points(self) -> tuple[int, ...]:
         """Global positions where a block must be cut so that it lies in one document and one span (or gap)."""
@@ -332,6 +394,10 @@ class StructuredMask:
         if self.right is not None:  # k - q <= right
             parts.append(BlockClass.EMPTY if k0 - (q1 - 1) > self.right else
                          BlockClass.FULL if k1 - 1 - q0 <= self.right else BlockClass.PARTIAL)
+        if self.keys is not None:  # lo <= k < hi
+            lo, hi = self.keys
+            parts.append(BlockClass.EMPTY if k1 <= lo or k0 >= hi else
+                         BlockClass.FULL if lo <= k0 and k1 <= hi else BlockClass.PARTIAL)
         if BlockClass.EMPTY in parts:
             return BlockClass.EMPTY
         partial = [p for p in parts if p is not BlockClass.FULL]
@@ -350,6 +416,8 @@ class StructuredMask:
         if self.left is not None and q1 - 1 - k0 > self.left:
             return False
         if self.right is not None and k1 - 1 - q0 > self.right:
+            return False
+        if self.keys is not None and (k0 < self.keys[0] or k1 > self.keys[1]):
             return False
         return True
 
@@ -370,6 +438,8 @@ class StructuredMask:
             lo = max(lo, q0 - self.left)
         if self.right is not None:
             hi = min(hi, q1 + self.right)
+        if self.keys is not None:
+            lo, hi = max(lo, self.keys[0]), min(hi, self.keys[1])
         return lo, hi
 
     def visible(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
@@ -397,6 +467,8 @@ class StructuredMask:
             visible &= qp - kp <= self.left
         if self.right is not None:
             visible &= kp - qp <= self.right
+        if self.keys is not None:
+            visible &= (kp >= self.keys[0]) & (kp < self.keys[1])
         return visible
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_sp.attention import default_ulysses_degree
+from lightning_sp.comm.agree import gather_rows
 from lightning_sp.context import SequenceParallelContext
 from lightning_sp.ops.backends import BACKENDS
 from lightning_sp.tensor_parallel import TensorParallelContext
@@ -66,23 +67,48 @@ class ParallelMesh:
             return self.dp_sp.get_group()
         return self.mesh.get_group(axis.value)
 
-    def transient_groups(self) -> list[dist.ProcessGroup]:
-        """The groups a Trainer stage may destroy at teardown: all of this rank's groups except the world
-        and ``dp_sp``, which FSDP2 parameters (DTensors on that mesh) keep using after ``fit``."""
-        seen: dict[int, dist.ProcessGroup] = {}
-        keep = self.dp_sp.get_group()
-        for g in [*self.mesh.get_all_groups(), self.sp.get_group()]:
-            if g is keep:
-                continue
-            if g is not dist.group.WORLD and g is not dist.distributed_c10d._get_default_group():
-                seen.setdefault(id(g), g)
-        return list(seen.values())
+
+_BUILT: dict[tuple, tuple[dist.ProcessGroup, ParallelMesh]] = {}
+"""The meshes this process built, by ``(dims, device_type, timeout)``, with the world group they were built on
+(Note [One mesh per world and layout])."""
+
+
+def _reusable(key: tuple) -> ParallelMesh | None:
+    """The mesh built earlier for ``key`` if every rank still has it alive in the same world (one all-gather
+    every rank joins: whether to build is decided together, Note [Cross-rank checks are decided together])."""
+    world = dist.distributed_c10d._get_default_group()
+    world_of, mesh = _BUILT.get(key, (None, None))
+    live = dist.distributed_c10d._world.pg_map
+    ok = mesh is not None and world_of is world and all(
+        mesh.group(axis) in live or mesh.group(axis) is world for axis in MeshAxis)
+    rows = gather_rows([int(ok)], dist.group.WORLD)
+    if all(row[0] == 1 for row in rows):
+        return mesh
+    _BUILT.pop(key, None)
+    return None
 
 
 def build_parallel_mesh(dims: ParallelDims, device_type: str, *, timeout: timedelta | None = None) -> ParallelMesh:
-    """Create the mesh on every rank (collective: call it on all ranks, in the same order)."""
+    """Create the mesh on every rank (collective: call it on all ranks, in the same order), or return the one
+    this process built before for the same degrees, device type and timeout (Note [One mesh per world and
+    layout]): its groups live as long as the world group.
+
+    Note [One mesh per world and layout]
+        A second ``Trainer`` in the same process (fit, then a new Trainer that resumes; fit, then test) used to
+        build a second mesh after the first Trainer's teardown destroyed some of its groups. On NCCL with a bound
+        device (Lightning binds one), ``init_device_mesh`` creates groups with ``split_group``, which names them
+        ``sha1(ranks + number of live groups)``: once groups were destroyed while others (``dp_sp``, which FSDP2
+        parameters keep) lived on, the count repeated and the new group's name was taken ("A process group is
+        already registered under the name ..."; seen on one H200 with torch 2.11). gloo names groups with a
+        counter and never collided, so CPU tests could not see it. Groups are now kept until the world is
+        destroyed, and a later Trainer with the same layout reuses them (no new communicators either).
+    """
     if dist.get_world_size() != dims.world_size:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks but the mesh needs {dims.world_size}")
+    key = (dims, device_type, timeout)
+    reused = _reusable(key)
+    if reused is not None:
+        return reused
     override = _backend_options(timeout)
     names = tuple(a.value for a in MESH_AXES)
     kwargs = {} if override == (None, None) else {"backend_override": {n: override for n in names}}
@@ -97,6 +123,7 @@ def build_parallel_mesh(dims: ParallelDims, device_type: str, *, timeout: timede
         want = dims.group_of(axis, rank)
         if got != want:  # the mesh and the pure rank math must agree (Note [Mesh axis order])
             raise AssertionError(f"rank {rank}: DeviceMesh {axis.value} group {got} != topology {want}")
+    _BUILT[key] = (dist.distributed_c10d._get_default_group(), pm)
     return pm
 
 
@@ -221,14 +248,3 @@ def build_strategy_groups(dims: ParallelDims, device_type: str, *, backend: str,
                        f"mesh dp x ring x ulysses x tp = {' x '.join(map(str, dims.mesh_shape))}")
     return StrategyGroups(mesh=mesh, context=context, tensor_parallel=tensor_parallel,
                           dp_group=mesh.group(MeshAxis.DP), summary=summary)
-
-
-def destroy_groups(groups: list[dist.ProcessGroup]) -> None:
-    """Destroy the groups this rank created (best effort: the world group may already be gone)."""
-    if not dist.is_initialized():
-        return
-    for group in groups:
-        try:
-            dist.destroy_process_group(group)
-        except Exception:  # noqa: BLE001 - best effort; the world group may already be gone
-            pass

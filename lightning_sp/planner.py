@@ -6,32 +6,53 @@ longest sequence that fits (``lightning-sp plan``, ``lightning_sp.plan``).
     plan.to_dict()["recommended"]      # backend, degrees, kv_pieces, checkpointing, bytes, seconds, max_seq_len
 
 Every figure is a **prediction** (Note [Step model]) from the hardware's parameters: datasheet ones for the GPU
-presets, never a measurement. The memory model is validated against measured CPU peaks of whole training steps
-(``experiments/planner``); the attention's time is ``cost_model.predict_attention``'s.
+presets, measured ones for ``h200-measured`` and calibrated CPU profiles. The model is validated against
+measured peaks and step times of whole training steps on CPU and on one H200 (``experiments/planner``,
+``docs/guides/planning.md``); the attention's time is ``cost_model.predict_attention``'s.
 
 Note [Step model]
     Per rank, for one optimizer step on ``B`` sequences of ``N`` tokens, ``T = B N / sp`` tokens per rank:
 
-    memory = states + stored activations + the layer in backward + attention temporaries + logits
+    memory = states + max(loss, MLP backward, attention backward)       (``memory_phases``)
       states       parameters, gradients and AdamW's two moments (4 + 4 + 8 bytes per parameter under
-                   ``32-true`` and ``bf16-mixed``, whose master weights are float32), divided by ``tp`` for the
-                   layers' weights and the vocabulary; FSDP shards them over ``dp x sp``; DDP keeps a second
-                   copy of the gradients in its buckets; ``bf16-mixed`` keeps a bfloat16 copy of every weight a
-                   matmul saved for backward
-      stored       per layer and token: the block's input only with activation checkpointing, else every
-                   tensor the layer saves for backward (``ModelSpec.saved_per_token``)
-      layer        one layer's saved tensors and its gradients alive during its backward (the recompute, with
-                   checkpointing)
-      attention    one attention call's own peak beyond its inputs: the backend's K/V buffers in flight (the
-                   rings' blocks, all-gather's whole K/V, Ulysses' gathered heads); on CPU the blockwise kernel's
-                   fitted peak (``choices``)
-      logits       ``[T, V]`` logits and their gradient and the loss's float32 chunks, or a few float32 tiles
-                   with the tiled loss (``sequence_parallel_cross_entropy(hidden, labels, weight=...)``)
+                   ``32-true`` and the mixed precisions, whose master weights are float32; 2 + 2 + 4 under
+                   ``bf16-true``), divided by ``tp`` for the layers' weights and the vocabulary; FSDP (each
+                   transformer block its own unit) shards them over ``dp x sp`` and holds two blocks' and the
+                   root's parameters gathered; DDP keeps a second copy of the gradients in its buckets;
+                   ``bf16-mixed`` keeps a bfloat16 copy of every weight a matmul saved for backward
+    The activations peak at one of three moments; each counts what is alive then:
+      loss         every layer's stored activations (the block's input only with activation checkpointing,
+                   else every tensor the layer saves, Note [Saved tensors]) + the head's (the final norm's
+                   input and output, a masked-LM head's transform) + the ``[T, V]`` logits and their
+                   gradient and the loss's float32 chunks (a few float32 tiles with the tiled loss,
+                   ``sequence_parallel_cross_entropy(hidden, labels, weight=...)``)
+      MLP backward the last layer's backward begins: stored + its recomputed tensors (checkpointing) + the
+                   gradients flowing (three ``[T, C]``) + the activation's backward (one more ``[T, ffn]``, three
+                   for the erf GELU; with the tiled MLP, one tile's four ``[tile, ffn]``)
+      attention    a little later: its MLP's tensors are freed and the attention call's own peak beyond its
+      backward     inputs and output is added: the backend's K/V buffers in flight (the rings' blocks,
+                   all-gather's whole K/V, Ulysses' gathered heads); on CPU the blockwise kernel's fitted peak
+                   (``choices``)
 
-    time = L x (attention fwd+bwd + the linear layers' FLOPs at ``matmul_flops``) + the output head
-           + TP's all-gathers/reduce-scatters + the part of the gradient all-reduce not hidden by backward,
-    with one more forward of every layer under activation checkpointing. Not modelled: the optimizer's own
-    update, the data loader, kernel launch gaps.
+    time = L x (attention fwd+bwd + the linear layers' FLOPs at ``matmul_flops`` + elementwise passes at the
+           profile's per-element cost) + the output head + TP's all-gathers/reduce-scatters + the part of the
+           gradient all-reduce not hidden by backward + a fixed time per step (the training loop; calibrated,
+           0 unless given),
+    with one more forward of every layer under activation checkpointing and of the MLP with the tiled MLP;
+    ranks that share a CPU's cores compute proportionally slower. Not modelled: the optimizer's own update,
+    the data loader, kernel launch gaps.
+
+Note [Saved tensors]
+    What one layer keeps for backward per token, in activation elements (``ModelSpec.saved_per_token``): the
+    two norms' inputs and outputs (``4 C``), q, k, v, the attention's output and its float32 log-sum-exp, and
+    the MLP's inner activations (two ``ffn`` for GELU: fc1's output and the activation; four for gated
+    MLPs). Autograd keeps only what a backward formula reads: ``x * cos`` keeps ``cos``, not ``x``, so rotary
+    adds nothing. What the code adds (``ModelSpec.implementation``): this project's layer projects q, k, v
+    in one matmul and ``v`` is a view of it, which keeps q's and k's pre-rotation part alive (``+ q + k``);
+    transformers' per-head q/k RMSNorm (Qwen3) keeps its inputs and outputs (``+ 2 (q + k)``); transformers'
+    ESM writes GELU as ``x * 0.5 * (1 + erf(x / sqrt 2))``, which keeps four ``ffn`` tensors, two more than a
+    fused GELU. MoE: the experts a token visits and the shared ones, plus the router's scores. The
+    sequence-tiled MLP keeps only its input.
 """
 
 from __future__ import annotations
@@ -41,12 +62,20 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 
 from lightning_sp import cost_model
 
-PRECISIONS = {"bf16-mixed": 2, "16-mixed": 2, "32-true": 4}
+PRECISIONS = {"bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "32-true": 4}
 """Activation bytes per element of each Lightning precision the planner knows."""
+
+STATE_BYTES = {"bf16-mixed": (4, 4, 8), "16-mixed": (4, 4, 8), "bf16-true": (2, 2, 4), "32-true": (4, 4, 8)}
+"""Bytes per parameter of (the parameter, its gradient, AdamW's two moments) under each precision: the mixed
+ones keep float32 master weights; ``bf16-true`` (pure bfloat16) keeps all three in bfloat16."""
+
+IMPLEMENTATIONS = ("fused", "project", "hf")
+"""What a layer saves for backward beyond its fused minimum (``ModelSpec.implementation``)."""
 
 DATA_PARALLEL = ("ddp", "fsdp")
 
@@ -88,6 +117,10 @@ class ModelSpec:
     tied_embeddings: bool = True
     causal: bool = True
     """Decoder (causal) or encoder (bidirectional)."""
+    sliding_windows: tuple = ()
+    """Per layer, its attention's window ``(left, right)`` (flash-attn's convention, ``-1``: unbounded; Hugging Face's
+    ``sliding_window=W`` is ``(W - 1, 0)``) or ``None`` (full attention); empty: every layer full. Priced per layer
+    (``attention_per_layer``)."""
     num_experts: int = 0
     """MoE: routed experts per layer (0: dense)."""
     experts_per_token: int = 0
@@ -104,6 +137,14 @@ class ModelSpec:
     """Linear layers and norms with biases (BERT/ESM style)."""
     lm_head_transform: bool = False
     """A dense + norm before the output projection (BERT/ESM masked-LM heads)."""
+    implementation: str = "fused"
+    """Which code runs the layer, for the tensors it saves for backward (Note [Saved tensors]): ``"fused"``
+    (fused rotary/norm/activation kernels: the minimum), ``"project"`` (``lightning_sp.models``) or ``"hf"``
+    (transformers' eager modules)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k (Qwen3)."""
+    python_gelu: bool = False
+    """The MLP's GELU written as ``x * 0.5 * (1 + erf(x / sqrt 2))`` (transformers' ESM)."""
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -114,6 +155,8 @@ class ModelSpec:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.kv_heads}")
         if self.num_experts and not self.experts_per_token:
             raise ValueError("an MoE model needs experts_per_token (num_experts_per_tok) >= 1")
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"ModelSpec.implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
 
     # ---- derived sizes
     @property
@@ -171,15 +214,38 @@ class ModelSpec:
     def params(self) -> float:
         return self.layer_params() + self.embedding_params()
 
-    def saved_per_token(self, *, tp: int = 1) -> float:
-        """Elements one layer saves for backward per token (no checkpointing), per rank under ``tp``:
-        the two norms' inputs and outputs, q/k/v, the attention's output (and its log-sum-exp), the MLP's
-        inner activations (two for GELU MLPs, four for gated ones: gate, up, their product's inputs)."""
-        c, h, hkv = self.hidden, self.num_heads, self.kv_heads
-        attn = (h * self.qk_dim + hkv * self.qk_dim + hkv * self.v_dim + h * self.v_dim + h) / tp
-        width = (self.moe_ffn_hidden or self.ffn) * self.experts_per_token if self.num_experts else self.ffn
-        mlp = (4 if self.gated_mlp else 2) * width / tp
-        return 4 * c + attn + mlp
+    def mlp_width(self) -> float:
+        """The MLP's inner width per token, averaged over the layers (MoE: the routed experts a token visits
+        and the shared ones; DeepSeek's first dense layers their own)."""
+        if not self.num_experts:
+            return self.ffn
+        moe_layers = self.num_layers - self.dense_layers
+        routed = (self.moe_ffn_hidden or self.ffn) * (self.experts_per_token + self.shared_experts)
+        return (moe_layers * routed + self.dense_layers * self.ffn) / self.num_layers
+
+    def saved_per_token(self, *, tp: int = 1, act_bytes: int = 2, mlp_tiled: bool = False) -> tuple[float, float]:
+        """Elements (of ``act_bytes`` each) one layer saves for backward per token without checkpointing, per
+        rank under ``tp``, as ``(attention and norms, MLP)`` (Note [Saved tensors]). ``mlp_tiled``: the
+        sequence-tiled MLP, which saves only its input (the second norm's output, counted with the norms)."""
+        c, h, hkv, d, dv = self.hidden, self.num_heads, self.kv_heads, self.qk_dim, self.v_dim
+        q, k = h * d, hkv * d
+        attn = (q + k + hkv * dv + h * dv) / tp + h / tp * max(1, 4 // act_bytes)  # + the float32 log-sum-exp
+        if self.kv_lora_rank:  # MLA: the latents and their norms' inputs
+            attn += (2 * self.q_lora_rank + 2 * self.kv_lora_rank + self.qk_rope_head_dim) / tp
+        if self.implementation == "project":  # one q/k/v projection: v's view keeps q's and k's part alive
+            attn += (q + k) / tp
+        elif self.implementation == "hf" and self.qk_norm:  # the per-head RMSNorms' inputs and outputs
+            attn += 2 * (q + k) / tp
+        width = self.mlp_width() / tp
+        if mlp_tiled:
+            mlp = 0.0
+        else:  # GELU: fc1's output and the activation; gated: gate, its activation, up, their product
+            mlp = (4 if self.gated_mlp else 2) * width
+            if self.implementation == "hf" and self.python_gelu:
+                mlp += 2 * width  # x / sqrt 2 for erf, x * 0.5 and 1 + erf for the product (fc1's output is not kept)
+            if self.num_experts:  # the router's scores and the tokens gathered per expert
+                mlp += self.num_experts / tp + self.experts_per_token * c / tp
+        return 4 * c + attn, mlp
 
     # ---- constructors
     @classmethod
@@ -209,6 +275,7 @@ class ModelSpec:
             vocab=int(cfg.get("vocab_size", 32000)),
             tied_embeddings=bool(cfg.get("tie_word_embeddings", encoder)),
             causal=not encoder,
+            sliding_windows=hf_sliding_windows(cfg, int(cfg["num_hidden_layers"]), model_type),
             num_experts=experts,
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             moe_ffn_hidden=cfg.get("moe_intermediate_size"),
@@ -217,6 +284,9 @@ class ModelSpec:
             kv_lora_rank=int(cfg.get("kv_lora_rank") or 0), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
             qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0), v_head_dim=cfg.get("v_head_dim"),
             biases=encoder, lm_head_transform=encoder,
+            implementation="hf",
+            qk_norm=model_type.startswith("qwen3"),
+            python_gelu=model_type == "esm",
         )
 
     @classmethod
@@ -249,7 +319,7 @@ class ModelSpec:
         return cls(name=path.parent.name or path.stem, num_layers=int(init.get("n_layers", 4)),
                    hidden=int(init["d_model"]), num_heads=int(init.get("n_heads", 4)),
                    num_kv_heads=init.get("n_kv_heads"), ffn_hidden=int(float(init.get("mlp_ratio", 4.0)) * int(init["d_model"])),
-                   vocab=int(vocab), tied_embeddings=True, causal=not encoder, biases=True)
+                   vocab=int(vocab), tied_embeddings=True, causal=not encoder, biases=True, implementation="project")
 
 
 @dataclass(kw_only=True)
@@ -264,8 +334,11 @@ class Candidate:
     kv_pieces: int
     activation_checkpointing: bool
     tiled_loss: bool
+    mlp_chunk_tokens: int = 0
+    """The sequence-tiled MLP's tile (``TransformerConfig.mlp_chunk_size``); 0: the whole MLP."""
     memory: dict[str, float] = field(default_factory=dict)
-    """Bytes per rank by part; ``peak_bytes_per_rank`` is their sum."""
+    """Bytes per rank by part alive at the predicted peak (Note [Step model]); ``peak_bytes_per_rank`` is
+    their sum."""
     peak_bytes_per_rank: float = 0.0
     fits: bool = False
     time: dict[str, float] = field(default_factory=dict)
@@ -279,7 +352,8 @@ class Candidate:
         name = f"usp(ulysses={self.ulysses_degree})" if self.backend == "usp" else self.backend
         return (f"sp={self.sequence_parallel_size} dp={self.data_parallel_size} tp={self.tensor_parallel_size} "
                 f"{name} kv_pieces={self.kv_pieces} ckpt={'on' if self.activation_checkpointing else 'off'} "
-                f"loss={'tiled' if self.tiled_loss else 'whole'}")
+                f"loss={'tiled' if self.tiled_loss else 'whole'}"
+                + (f" mlp_chunk={self.mlp_chunk_tokens}" if self.mlp_chunk_tokens else ""))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -336,6 +410,10 @@ class Plan:
             "",
             f"{'layout':<78} {'GiB/rank':>9} {'fits':>4} {'step s':>8} {'tok/s/dev':>10} {'max N':>9}",
         ]
+        if m.sliding_windows:  # Note [Attention under per-layer masks]
+            local = [w for w in m.sliding_windows if w is not None]
+            kinds = ", ".join(f"window {tuple(w)} on {local.count(w)}" for w in sorted(set(local), key=repr))
+            lines.insert(2, f"attention: {kinds} of {m.num_layers} layers (priced per layer), full on the rest")
         for c in self.candidates[:top]:
             lines.append(f"{c.label:<78} {c.peak_bytes_per_rank / gib:9.2f} {'yes' if c.fits else 'no':>4} "
                          f"{c.step_time_s:8.3f} {c.tokens_per_s_per_device:10.0f} {c.max_seq_len:9d}")
@@ -372,6 +450,15 @@ _EXTRA_PRESETS = {
         "b200-180gb", 2250e12, "datasheet: DGX B200, 2.25 PFLOP/s bf16 dense per GPU, 180 GB HBM3e, NVLink5 1.8 TB/s "
         "total; 8 GPUs/node, 400 Gb/s per GPU. assumption: attention 55% of peak, matmuls 70% (no B200 measurement)",
         memory=180e9, intra=900e9, inter=50e9),
+    "h200-measured": cost_model.HardwareProfile(
+        name="h200-measured",
+        source="measured: one H200 (2026-11-28, torch 2.11+cu130): SDPA (flash) forward+backward, causal bf16, 32/8 "
+               "heads of 128, 243/319/328 TFLOP/s at 4K/16K/64K tokens (benchmarks/gpu/results/2026-11-28_h200/"
+               "perf.json), 139.8 GiB of device memory; assumption: matmuls, links and nodes as h200-141gb (not "
+               "measured there)",
+        attention_curve=((4096, 243.44e12), (16384, 318.69e12), (65536, 327.77e12)),
+        matmul_flops=0.70 * 989e12, intra_bandwidth=450e9, intra_latency=10e-6, inter_bandwidth=50e9,
+        inter_latency=20e-6, ranks_per_node=8, memory_bytes=139.8 * 2**30),
 }
 
 
@@ -404,6 +491,76 @@ def _attention_shape(m: ModelSpec, seq_len: int, batch: int, tp: int, act_bytes:
                                      head_dim=max(m.qk_dim, m.v_dim), batch=batch, dtype_bytes=act_bytes, causal=m.causal)
 
 
+# Note [Attention under per-layer masks]
+#     A model's layers may attend differently: Mistral (every layer) and Qwen2 (``use_sliding_window``, the layers from
+#     ``max_window_layers`` on) slide a window, Gemma-2 every other layer, Gemma-3 five of six, ModernBERT every layer
+#     but each third with a bidirectional window (``hf_sliding_windows``; transformers' ``layer_types`` when the config
+#     lists them). ``attention_per_layer`` prices each distinct window once with ``cost_model.predict_attention(mask=)``
+#     (Note [Cost model under a mask]: the visible blocks' calls; the rings' K/V rows follow the window, Ulysses'
+#     all-to-alls do not) and returns the mean over the layers, so a step is ``L x`` that mean, as without windows.
+#     ``plan(mask=AttentionMask(window=...))`` and ``lightning-sp plan --sliding-window W`` put one window on every layer.
+#     Not modelled: Llama 4's chunked layers (``chunked_attention``: priced as full attention) and a window's effect
+#     on memory (the rings hold whole K/V blocks either way).
+
+
+def hf_sliding_windows(cfg: dict, layers: int, model_type: str) -> tuple:
+    """``ModelSpec.sliding_windows`` from a transformers config (Note [Attention under per-layer masks]): its
+    ``layer_types`` when listed, else the rule of its model type, as transformers' configs derive them."""
+    if model_type == "modernbert":  # local_attention: the whole window, half of it each side
+        half = int(cfg.get("local_attention", 128)) // 2
+        window, every = (half, half), int(cfg.get("global_attn_every_n_layers", 3))
+        rule = ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
+    else:
+        w = cfg.get("sliding_window")
+        if model_type.startswith("qwen") and not cfg.get("use_sliding_window", False):
+            w = None  # Qwen configs carry a sliding_window they do not use
+        if not w:
+            return ()
+        window = (int(w) - 1, 0)
+        if model_type.startswith("qwen"):  # the layers from max_window_layers on
+            rule = ["sliding_attention" if i >= int(cfg.get("max_window_layers", 0)) else "full_attention"
+                    for i in range(layers)]
+        elif model_type == "gemma2":  # local, global, local, ...
+            rule = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        elif cfg.get("sliding_window_pattern"):  # Gemma-3, Cohere2: every pattern-th layer global
+            pattern = int(cfg["sliding_window_pattern"])
+            rule = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        else:  # Mistral, Mixtral, Phi-3, Starcoder2: every layer
+            rule = ["sliding_attention"] * layers
+    kinds = list(cfg.get("layer_types") or rule)[:layers]
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
+
+
+def attention_per_layer(m: ModelSpec, c: "Candidate", seq_len: int, batch: int, act_bytes: int,
+                        hw: cost_model.HardwareProfile) -> tuple[float, float]:
+    """``(compute, exposed communication)`` seconds of one attention layer fwd+bwd, the mean over the model's layers
+    and their windows (Note [Attention under per-layer masks])."""
+    windows = m.sliding_windows or (None,)
+    if m.sliding_windows and len(windows) != m.num_layers:
+        raise ValueError(f"ModelSpec.sliding_windows has {len(windows)} entries for {m.num_layers} layers: one per "
+                         "layer ((left, right) or None)")
+    shape = _attention_shape(m, seq_len, batch, c.tensor_parallel_size, act_bytes)
+    compute = exposed = 0.0
+    for window in sorted(set(windows), key=repr):
+        share = windows.count(window) / len(windows)
+        layer = _predicted_attention(c.backend, shape, c.sequence_parallel_size, hw, c.ulysses_degree, c.kv_pieces,
+                                     None if window is None else tuple(window))
+        compute, exposed = compute + share * layer[0], exposed + share * layer[1]
+    return compute, exposed
+
+
+@lru_cache(maxsize=4096)
+def _predicted_attention(backend, shape, sp, hw, ulysses_degree, kv_pieces, window) -> tuple[float, float]:
+    from lightning_sp.masks import AttentionMask
+
+    mask = None if window is None else AttentionMask(window=window)
+    if sp > 1:
+        pred = cost_model.predict_attention(backend, shape, sp, hw, ulysses_degree=ulysses_degree, kv_pieces=kv_pieces,
+                                            mask=mask)
+        return pred.compute_s, pred.exposed_comm_s
+    return cost_model.predict_attention("ring", shape, 1, hw, mask=mask).total_s, 0.0
+
+
 def attention_temporary_bytes(m: ModelSpec, c: Candidate, seq_len: int, batch: int, act_bytes: int,
                               hw: cost_model.HardwareProfile) -> float:
     """One attention call's peak beyond its inputs q, k, v and the output's gradient, per rank."""
@@ -427,62 +584,105 @@ def attention_temporary_bytes(m: ModelSpec, c: Candidate, seq_len: int, batch: i
 
 
 def memory_bytes(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision: str, data_parallel: str,
-                 hw: cost_model.HardwareProfile, tile_elements: int = 1 << 24) -> dict[str, float]:
-    """Per-rank bytes by part (Note [Step model])."""
+                 hw: cost_model.HardwareProfile) -> dict[str, float]:
+    """Per-rank bytes by part, those alive at the predicted peak (Note [Step model]): the states, and the
+    largest of ``memory_phases``' moments."""
+    states, phases = memory_phases(m, c, seq_len=seq_len, batch=batch, precision=precision,
+                                   data_parallel=data_parallel, hw=hw)
+    parts = {**states, "stored_activations": 0.0, "layer_in_backward": 0.0, "attention": 0.0, "head": 0.0,
+             "logits": 0.0}
+    parts.update(max(phases.values(), key=lambda phase: sum(phase.values())))
+    return parts
+
+
+def memory_phases(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision: str, data_parallel: str,
+                  hw: cost_model.HardwareProfile) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Per-rank bytes: ``(states by part, {moment: activations by part})`` for the three moments that can hold
+    a step's peak (Note [Step model])."""
     act = PRECISIONS[precision]
+    param_b, grad_b, optim_b = STATE_BYTES[precision]
     tp, sp, dp = c.tensor_parallel_size, c.sequence_parallel_size, c.data_parallel_size
     params = m.layer_params() / tp + m.embedding_params() / tp
     shard_over = dp * sp if data_parallel == "fsdp" else 1
     tokens = batch * math.ceil(seq_len / sp)  # T: this rank's tokens
-    per_layer_saved = m.saved_per_token(tp=tp) * tokens * act
+    tiled_mlp = 0 < c.mlp_chunk_tokens < tokens
+    attn_saved, mlp_saved = (e * tokens * act for e in m.saved_per_token(tp=tp, act_bytes=act, mlp_tiled=tiled_mlp))
     layer_input = tokens * m.hidden * act
-    stored = m.num_layers * (layer_input if c.activation_checkpointing else per_layer_saved)
-    layer_in_backward = (per_layer_saved if c.activation_checkpointing else 0.0) + 3 * layer_input
+    # the gradient flowing through a layer: the block's output gradient, the residual's and one in the making
+    flowing = 3 * layer_input
+    width = m.mlp_width() / tp
+    if tiled_mlp:  # one tile recomputed with its graph: fc1's output, the activation, and their gradients
+        mlp_grads = 4 * min(c.mlp_chunk_tokens, tokens) * width * act
+    else:  # the activation's backward: its gradient in and out, less fc2's input (freed by fc2's backward); the
+        # erf GELU's: its two products' gradients and x^2, -x^2, exp(-x^2), less what the product had saved
+        mlp_grads = (3 if m.python_gelu else 1) * tokens * width * act
+    if c.activation_checkpointing:
+        stored = m.num_layers * layer_input
+        recompute_attn, recompute_mlp = attn_saved, mlp_saved
+    else:
+        stored = m.num_layers * (attn_saved + mlp_saved)
+        recompute_attn = recompute_mlp = 0.0
     vocab_rank = m.vocab / tp
     chunk = min(tokens * vocab_rank, LOSS_CHUNK_ELEMENTS) * max(act, 4)  # one float32 chunk of the loss
     if c.tiled_loss:  # one tile's logits, their float32 copy, and the backward's softmax and its gradient
         logits = 4 * chunk
     else:  # the logits and their gradient, and two float32 chunks of the loss's exp(logits - lse) in backward
         logits = 2 * tokens * vocab_rank * act + 2 * chunk
-    parts = {
-        "parameters": 4 * params / shard_over,
-        "gradients": 4 * params / shard_over,
-        "optimizer": 8 * params / shard_over,
-        "ddp_buckets": 4 * params if data_parallel == "ddp" and dp * sp > 1 else 0.0,
-        "weight_copies": 2 * m.layer_params() / tp if act == 2 else 0.0,
+    # the attention call's peak beyond its inputs, less its output (which the layer's saved tensors count)
+    attention = max(0.0, attention_temporary_bytes(m, c, seq_len, batch, act, hw)
+                    - tokens * m.num_heads / tp * m.v_dim * act)
+    # the final norm's input and output, and a masked-LM head's transform (dense, activation, norm) before the
+    # output projection: alive from the end of the forward until the head's backward
+    head = tokens * m.hidden * act * (2 + ((5 if m.python_gelu else 3) if m.lm_head_transform else 0))
+    # Note [Step model]: three moments can hold the peak; each is what is alive then beyond the states
+    phases = {
+        "loss": {"stored_activations": stored, "head": head, "logits": logits},
+        "mlp_backward": {"stored_activations": stored,
+                         "layer_in_backward": recompute_attn + recompute_mlp + flowing + mlp_grads},
+        # the last layer's MLP tensors are freed by then (its MLP backward ran)
+        "attention_backward": {"stored_activations": stored - (0.0 if c.activation_checkpointing else mlp_saved),
+                               "layer_in_backward": recompute_attn + flowing, "attention": attention},
+    }
+    fsdp = data_parallel == "fsdp" and shard_over > 1
+    states = {
+        "parameters": param_b * params / shard_over,
+        "gradients": grad_b * params / shard_over,
+        "optimizer": optim_b * params / shard_over,
+        "ddp_buckets": grad_b * params if data_parallel == "ddp" and dp * sp > 1 else 0.0,
+        # bf16-mixed: autocast's bfloat16 copy of each weight, kept for backward by the matmuls that used it
+        "weight_copies": 2 * m.layer_params() / tp if param_b == 4 and act == 2 else 0.0,
         # FSDP: two layers' parameters gathered (the one running, the one prefetched), and the root's (embedding,
         # head, final norm) gathered with their whole gradients until the backward ends
-        "fsdp_gathered": (2 * 4 * m.layer_params() / m.num_layers / tp + 8 * m.embedding_params() / tp)
-        if data_parallel == "fsdp" and shard_over > 1 else 0.0,
-        "stored_activations": stored,
-        "layer_in_backward": layer_in_backward,
-        "attention": attention_temporary_bytes(m, c, seq_len, batch, act, hw),
-        "logits": logits,
+        "fsdp_gathered": (2 * param_b * m.layer_params() / m.num_layers / tp
+                          + (param_b + grad_b) * m.embedding_params() / tp) if fsdp else 0.0,
     }
-    return parts
+    return states, phases
 
 
 def step_time(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision: str, data_parallel: str,
-              hw: cost_model.HardwareProfile) -> dict[str, float]:
-    """Seconds per optimizer step on one rank, by part (Note [Step model])."""
+              hw: cost_model.HardwareProfile, step_overhead_s: float = 0.0) -> dict[str, float]:
+    """Seconds per optimizer step on one rank, by part (Note [Step model]). ``step_overhead_s``: the training
+    loop's fixed time per step (a calibrated figure: ``experiments/planner/run.py --calibrate-overhead``)."""
     act = PRECISIONS[precision]
     tp, sp, dp = c.tensor_parallel_size, c.sequence_parallel_size, c.data_parallel_size
     tokens = batch * math.ceil(seq_len / sp)
     recompute = 1.0 if c.activation_checkpointing else 0.0
-    shape = _attention_shape(m, seq_len, batch, tp, act)
-    if sp > 1:
-        pred = cost_model.predict_attention(c.backend, shape, sp, hw, ulysses_degree=c.ulysses_degree,
-                                            kv_pieces=c.kv_pieces)
-        attn_compute, attn_exposed = pred.compute_s, pred.exposed_comm_s
-    else:
-        pred = cost_model.predict_attention("ring", shape, 1, hw)
-        attn_compute, attn_exposed = pred.total_s, 0.0
+    # one layer's attention, the mean over the layers' windows (Note [Attention under per-layer masks])
+    attn_compute, attn_exposed = attention_per_layer(m, c, seq_len, batch, act, hw)
     fwd_share = 1.0 / cost_model.FWD_BWD_FACTOR
     attention = m.num_layers * attn_compute * (1 + recompute * fwd_share)
     exposed = m.num_layers * attn_exposed * (1 + recompute * fwd_share)
     linear_flops = 2.0 * tokens * m.layer_params(active=True) / tp * (3 + recompute)
+    if 0 < c.mlp_chunk_tokens < tokens:  # the sequence-tiled MLP runs its forward again in backward
+        mlp_params = m.layer_params(active=True) - m.num_layers * m.attention_params()
+        linear_flops += 2.0 * tokens * mlp_params / tp
     head_flops = 2.0 * tokens * m.hidden * m.vocab / tp * (4 if c.tiled_loss else 3)
     rest = (linear_flops + head_flops) / hw.matmul_flops
+    # elementwise work (norms, activations, residuals, rotary) at the profile's per-element cost (0 on the GPU
+    # presets): about one pass per saved element in forward and two in backward, one more forward to recompute
+    saved = sum(m.saved_per_token(tp=tp, act_bytes=act, mlp_tiled=0 < c.mlp_chunk_tokens < tokens))
+    rest += hw.elementwise_s[1] * m.num_layers * tokens * saved * (3 + recompute)
+    rest *= hw.compute_stretch(sp * dp * tp)  # ranks sharing a CPU's cores
     if tp > 1:  # Megatron-SP: all-gather before and reduce-scatter after attention and MLP, fwd and bwd
         bw, lat = hw.link(tp)
         one = (tp - 1) * (lat + tokens * m.hidden * act / tp / bw)
@@ -490,13 +690,14 @@ def step_time(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision
     ranks = dp * sp
     if ranks > 1:  # the gradient all-reduce (DDP) / reduce-scatter + all-gathers (FSDP) over dp x sp
         bw, lat = hw.link(ranks)
-        grad_bytes = 4 * (m.layer_params() + m.embedding_params()) / tp
+        grad_bytes = STATE_BYTES[precision][1] * (m.layer_params() + m.embedding_params()) / tp
         sync = 2 * (ranks - 1) / ranks * grad_bytes / bw + 2 * (ranks - 1) * lat
         if data_parallel == "fsdp":
             sync *= 1.5  # + the parameters' all-gather in forward (and again in backward)
         backward = (attention + rest) * 2 / 3
         exposed += max(0.0, sync - backward)  # overlapped with the backward's compute
-    return {"attention_compute_s": attention, "exposed_comm_s": exposed, "other_compute_s": rest}
+    return {"attention_compute_s": attention, "exposed_comm_s": exposed, "other_compute_s": rest,
+            "fixed_s": step_overhead_s}
 
 
 def _candidates(m: ModelSpec, world: int, hw: cost_model.HardwareProfile, *, tensor_parallel: int | None,
@@ -548,20 +749,25 @@ def _max_seq_len(m, c, budget, grid, **kw) -> int:
 
 
 def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, nodes: int = 1,
-         hardware: str | Path = "h100", precision: str = "bf16-mixed", data_parallel: str = "ddp",
+         hardware: str | Path = "h100", precision: str = "bf16-mixed", data_parallel: str = "ddp", mask=None,
          tensor_parallel: int | None = None, sequence_parallel: int | None = None, batch: int = 1,
-         memory_budget_bytes: float | None = None) -> Plan:
+         memory_budget_bytes: float | None = None, step_overhead_s: float = 0.0) -> Plan:
     """Predict every candidate layout for ``model`` on ``nodes x devices`` and recommend one (Note [Step model]).
 
     ``model``: a ``ModelSpec``, a transformers config dict, or a path (``config.json`` or a lightning-sp YAML).
+    ``mask``: an ``AttentionMask`` whose ``window`` every layer uses (``None``: the config's per-layer windows; Note
+    [Attention under per-layer masks]).
     ``devices``: devices per node. ``hardware``: a preset name or a calibrated profile file
     (``hardware_profile``). ``tensor_parallel`` / ``sequence_parallel``: fix a degree (``None``: every divisor).
     ``memory_budget_bytes``: per device (default: the preset's memory x ``USABLE_MEMORY_SHARE``; needed for a
-    profile without memory, e.g. CPU)."""
+    profile without memory, e.g. CPU). ``step_overhead_s``: the training loop's fixed time per step, added to
+    every candidate (0: not modelled)."""
     if isinstance(model, dict):
         model = ModelSpec.from_hf_config(model)
     elif not isinstance(model, ModelSpec):
         model = ModelSpec.from_file(model)
+    if mask is not None:  # one window on every layer (Note [Attention under per-layer masks])
+        model = replace(model, sliding_windows=_every_layer(mask, model.num_layers))
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if data_parallel not in DATA_PARALLEL:
@@ -586,7 +792,7 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
         key = (c.backend, c.sequence_parallel_size, c.data_parallel_size, c.tensor_parallel_size, c.ulysses_degree,
                c.kv_pieces, c.activation_checkpointing, c.tiled_loss)
         if key not in attention_times:
-            attention_times[key] = step_time(model, c, seq_len=seq_len, **kw)
+            attention_times[key] = step_time(model, c, seq_len=seq_len, step_overhead_s=step_overhead_s, **kw)
         c.time = attention_times[key]
         c.step_time_s = sum(c.time.values())
         c.tokens_per_s_per_device = batch * seq_len * c.data_parallel_size / c.step_time_s / world
@@ -617,6 +823,17 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
                 cheapest_change=_cheapest_change(model, rec, memory_budget_bytes, data_parallel, kw) if rec else "")
 
 
+def _every_layer(mask, layers: int) -> tuple:
+    from lightning_sp.masks import AttentionMask
+
+    if not isinstance(mask, AttentionMask):
+        raise ValueError(f"mask must be a lightning_sp.AttentionMask, got {type(mask).__name__}")
+    if mask.chunk_size is not None or mask.bidirectional_spans or mask.mask_mod is not None:
+        raise ValueError("the planner prices a sliding window (mask=AttentionMask(window=(left, right))); chunks, "
+                         "spans and mask_mod are not planned: leave them out (score modifiers do not change the price)")
+    return () if mask.window is None else (tuple(mask.window),) * layers
+
+
 def _cheapest_change(m: ModelSpec, rec: Candidate, budget: float, data_parallel: str, kw: dict) -> str:
     """The first change, cheapest first, that raises the recommended layout's longest sequence."""
     base = rec.max_seq_len
@@ -631,9 +848,12 @@ def _cheapest_change(m: ModelSpec, rec: Candidate, budget: float, data_parallel:
         longer = _max_seq_len(m, replace(rec, **cand_change), budget, grid, **{**kw, **kw_change})
         if longer > base:
             return f"{text}: up to N={longer} (from {base})"
-    twice = replace(rec, sequence_parallel_size=2 * rec.sequence_parallel_size)
+    # a recommended `local` (no sequence parallelism) has no degree to double: split over two ranks with a ring
+    twice = replace(rec, sequence_parallel_size=2 * rec.sequence_parallel_size,
+                    backend="zigzag_ring" if rec.backend == "local" else rec.backend)
     longer = _max_seq_len(m, twice, budget, 2 * grid, **kw)
-    return (f"twice the sequence-parallel degree (sp={twice.sequence_parallel_size}, twice the devices): up to "
+    how = f", backend={twice.backend!r}" if twice.backend != rec.backend else ""
+    return (f"twice the sequence-parallel degree (sp={twice.sequence_parallel_size}{how}, twice the devices): up to "
             f"N={longer} (from {base})")
 
 
@@ -653,10 +873,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn", type=int, help="MLP inner width (default 4 x hidden)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
     p.add_argument("--encoder", action="store_true", help="bidirectional encoder (default: causal decoder)")
+    p.add_argument("--sliding-window", type=int, metavar="W",
+                   help="every layer attends to a window of W tokens (a decoder: the W - 1 before each token, as "
+                        "Hugging Face's sliding_window; an encoder: W // 2 each side); default: the config's windows")
     p.add_argument("--seq-len", type=int, required=True, help="global tokens per sequence")
     p.add_argument("--devices", type=int, required=True, help="devices per node")
     p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--hardware", default="h100", help="cpu, a100, h100, h800, h200, b200, or a calibrated profile file")
+    p.add_argument("--hardware", default="h100",
+                   help="cpu, a100, h100, h800, h200, b200, h200-measured, or a calibrated profile file")
     p.add_argument("--memory-gib", type=float, help="memory per device to plan for (default: the preset's x 0.92)")
     p.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
     p.add_argument("--data-parallel", default="ddp", choices=DATA_PARALLEL)
@@ -666,6 +890,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=12, help="candidates to print")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
+
+
+def _window_mask(args, model):
+    """``--sliding-window W`` as an ``AttentionMask`` for ``model`` (a decoder: HF's ``(W - 1, 0)``)."""
+    if args.sliding_window is None:
+        return None
+    from lightning_sp.masks import AttentionMask
+
+    if args.sliding_window < 1:
+        raise ValueError(f"--sliding-window must be >= 1 tokens, got {args.sliding_window}")
+    spec = model if isinstance(model, ModelSpec) else ModelSpec.from_file(model)
+    w = args.sliding_window
+    return AttentionMask(window=(w - 1, 0) if spec.causal else (w // 2, w // 2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -680,7 +917,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("pass --model PATH, or --layers, --hidden and --heads")
         result = plan(model, seq_len=args.seq_len, devices=args.devices, nodes=args.nodes, hardware=args.hardware,
                       precision=args.precision, data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel,
-                      sequence_parallel=args.sequence_parallel, batch=args.batch,
+                      sequence_parallel=args.sequence_parallel, batch=args.batch, mask=_window_mask(args, model),
                       memory_budget_bytes=args.memory_gib * 2**30 if args.memory_gib else None)
     except (ValueError, FileNotFoundError) as err:
         print(f"lightning-sp plan: {err}", file=sys.stderr)

@@ -35,7 +35,7 @@ from lightning_sp.data_parallel import (DATA_PARALLEL, broadcast_replicas, check
                                         fsdp_gradient_sync_off, fully_shard_model, is_fsdp_root)
 from lightning_sp.faults import append_hint, as_process_group_timeout, collective_failure_hint
 from lightning_sp.mesh import (ParallelMesh, build_strategy_groups, check_launch_matches_nodes, check_strategy_degrees,
-                               check_world_matches, destroy_groups, strategy_dims)
+                               check_world_matches, strategy_dims)
 from lightning_sp.preemption import Preemption, checkpoint_directories, preemption_callback
 from lightning_sp.tensor_parallel import TensorParallelContext, bind_tensor_parallel_layers
 from lightning_sp.tensor_parallel.grads import TensorParallelGradients
@@ -206,7 +206,6 @@ class SequenceParallelStrategy(DDPStrategy):
         self._tp_context: TensorParallelContext | None = None
         self._tp_grads: TensorParallelGradients | None = None
         self._dp_group: dist.ProcessGroup | None = None
-        self._owned_groups: list[dist.ProcessGroup] = []
         self._layout: Any = None
         self._announced_auto = False
 
@@ -327,7 +326,6 @@ class SequenceParallelStrategy(DDPStrategy):
                                        timeout=self._timeout, **self._context_options)
         self._mesh, self._context, self._tp_context, self._dp_group = (
             groups.mesh, groups.context, groups.tensor_parallel, groups.dp_group)
-        self._owned_groups.extend(groups.mesh.transient_groups())
         log.debug("rank %d: mesh %s", dist.get_rank(), groups.mesh.mesh)
         for line in groups.summary:
             rank_zero_info(line)
@@ -520,8 +518,6 @@ class SequenceParallelStrategy(DDPStrategy):
         if self._undo_shuffle_following is not None:
             self._undo_shuffle_following()
             self._undo_shuffle_following = None
-        destroy_groups(self._owned_groups)
-        self._owned_groups.clear()
         self._context = self._dp_group = self._mesh = self._tp_context = self._tp_grads = None
 
     # ---------------------------------------------------------------------------------- registry

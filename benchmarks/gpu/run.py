@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The GPU measurements in one command: per-rank schedule efficiency, kernels, longest context,
-model throughput (MFU). Written and smoke-tested on CPU (``--smoke``); **not yet run on a GPU**.
+model throughput (MFU). Smoke-tested on CPU (``--smoke``); run on one H200 (``results/2026-11-28_h200/``).
 
     PYTHONPATH=. python -m benchmarks.gpu.run                     # one GPU, the defaults (sized for one 10-minute call)
     PYTHONPATH=. python -m benchmarks.gpu.run --sections schedule --local-lens 8192 16384 32768 65536 131072
@@ -202,22 +202,25 @@ def one_call(kernel_name: str, n_q: int, n_k: int, args, device, *, causal: bool
 def kernels_section(args, device, results: Results, deadline: float) -> None:
     from lightning_sp.ops.kernels import flash_attn_available
 
-    names = ["sdpa", "efficient", "cudnn"] + (["flash_attn"] if flash_attn_available() else [])
+    names = ["auto", "sdpa", "efficient", "cudnn"] + (["flash_attn"] if flash_attn_available() else [])
     if device.type != "cuda":
         names = ["sdpa"]  # the CUDA ops do not run on CPU
-    for n in args.local_lens:
-        for name in names:
-            if time.time() > deadline:
-                return
-            try:
-                times = timed(one_call(name, n, n, args, device, causal=True), device=device, warmup=1, reps=args.reps)
-            except Exception as e:  # noqa: BLE001  (a kernel the device cannot run: say so, go on)
-                results.add("kernels", {"kernel": name, "seq_len": n, "error": f"{type(e).__name__}: {e}"[:300]})
-                continue
-            t = statistics.median(times)
-            flops = attention_flops(n * (n + 1) / 2, args.heads, args.head_dim)
-            results.add("kernels", {"kernel": name, "seq_len": n, "causal": True, "dtype": str(args.dtype),
-                                    "median_s": t, "tflops": flops / t / 1e12})
+    for causal in args.kernel_causal:
+        for n in args.local_lens:
+            for name in names:
+                if time.time() > deadline:
+                    return
+                try:
+                    times = timed(one_call(name, n, n, args, device, causal=causal), device=device, warmup=1,
+                                  reps=args.reps)
+                except Exception as e:  # noqa: BLE001  (a kernel the device cannot run: say so, go on)
+                    results.add("kernels", {"kernel": name, "seq_len": n, "causal": causal,
+                                            "error": f"{type(e).__name__}: {e}"[:300]})
+                    continue
+                t = statistics.median(times)
+                flops = attention_flops(n * (n + 1) / 2 if causal else n * n, args.heads, args.head_dim)
+                results.add("kernels", {"kernel": name, "seq_len": n, "causal": causal, "dtype": str(args.dtype),
+                                        "median_s": t, "tflops": flops / t / 1e12})
 
 
 def _rank_time(backend: str, world: int, rank: int, n_local: int, causal: bool, args, device) -> float:
@@ -387,6 +390,7 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=540.0, help="start no new row after this many seconds")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kernel", default="auto")
+    p.add_argument("--kernel-masks", default="causal", help="kernels section: comma-separated causal,full")
     p.add_argument("--kv-pieces", type=int, default=8)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -404,6 +408,10 @@ def parse_args(argv=None):
     p.add_argument("--mfu-steps", type=int, default=4)
     args = p.parse_args(argv)
     args.sections = [s for s in args.sections.split(",") if s]
+    masks = [m for m in args.kernel_masks.split(",") if m]
+    if set(masks) - {"causal", "full"}:
+        p.error(f"--kernel-masks takes causal and/or full, got {args.kernel_masks!r}")
+    args.kernel_causal = [m == "causal" for m in masks]
     bad = set(args.sections) - set(SECTIONS)
     if bad:
         p.error(f"unknown sections {sorted(bad)}; choose from {SECTIONS}")

@@ -18,6 +18,14 @@ ROOT = Path(__file__).resolve().parents[2]
 from experiments.common.results import default_results
 
 
+def meta_ranks(meta: dict) -> int:
+    """Ranks of the full-context arms (their name ``full_sp<P>...``)."""
+    for r in meta["results"]:
+        if r["sequence_parallel"]:
+            return int(r["arm"].removeprefix("full_sp").split("_")[0])
+    return 4
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--results", type=Path, default=None, help="default: runs/context_matters/context_matters.json")
@@ -33,13 +41,14 @@ def main(argv: list[str] | None = None) -> None:
     import matplotlib.pyplot as plt
 
     by_ctx = defaultdict(list)
-    for r in meta["results"]:
-        by_ctx[(r["context_tokens"], r["sequence_parallel"])].append(r["val_answer_acc"])
-    keys = sorted(by_ctx)
-    labels = [f"{c} tokens\n" + ("full, SP=4" if sp else "truncated") for c, sp in keys]
+    for r in meta["results"]:  # files written before the image-attention arms have causal images only
+        by_ctx[(r["context_tokens"], r["sequence_parallel"], r.get("image_attention", "causal"))].append(r["val_answer_acc"])
+    keys = sorted(by_ctx, key=lambda k: (k[0], k[2] == "bidirectional"))
+    labels = [f"{c} tokens\n" + ((f"full, SP={meta_ranks(meta)}\n{image} images") if sp else "truncated")
+              for c, sp, image in keys]
     means = [sum(by_ctx[k]) / len(by_ctx[k]) for k in keys]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    colors = ["tab:blue" if sp else "tab:gray" for _, sp in keys]
+    fig, ax = plt.subplots(figsize=(1.3 * len(keys) + 1.5, 3.8))
+    colors = [("tab:orange" if image == "bidirectional" else "tab:blue") if sp else "tab:gray" for _, sp, image in keys]
     ax.bar(range(len(keys)), means, color=colors)
     for i, k in enumerate(keys):
         ax.scatter([i] * len(by_ctx[k]), by_ctx[k], color="k", s=12, zorder=3)

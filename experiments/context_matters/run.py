@@ -1,11 +1,13 @@
-"""Context matters: full context (sequence parallel) vs truncated context on the long-range question.
+"""Context matters: full context (sequence parallel) vs truncated context on the long-range question, and, at
+full context, image patches read causally (like text) vs each image one bidirectional span (PaliGemma, Gemma 3).
 
     python -m experiments.context_matters.run                  # the documented run: writes runs/context_matters/
     python -m experiments.context_matters.run --publish        # the same, into paper_figures/ (the committed results)
     python -m experiments.context_matters.run --quick --out /tmp/x   # seconds: 4 steps, 2 ranks (smoke test)
 
 Each arm is ``lightning-sp fit`` on ``experiments/context_matters/base.yaml`` (plus
-``full_context_sp.yaml`` for the full-context arm), run in a subprocess; the final validation
+``full_context_sp.yaml`` for the full-context arms; ``--image-attention`` picks which image attention the
+full-context arms train with, one arm each; the truncated arms read images causally), run in a subprocess; the final validation
 metrics are read back from its TensorBoard events. Results: ``context_matters.{json,csv,png}`` in
 ``runs/context_matters/`` (ignored by git) unless ``--publish`` or ``--out`` says otherwise; the figure is
 drawn by ``experiments/context_matters/plot.py`` (which never trains). A progress line is printed when an
@@ -35,16 +37,21 @@ EXP = ROOT / "experiments" / NAME
 FULL_LEN = 21 * 8 + 9
 HEARTBEAT_S = 30
 QUICK = {"steps": 4, "seeds": [0], "truncate": [48], "full_ranks": 2}
+IMAGE_ATTENTION = ("causal", "bidirectional")
+"""``MultimodalDecoder(image_attention=)``: base.yaml's is causal (patches read like text)."""
 
 
-def arm_name(truncate: int | None, full_ranks: int) -> str:
-    return f"full_sp{full_ranks}" if truncate is None else f"trunc{truncate}"
+def arm_name(truncate: int | None, full_ranks: int, image_attention: str = "causal") -> str:
+    if truncate is not None:
+        return f"trunc{truncate}"
+    return f"full_sp{full_ranks}" + ("_bidir" if image_attention == "bidirectional" else "")
 
 
 def arm_command(*, truncate: int | None, seed: int, steps: int, log_root: Path, full_ranks: int,
-                val_batches: int | None) -> list[str]:
-    name = arm_name(truncate, full_ranks)
-    cmd = [sys.executable, "-m", "lightning_sp.cli", "fit", "--config", str(EXP / "base.yaml")]
+                val_batches: int | None, image_attention: str = "causal") -> list[str]:
+    name = arm_name(truncate, full_ranks, image_attention)
+    cmd = [sys.executable, "-m", "lightning_sp.cli", "fit", "--config", str(EXP / "base.yaml"),
+           "--model.init_args.image_attention", image_attention]
     if truncate is None:
         cmd += ["--config", str(EXP / "full_context_sp.yaml"),
                 # ranks start slowly on a loaded machine: the rendezvous waits this long (no effect on results)
@@ -67,10 +74,10 @@ def arm_command(*, truncate: int | None, seed: int, steps: int, log_root: Path, 
 
 
 def run_arm(*, truncate: int | None, seed: int, steps: int, log_root: Path, full_ranks: int = 4,
-            val_batches: int | None = None, label: str = "") -> dict:
-    name = arm_name(truncate, full_ranks)
+            val_batches: int | None = None, label: str = "", image_attention: str = "causal") -> dict:
+    name = arm_name(truncate, full_ranks, image_attention)
     cmd = arm_command(truncate=truncate, seed=seed, steps=steps, log_root=log_root, full_ranks=full_ranks,
-                      val_batches=val_batches)
+                      val_batches=val_batches, image_attention=image_attention)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     log_root.mkdir(parents=True, exist_ok=True)
     log_path = log_root / f"{name}_seed{seed}.log"
@@ -94,7 +101,7 @@ def run_arm(*, truncate: int | None, seed: int, steps: int, log_root: Path, full
     acc.Reload()
     last = {tag: acc.Scalars(tag)[-1].value for tag in ("answer_acc/val", "Loss/val", "Loss/train")}
     row = {"arm": name, "context_tokens": FULL_LEN if truncate is None else truncate,
-           "sequence_parallel": truncate is None, "seed": seed, "steps": steps,
+           "sequence_parallel": truncate is None, "image_attention": image_attention, "seed": seed, "steps": steps,
            "val_answer_acc": last["answer_acc/val"], "val_loss": last["Loss/val"],
            "train_loss_last": last["Loss/train"], "wall_s": round(secs, 1)}
     print(f"{label} {name} seed {seed}: val answer accuracy {row['val_answer_acc']:.3f}, val loss "
@@ -109,6 +116,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--truncate", type=int, nargs="+", default=[48, 96, 144])
     p.add_argument("--jobs", type=int, default=1,
                    help="arms trained at the same time (default 1; the numbers do not depend on it)")
+    p.add_argument("--image-attention", nargs="+", choices=IMAGE_ATTENTION, default=list(IMAGE_ATTENTION),
+                   help="one full-context arm per value (default: both); the truncated arms read images causally")
     p.add_argument("--skip-full", action="store_true", help="only the truncated arms (one process each)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK['steps']} steps, seed 0, truncate 48, full arm on {QUICK['full_ranks']} "
@@ -129,15 +138,16 @@ def main(argv: list[str] | None = None) -> Path:
     meta = run_metadata(__file__, argv, kind="measured",
                         task="8 digit images + captions; question: label of the first image (chance ~0.1)",
                         quick=a.quick, load_average_at_start=[round(x, 1) for x in os.getloadavg()])
-    arms = [(seed, trunc) for seed in a.seeds for trunc in ([] if a.skip_full else [None]) + list(a.truncate)]
+    full = [] if a.skip_full else [(None, image) for image in a.image_attention]
+    arms = [(seed, trunc, image) for seed in a.seeds for trunc, image in full + [(t, "causal") for t in a.truncate]]
     print(f"context_matters: {len(arms)} arms x {a.steps} steps -> {out} (the full arm takes ~90 s, a truncated "
           "one 15-40 s on 2 quiet cores)", flush=True)
     from concurrent.futures import ThreadPoolExecutor
 
     def one(i: int) -> dict:
-        seed, trunc = arms[i]
+        seed, trunc, image = arms[i]
         return run_arm(truncate=trunc, seed=seed, steps=a.steps, log_root=log_root, full_ranks=full_ranks,
-                       val_batches=val_batches, label=f"[{i + 1}/{len(arms)}]")
+                       val_batches=val_batches, label=f"[{i + 1}/{len(arms)}]", image_attention=image)
 
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:  # each arm is its own subprocess(es)
         rows = list(pool.map(one, range(len(arms))))  # in arm order whatever finishes first

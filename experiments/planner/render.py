@@ -58,8 +58,12 @@ def validation(data, path) -> str:
     """Predicted against measured (CPU gloo ranks, float32) per row, and the summary."""
     s = data["summary"]
     timed = "time_mean_abs_error" in s
-    head = (f"Measured {data['date'][:10]} on {data['hardware']['device']}, float32, gloo: {s['rows']} rows; peak "
-            f"memory mean error **{100 * s['memory_mean_abs_error']:.1f}%**, worst {100 * s['memory_max_abs_error']:.1f}%")
+    how = f"`{data['command']}`" + (" (the grid in parts by world size)" if "--worlds" in data["command"] else "")
+    if "repredicted" in data:
+        how += f"; predictions recomputed from the measured rows by `{data['repredicted']['command']}`"
+    head = (f"Measured {data['date'][:10]} on {data['hardware']['device']}, float32, gloo, {how}: {s['rows']} rows; "
+            f"peak memory mean error **{100 * s['memory_mean_abs_error']:.1f}%**, worst "
+            f"{100 * s['memory_max_abs_error']:.1f}%")
     if timed:
         head += (f"; step time mean error **{100 * s['time_mean_abs_error']:.1f}%**, worst "
                  f"{100 * s['time_max_abs_error']:.1f}%")
@@ -201,3 +205,102 @@ def papers(data=None, path=None) -> str:
         out.append(f"| {setup} | {metric} | {printed} | {pred:,.0f} | {pred / paper:.2f} | {layout} | {note} |")
     notes = "\n\n".join(f"{key} {text}" for key, text in PAPER_NOTES.items())
     return "\n".join(out) + "\n\n" + notes
+
+
+# ------------------------------------------------------------------------------------------------ one H200
+
+H200_MODEL = ModelSpec(name="ProteinEncoder, ESM-2 650M shape", num_layers=33, hidden=1280, num_heads=20, vocab=31,
+                       causal=False, biases=True, implementation="project")
+"""``benchmarks/gpu/run.py``'s ``protein_encoder``: 33 layers, d_model 1280, 20 heads of 64, MLP 4x, 31 tokens."""
+
+
+def _h200_predict(n: int, hardware: str, mlp_chunk: int) -> tuple[dict, dict]:
+    hw = hardware_profile(hardware)
+    c = Candidate(backend="local", sequence_parallel_size=1, data_parallel_size=1, tensor_parallel_size=1,
+                  ulysses_degree=None, kv_pieces=1, activation_checkpointing=True, tiled_loss=False,
+                  mlp_chunk_tokens=mlp_chunk)
+    kw = dict(seq_len=n, batch=1, precision="bf16-true", data_parallel="ddp", hw=hw)
+    return memory_bytes(H200_MODEL, c, **kw), step_time(H200_MODEL, c, **kw)
+
+
+def gpu_h200(data, path) -> str:
+    """The planner (``h200-141gb``: datasheet; ``h200-measured``: the attention kernel's measured rates from
+    ``perf.json``, which are not these rows) against the measured steps of ``bench_longest_mfu.json``."""
+    meta, res = data["meta"], data["results"]
+    chunk = meta["args"]["mlp_chunk"]
+    gib = 2.0 ** 30
+    rows, errors = [], {}
+
+    def add(run, n, figure, measured, unit, pick):
+        cells = []
+        for hardware in ("h200-141gb", "h200-measured"):
+            pred = pick(*_h200_predict(n, hardware, chunk))
+            err = pred / measured - 1
+            errors.setdefault((figure, hardware), []).append(abs(err))
+            cells.append(f"{pred:.2f} | {100 * err:+.1f}%")
+        rows.append(f"| {run} | {n // 1024}K | {figure} | {measured:.2f} {unit} | " + " | ".join(cells) + " |")
+
+    for r in res["longest"]:
+        if r["world"] != 1 or not isinstance(r["peak_bytes"], int):
+            continue
+        # one step from a fresh optimizer: AdamW's moments appear in opt.step(), after the activations are freed
+        add("one step, no Lightning", r["seq_len"], "peak allocated (first step)", r["peak_bytes"] / gib, "GiB",
+            lambda mem, t: max(sum(mem.values()) - mem["optimizer"],
+                               mem["parameters"] + mem["gradients"] + mem["optimizer"]) / gib)
+    for r in res["mfu"]:
+        add(f"Lightning, {r['steps']} steps", r["seq_len"], "peak allocated", r["peak_memory_gib"], "GiB",
+            lambda mem, t: sum(mem.values()) / gib)
+        add(f"Lightning, {r['steps']} steps", r["seq_len"], "step time", r["step_s"], "s",
+            lambda mem, t: sum(t.values()))
+    out = [f"Measured {meta['date_utc'][:10]} on one {meta['device_name']} (torch {meta['torch']}), "
+           f"`{meta['command']}` (`benchmarks/gpu/run.py`, sections `longest` and `mfu`): the protein encoder at "
+           "ESM-2 650M shape (33 layers, width 1280, 20 heads of 64), parameters, gradients and AdamW's moments all "
+           f"bfloat16 (`bf16-true`), full activation checkpointing, the sequence-tiled MLP ({chunk} tokens), the "
+           "chunked loss, one GPU (`local`), batch 1. Measured: `torch.cuda.max_memory_allocated` (tensors only: "
+           "not the caching allocator's reserve, the CUDA context or cuDNN/cuBLAS workspaces outside it) over one "
+           "step after the model is built (`longest`), or over each step of a Lightning fit, the last step's "
+           "(`mfu`, `SequenceParallelMonitor`); step time: the monitor's, the last of the steps. Predicted: "
+           "`lightning_sp.planner` with `precision=\"bf16-true\"`, `mlp_chunk_tokens`, checkpointing; the first-step "
+           "rows take the larger of the step without AdamW's moments and the optimizer step's states (the "
+           "moments do not exist before the first `opt.step()`).", "",
+           "| run | N | figure | measured | predicted, `h200` (datasheet) | error | predicted, `h200-measured` | error |",
+           "|---|---|---|---|---|---|---|---|"] + rows
+    summary = "; ".join(f"{figure} on `{hw}`: mean {100 * sum(e) / len(e):.1f}%, worst {100 * max(e):.1f}%"
+                        for (figure, hw), e in errors.items())
+    out += ["", f"Errors: {summary}. `h200-measured` takes the attention kernel's rate from the kernel benchmark "
+            "(causal, head dim 128): the model's kernel calls are bidirectional with head dim 64, whose rate was "
+            "not measured (**unknown**); its matmul rate is the datasheet assumption (70% of 989 TFLOP/s; the "
+            "monitor measured 669 TFLOP/s for a dense bf16 matmul on this GPU). Not modelled: the caching "
+            "allocator's fragmentation, kernel launch gaps, Lightning's own time per step."]
+    return "\n".join(out)
+
+
+def time_validation(data, path) -> str:
+    """Measured against predicted step times (CPU gloo ranks), and the planner's pick against the measured
+    fastest of its candidates (``run.py --time`` / ``--recommend``)."""
+    out = [f"Measured {data['date'][:10]} on {data['hardware']['device']}, float32, gloo, `{data['command']}`; "
+           f"predicted with the fixed time per step of `{path.parent}/cpu_step_overhead.json` (calibrated on tiny "
+           "encoders, none of these rows)."]
+    if "summary" in data:
+        s = data["summary"]
+        out += ["", f"{s['rows']} rows: step time mean error **{100 * s['mean_abs_error']:.1f}%**, worst "
+                    f"{100 * s['max_abs_error']:.1f}%.", "",
+                "| model | P | backend | data parallel | checkpointing | N | measured step s | predicted step s | "
+                "of which fixed | error |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in data["rows"]:
+            out.append(f"| {r['model']} | {r['world']} | `{r['backend']}` | {r['data_parallel']} | "
+                       f"{'on' if r['activation_checkpointing'] else 'off'} | {r['seq_len']} | "
+                       f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
+                       f"{r['predicted_time'].get('fixed_s', 0.0):.3f} | {100 * r['error']:+.1f}% |")
+    for setup, rec in data.get("recommendations", {}).items():
+        pick = rec["planner_pick"]
+        fastest = min(rec["candidates"], key=lambda c: c["measured_step_s"])
+        out += ["", f"**{setup}**: the planner picks `{pick['backend']}` checkpointing "
+                    f"{'on' if pick['activation_checkpointing'] else 'off'}, measured **{100 * rec['pick_over_fastest']:+.1f}%** "
+                    f"over the measured fastest (`{fastest['backend']}` checkpointing "
+                    f"{'on' if fastest['activation_checkpointing'] else 'off'}).", "",
+                "| backend | checkpointing | measured step s | predicted step s |", "|---|---|---|---|"]
+        for c in sorted(rec["candidates"], key=lambda c: c["measured_step_s"]):
+            out.append(f"| `{c['backend']}` | {'on' if c['activation_checkpointing'] else 'off'} | "
+                       f"{c['measured_step_s']:.3f} | {c['predicted_step_s']:.3f} |")
+    return "\n".join(out)

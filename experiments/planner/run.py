@@ -2,16 +2,22 @@
 steps (forward, backward, optimizer step) under ``SequenceParallelStrategy``, on CPU gloo ranks.
 
     OMP_NUM_THREADS=1 python -m experiments.planner.run                 # the grid (P = 2 and 4), to runs/planner/
-    OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only --publish   # the committed results: peaks only
+    OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only --publish --worlds 2   # the committed peaks,
+    OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only --publish --worlds 4   # in two parts
+    OMP_NUM_THREADS=1 python -m experiments.planner.run --repredict --publish   # after a change to the planner
+    OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --calibrate-overhead
+    OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --time   # (--recommend 0, 1)
     OMP_NUM_THREADS=1 python -m experiments.planner.run --smoke         # two rows, a few seconds
 
 Measured peak: PyTorch's CPU allocator peak (``AllocatorPeak``) over building the model and two optimizer
-steps of ``Trainer.fit`` on one rank (the max over ranks): parameters, gradients, DDP's buckets, AdamW's state,
+steps of ``Trainer.fit`` on one rank (the max over ranks), the previous row collected before: parameters,
+gradients, DDP's buckets or FSDP's gathered blocks (each transformer block its own unit), AdamW's state,
 activations and every temporary the allocator served; not gloo's own buffers nor Python objects. Measured
-step time: the median over steps 3-5 of a second, unprofiled fit (``on_train_batch_start`` to
+step time: the median over steps 3-8 of a separate, unprofiled fit (``on_train_batch_start`` to
 ``on_train_batch_end``, the optimizer step included), max over ranks. Predicted: ``lightning_sp.planner``'s
 ``memory_bytes`` / ``step_time`` for the same layout, ``32-true``, the committed CPU calibration of the cost
-model. Nothing in the planner is fitted to these rows.
+model, and for step times the training loop's fixed time per step calibrated on tiny encoders
+(``CALIBRATION_MODELS``). Nothing in the planner is fitted to these rows.
 """
 
 from __future__ import annotations
@@ -49,14 +55,28 @@ MODELS = {
                                      qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1)),
 }
 
+# the training loop's fixed time per step is calibrated on these (not on any validation row): tiny encoders
+# whose step is almost all overhead, at two depths (a fixed part and a per-layer part)
+CALIBRATION_MODELS = {
+    f"calibration_{layers}": dict(kind="project", cls="ProteinEncoder", init=dict(d_model=32, n_layers=layers, n_heads=2))
+    for layers in (1, 3)
+}
+MODELS.update(CALIBRATION_MODELS)
+
 BACKENDS = ("ring", "zigzag_ring", "allgather_kv", "ulysses", "usp")
+TIMED_STEPS = 8
+"""Steps of the timed fit; the measured step time is the median of steps 3 to 8."""
+OVERHEAD = HERE / "results" / "cpu_step_overhead.json"
+TIME_RESULTS = HERE / "results" / "planner_time_validation.json"
+RECOMMEND_SETUPS = (("protein_encoder", 4, 4096, "ddp"), ("llama_gqa", 4, 4096, "ddp"))
+"""(model, P, N, data parallel): every backend x checkpointing at sp = P, measured and predicted."""
 
 
 def grid(smoke: bool = False) -> list[dict]:
     """Rows: every model at P = 2 and 4, DDP and FSDP, checkpointing on and off, the backends in rotation."""
     rows, i = [], 0
     for world in (2, 4):
-        for model in MODELS:
+        for model in (m for m in MODELS if m not in CALIBRATION_MODELS):
             for dp in ("ddp", "fsdp"):
                 for ckpt in (False, True):
                     backend = BACKENDS[i % len(BACKENDS)]
@@ -72,6 +92,28 @@ def grid(smoke: bool = False) -> list[dict]:
     return rows
 
 
+def time_rows() -> list[dict]:
+    """Every third row of the grid (16 rows): timed, under both CPU slots."""
+    return grid()[::3]
+
+
+def calibration_rows() -> list[dict]:
+    return [dict(model=model, world=world, backend="ring", data_parallel=dp, activation_checkpointing=False,
+                 seq_len=64 * world)
+            for world in (2, 4) for dp in ("ddp", "fsdp") for model in CALIBRATION_MODELS]
+
+
+def recommend_rows(setup: tuple) -> list[dict]:
+    name, world, seq_len, dp = setup
+    spec = planner_spec(name)
+    heads = spec.num_heads
+    backends = [b for b in BACKENDS if not (b == "zigzag_ring" and not spec.causal)
+                and not (b == "ulysses" and (heads % world or spec.kv_heads % world))
+                and not (b == "usp" and (world < 4 or heads % 2))]
+    return [dict(model=name, world=world, backend=b, data_parallel=dp, activation_checkpointing=ckpt, seq_len=seq_len)
+            for b in backends for ckpt in (False, True)]
+
+
 def planner_spec(name: str):
     from lightning_sp.planner import ModelSpec
 
@@ -84,7 +126,8 @@ def planner_spec(name: str):
     init = m["init"]
     encoder = m["cls"] == "ProteinEncoder"
     return ModelSpec(name=name, num_layers=init["n_layers"], hidden=init["d_model"], num_heads=init["n_heads"],
-                     num_kv_heads=init.get("n_kv_heads"), vocab=31 if encoder else 279, causal=not encoder, biases=True)
+                     num_kv_heads=init.get("n_kv_heads"), vocab=31 if encoder else 279, causal=not encoder, biases=True,
+                     implementation="project")
 
 
 def _build(name: str, ckpt: bool):
@@ -99,6 +142,22 @@ def _build(name: str, ckpt: bool):
     if ckpt:
         module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return module
+
+
+def _blocks(module) -> tuple[type, ...]:
+    """The transformer block classes of a built module (the project's ``Block``, transformers'
+    ``_no_split_modules``)."""
+    from lightning_sp.models.layers import Block
+
+    import collections
+
+    names = set(getattr(getattr(module, "model", None), "_no_split_modules", None) or ())
+    # the repeated ones (the layers; not ESM's embeddings, whose weight the output head shares)
+    counts = collections.Counter(type(m) for m in module.modules() if type(m).__name__ in names)
+    found = {type(m) for m in module.modules() if isinstance(m, Block)} | {t for t, n in counts.items() if n > 1}
+    if not found:
+        raise ValueError(f"no transformer block found in {type(module).__name__}")
+    return tuple(found)
 
 
 def _batches(name: str, seq_len: int, steps: int) -> list[dict]:
@@ -127,13 +186,15 @@ def _fit(row: dict, steps: int, callbacks=()):
 
     # HF's ESM carries a contact head the loss never uses, and an MoE step may leave an expert idle
     unused = {"find_unused_parameters": True} if MODELS[row["model"]]["kind"] == "hf" and row["data_parallel"] == "ddp" else {}
+    model = _build(row["model"], row["activation_checkpointing"])
+    # FSDP: each transformer block its own unit, as the planner assumes (Note [Step model])
+    units = {"fsdp_shard_modules": _blocks(model)} if row["data_parallel"] == "fsdp" else {}
     strategy = SequenceParallelStrategy(row["world"], backend=row["backend"], data_parallel=row["data_parallel"],
-                                        process_group_timeout=120, shuffle=False, **unused)
+                                        process_group_timeout=120, shuffle=False, **unused, **units)
     trainer = L.Trainer(accelerator="cpu", devices=row["world"], strategy=strategy, precision="32-true",
                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         callbacks=list(callbacks))
-    model = _build(row["model"], row["activation_checkpointing"])
     trainer.fit(model, DataLoader(_batches(row["model"], row["seq_len"], steps), batch_size=1))
 
 
@@ -154,7 +215,8 @@ class _StepTimer:
         self.callback = Timer()
 
 
-def _worker(rank: int, world: int, rows: list[dict], timed: bool) -> list[dict]:
+def _worker(rank: int, world: int, rows: list[dict], timed: bool, memory: bool = True) -> list[dict]:
+    import gc
     import os
 
     import torch
@@ -167,19 +229,37 @@ def _worker(rank: int, world: int, rows: list[dict], timed: bool) -> list[dict]:
         if row["world"] != world:
             continue
         os.environ["WORLD_SIZE"] = str(world)
-        with AllocatorPeak() as peak:
-            _fit(row, steps=2)
-        got = {"peak_bytes": peak.peak_bytes}
+        # the previous row's model and trainer must be gone before the window opens: the allocator events
+        # count a free of memory allocated before the window against it (a collection inside the window once
+        # lowered a row's peak from 17.4 to 9.5 MiB)
+        gc.collect()
+        got = {}
+        if memory:
+            with AllocatorPeak() as peak:
+                _fit(row, steps=2)
+            got["peak_bytes"] = peak.peak_bytes
         if timed:
             os.environ["WORLD_SIZE"] = str(world)
             timer = _StepTimer()
-            _fit(row, steps=5, callbacks=[timer.callback])
+            _fit(row, steps=TIMED_STEPS, callbacks=[timer.callback])
             got["step_s"] = statistics.median(timer.callback.times[2:])
         out.append(got)
     return out
 
 
-def predict(row: dict, hw) -> dict:
+def _key(row: dict) -> tuple:
+    return tuple(row[k] for k in ("model", "world", "backend", "data_parallel", "activation_checkpointing", "seq_len"))
+
+
+def step_overhead(row: dict, overhead: dict | None) -> float:
+    """The calibrated fixed time per step for a row's world size, data parallelism and depth."""
+    if not overhead:
+        return 0.0
+    fixed, per_layer = overhead["fits"][f"{row['world']}/{row['data_parallel']}"]
+    return fixed + per_layer * planner_spec(row["model"]).num_layers
+
+
+def predict(row: dict, hw, overhead: dict | None = None) -> dict:
     from lightning_sp.planner import Candidate, memory_bytes, step_time
 
     spec = planner_spec(row["model"])
@@ -188,7 +268,7 @@ def predict(row: dict, hw) -> dict:
                      activation_checkpointing=row["activation_checkpointing"], tiled_loss=False)
     kw = dict(seq_len=row["seq_len"], batch=1, precision="32-true", data_parallel=row["data_parallel"], hw=hw)
     mem = memory_bytes(spec, cand, **kw)
-    t = step_time(spec, cand, **kw)
+    t = step_time(spec, cand, step_overhead_s=step_overhead(row, overhead), **kw)
     return {"memory": mem, "peak_bytes": sum(mem.values()), "time": t, "step_s": sum(t.values())}
 
 
@@ -203,22 +283,56 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--publish", action="store_true",
                        help=f"write the committed results ({RESULTS.relative_to(HERE.parents[1])}) instead of runs/planner/")
     where.add_argument("--out", type=Path, default=None, help="the results file (default: runs/planner/)")
+    ap.add_argument("--worlds", type=int, nargs="+", default=None,
+                    help="measure only the rows of these world sizes; the other rows are kept from the results file "
+                         "(a long grid in parts)")
+    timing = ap.add_mutually_exclusive_group()
+    timing.add_argument("--calibrate-overhead", action="store_true",
+                        help=f"measure the training loop's fixed time per step on tiny models ({OVERHEAD.name}); run "
+                             "under both CPU slots")
+    timing.add_argument("--time", action="store_true",
+                        help=f"step times of every third row against the planner's, with the calibrated overhead "
+                             f"({TIME_RESULTS.name}); run under both CPU slots")
+    timing.add_argument("--recommend", type=int, choices=range(len(RECOMMEND_SETUPS)), default=None,
+                        help="time every backend x checkpointing of one setup of RECOMMEND_SETUPS and compare the "
+                             f"planner's pick with the measured fastest (into {TIME_RESULTS.name})")
+    ap.add_argument("--repredict", action="store_true",
+                    help="measure nothing: recompute the predictions of the results file's measured rows (after a "
+                         "change to the planner)")
     ap.add_argument("--memory-only", action="store_true",
                     help="measure the peaks only (they do not depend on the machine's load; step times do)")
     args = ap.parse_args(argv)
+    if args.calibrate_overhead or args.time or args.recommend is not None:
+        return _timing(args, argv)
     args.out = args.out or (RESULTS if args.publish else RUNS / "planner" / RESULTS.name)
     rows = grid(args.smoke)
     hw = hardware_profile(CPU_PROFILE)
+    kept: dict[tuple, dict] = {}
+    if args.repredict:
+        previous = json.loads(args.out.read_text())
+        kept = {_key(r): r["measured"] for r in previous["rows"]}
+        rows = [r for r in rows if _key(r) in kept]
+        args.worlds = sorted({r["world"] for r in rows} | {0})  # measure no world
+    elif args.worlds:
+        old = json.loads(args.out.read_text())["rows"] if args.out.is_file() else []
+        kept = {_key(r): r["measured"] for r in old if r["world"] not in args.worlds}
+        missing = [r for r in rows if r["world"] not in args.worlds and _key(r) not in kept]
+        if missing:
+            raise SystemExit(f"{args.out} lacks {len(missing)} rows of worlds outside --worlds {args.worlds}: "
+                             "measure them first (or drop --worlds)")
     measured: dict[int, list[dict]] = {}
-    for world in sorted({r["world"] for r in rows}):
+    for world in sorted({r["world"] for r in rows if _key(r) not in kept} & set(args.worlds or [r["world"] for r in rows])):
         per_rank = run_on_ranks(_worker, world, (rows, not args.memory_only), timeout_s=3000)
         measured[world] = [{key: max(r[i][key] for r in per_rank) for key in per_rank[0][i]}
                            for i in range(len(per_rank[0]))]
     results = []
-    index = {w: 0 for w in measured}
+    index = dict.fromkeys(measured, 0)
     for row in rows:
-        got = measured[row["world"]][index[row["world"]]]
-        index[row["world"]] += 1
+        if _key(row) in kept:
+            got = kept[_key(row)]
+        else:
+            got = measured[row["world"]][index[row["world"]]]
+            index[row["world"]] += 1
         pred = predict(row, hw)
         result = {**row, "measured": got, "predicted": pred, "memory_error": pred["peak_bytes"] / got["peak_bytes"] - 1}
         if "step_s" in got:
@@ -227,10 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     mem_err = [abs(r["memory_error"]) for r in results]
     summary = {"rows": len(results), "memory_mean_abs_error": statistics.mean(mem_err),
                "memory_max_abs_error": max(mem_err)}
-    if not args.memory_only:
+    if all("step_s" in r["measured"] for r in results):
         time_err = [abs(r["time_error"]) for r in results]
         summary.update(time_mean_abs_error=statistics.mean(time_err), time_max_abs_error=max(time_err))
     doc = {**run_metadata(__file__, argv), "method": __doc__.split("\n\n", 2)[2].strip(), "summary": summary, "rows": results}
+    if args.repredict:  # the measurement's provenance stays the run's
+        doc.update({k: previous[k] for k in ("command", "date", "hardware", "git_commit", "git_dirty") if k in previous},
+                   repredicted={"command": doc.get("command"), "git_commit": run_metadata(__file__, argv).get("git_commit")})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     for r in results:
@@ -242,6 +359,89 @@ def main(argv: list[str] | None = None) -> int:
                      f"({100 * r['time_error']:+6.1f}%)")
         print(line)
     print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _measure_times(rows: list[dict]) -> list[float]:
+    """Median step time of each row (max over ranks), the rows of each world in one spawn."""
+    from experiments.common.launch import run_on_ranks
+
+    out: dict[int, float] = {}
+    for world in sorted({r["world"] for r in rows}):
+        mine = [i for i, r in enumerate(rows) if r["world"] == world]
+        per_rank = run_on_ranks(_worker, world, ([rows[i] for i in mine], True, False), timeout_s=600)
+        for j, i in enumerate(mine):
+            out[i] = max(r[j]["step_s"] for r in per_rank)
+    return [out[i] for i in range(len(rows))]
+
+
+def _timing(args, argv) -> int:
+    """``--calibrate-overhead``, ``--time``, ``--recommend``: step times (Note [Step model]'s fixed part and its
+    validation)."""
+    from experiments.common.results import RUNS, run_metadata
+    from lightning_sp.planner import hardware_profile
+
+    hw = hardware_profile(CPU_PROFILE)
+    meta = run_metadata(__file__, argv)
+    where = (lambda p: p) if args.publish else (lambda p: args.out or RUNS / "planner" / p.name)
+    if args.calibrate_overhead:
+        rows = calibration_rows()
+        times = _measure_times(rows)
+        fits, table = {}, []
+        for world in (2, 4):
+            for dp in ("ddp", "fsdp"):
+                pts = []
+                for row, t in zip(rows, times):
+                    if row["world"] == world and row["data_parallel"] == dp:
+                        compute = predict(row, hw)["step_s"]  # no overhead yet: the modelled compute
+                        layers = planner_spec(row["model"]).num_layers
+                        pts.append((layers, t - compute))
+                        table.append({**row, "step_s": t, "modelled_compute_s": compute})
+                (l0, o0), (l1, o1) = sorted(pts)
+                per_layer = (o1 - o0) / (l1 - l0)
+                fits[f"{world}/{dp}"] = (o0 - per_layer * l0, per_layer)
+        doc = {**meta, "method": "median of steps 3-8 of a Trainer.fit (on_train_batch_start to on_train_batch_end), "
+               "max over ranks, minus the planner's modelled compute; fixed + per_layer x layers from 1 and 3 layers",
+               "fits": fits, "rows": table}
+        path = where(OVERHEAD)
+    else:
+        overhead = json.loads(OVERHEAD.read_text())
+        path = where(TIME_RESULTS)
+        doc = json.loads(path.read_text()) if path.is_file() else {}
+        if args.time or "command" not in doc:  # the file's provenance is the --time run's
+            doc.update(meta)
+        doc.update(method="measured: median of steps 3-8 of a Trainer.fit (on_train_batch_start to on_train_batch_end, "
+                          "the optimizer step included), max over ranks, both CPU slots held; predicted: "
+                          "planner.step_time with the cpu-calibrated profile and the fixed time per step of "
+                          f"{OVERHEAD.name} (calibrated on tiny models, none of these rows)")
+        if args.time:
+            rows = time_rows()
+            times = _measure_times(rows)
+            out = []
+            for row, t in zip(rows, times):
+                pred = predict(row, hw, overhead)
+                out.append({**row, "measured_step_s": t, "predicted_step_s": pred["step_s"],
+                            "predicted_time": pred["time"], "error": pred["step_s"] / t - 1})
+            errs = [abs(r["error"]) for r in out]
+            doc["rows"] = out
+            doc["summary"] = {"rows": len(out), "mean_abs_error": statistics.mean(errs), "max_abs_error": max(errs)}
+        else:
+            setup = RECOMMEND_SETUPS[args.recommend]
+            rows = recommend_rows(setup)
+            times = _measure_times(rows)
+            cands = []
+            for row, t in zip(rows, times):
+                cands.append({"backend": row["backend"], "activation_checkpointing": row["activation_checkpointing"],
+                              "measured_step_s": t, "predicted_step_s": predict(row, hw, overhead)["step_s"]})
+            picked = min(cands, key=lambda c: c["predicted_step_s"])
+            fastest = min(c["measured_step_s"] for c in cands)
+            doc.setdefault("recommendations", {})[f"{setup[0]} P={setup[1]} N={setup[2]} {setup[3]}"] = {
+                "command": meta["command"], "date": meta["date"],
+                "candidates": cands, "planner_pick": {k: picked[k] for k in ("backend", "activation_checkpointing")},
+                "pick_over_fastest": picked["measured_step_s"] / fastest - 1}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps({k: doc[k] for k in ("fits", "summary", "recommendations") if k in doc}, indent=1))
     return 0
 
 

@@ -13,6 +13,12 @@ Targets are next tokens (labels are already shifted, so shards need no neighbour
 text tokens are targets: captions (``this is D``: a *local* task, classify the image just seen) and
 the final answer (the *long-range* task: the label of the first image, ``~21 * n_images`` tokens
 back). A model that cannot see the first image answers at chance (~10%).
+
+Each sample also carries ``image_spans [n, 2]``: the global ``[start, end)`` positions of each image's 16 patch
+tokens (markers excluded), for a model that lets an image's patches see each other (``AttentionMask``'s
+``bidirectional_spans``). They are the sample's structure before any sharding, so they are the same on every
+rank; the strategy passes them whole (they are not a ``sequence_keys`` tensor). No target lies inside a span:
+the last patch predicts ``</img>``, which is outside it, so a bidirectional span leaks no label.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ TEXT_TOKENS = ("<pad>", "<bos>", "<eos>", "<img>", "</img>", "this", "is", "what
 DIGIT_TOKENS = tuple(str(d) for d in range(10))
 N_LEVELS, PATCH = 4, 2
 N_PATCH_CODES = N_LEVELS ** (PATCH * PATCH)  # 256
+TOKENS_PER_IMAGE = 21
+"""``<img>``, 16 patches, ``</img>``, ``this``, ``is``, the digit."""
+PATCHES_PER_IMAGE = 16
 
 
 class MultimodalVocab:
@@ -96,8 +105,22 @@ class MultimodalDataConfig:
         return full if self.truncate_to is None else min(full, self.truncate_to)
 
 
+def image_patch_spans(n_images: int, truncate_to: int | None = None) -> torch.Tensor:
+    """``[n, 2]`` int64: the ``[start, end)`` positions of each image's patch tokens in a sequence of
+    ``n_images`` images, in the kept tail when ``truncate_to`` cuts the front (spans cut off are dropped, a
+    span cut through keeps its visible patches)."""
+    starts = 2 + TOKENS_PER_IMAGE * torch.arange(n_images)  # <bos>, then each image's <img>
+    spans = torch.stack([starts, starts + PATCHES_PER_IMAGE], dim=1)  # [n_images, 2]
+    full = TOKENS_PER_IMAGE * n_images + 9
+    if truncate_to is not None and truncate_to < full:
+        spans = (spans - (full - truncate_to)).clamp(min=0)
+        spans = spans[spans[:, 1] > spans[:, 0]]
+    return spans
+
+
 class DigitSequenceDataset(Dataset):
-    """Sample ``i``: ``input_ids, labels, position_ids [S]`` and ``answer_mask [S]`` (bool: the answer target).
+    """Sample ``i``: ``input_ids, labels, position_ids [S]``, ``answer_mask [S]`` (bool: the answer target) and
+    ``image_spans [n, 2]`` (each image's patch tokens, ``[start, end)``; ``image_patch_spans``).
 
     ``S = config.seq_len``. ``labels[t]`` is the target for the token after ``input_ids[t]``.
     """
@@ -136,7 +159,8 @@ class DigitSequenceDataset(Dataset):
             keep = slice(ids.numel() - self.cfg.truncate_to, None)
             ids, labels, answer_mask = ids[keep], labels[keep], answer_mask[keep]
             position_ids = torch.arange(ids.numel())
-        return {"input_ids": ids, "labels": labels, "position_ids": position_ids, "answer_mask": answer_mask}
+        return {"input_ids": ids, "labels": labels, "position_ids": position_ids, "answer_mask": answer_mask,
+                "image_spans": image_patch_spans(self.cfg.n_images, self.cfg.truncate_to)}
 
 
 def collate_stack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -25,8 +25,12 @@ Note [Hugging Face under sequence parallelism]
       (bidirectional models attend to padding)     the attention passes it on every call
     ``scaling`` per call (ESM passes 1.0)        passed as ``softmax_scale`` per call
     padding ``attention_mask`` dropped for a     a mask function is registered too; ``shard_inputs``
-      custom attention without a mask function     drops right padding (rows of different lengths:
-                                                   packed documents); others raise
+      custom attention without a mask function     drops padding on either side (rows of different
+                                                   lengths: packed documents); an unsharded call
+                                                   gets ``AttentionMask(key_padding=...)``
+    4-D ``attention_mask`` ``[B, 1|H, N, N]``      recognised (causal / bidirectional, window, padding)
+                                                   or each rank's query rows as a ``mask_mod``
+                                                   (Note [Recognising a 4-D mask])
     causal-LM loss shifts labels inside a shard  labels shifted over the global sequence first
     ``position_ids`` default to local positions  global ``position_ids`` always passed
     positions by cumulative sums (RoBERTa/ESM-1b) computed over the global sequence (``_FIXES``)
@@ -84,6 +88,7 @@ Note [The loss of model(**shard)]
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,9 +99,9 @@ from torch import nn
 
 from lightning_sp.attention import SequenceParallelAttention
 from lightning_sp.comm.collectives import all_reduce_sum
-from lightning_sp.layout import group_size_and_rank, padded_length, shard_sequence
+from lightning_sp.layout import group_size_and_rank, padded_length, shard_sequence, token_indices
 from lightning_sp.loss import cross_entropy_sum
-from lightning_sp.masks import AttentionMask
+from lightning_sp.masks import AttentionMask, padding_ranges
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -161,6 +166,9 @@ class ShardInfo:
     ignore_index: int = -100
     """The label value that predicts nothing (``shard_inputs(ignore_index=...)``): the loss of
     ``model(**shard)`` ignores it (Note [The loss of model(**shard)])."""
+    given_mask: "_GivenMask | None" = None
+    """What a 4-D ``attention_mask`` became (Note [Recognising a 4-D mask]): its causality and window, or
+    this rank's rows of it; ``None`` for 2-D masks (their padding is dropped) and no mask."""
 
 
 @dataclass(kw_only=True)
@@ -256,11 +264,10 @@ def _checked_arguments(module: nn.Module, sp: SequenceParallelAttention, state: 
             f"query and key lengths differ ({query.size(2)} vs {key.size(2)}): cross-attention and KV caches "
             "(generation) are not supported under sequence parallelism; use the model's own attention for them"
         )
-    if attention_mask is not None and attention_mask.dim() != 2:
+    if attention_mask is not None and attention_mask.dim() not in (2, 4):
         raise NotImplementedError(
-            f"an arbitrary {attention_mask.dim()}-D attention mask cannot be applied exactly by the sequence-parallel "
-            "backends (they know causality, a global length and packed documents); pass a right-padding 2-D "
-            "attention_mask or packed position_ids/cu_seqlens to shard_inputs instead"
+            f"a {attention_mask.dim()}-D attention mask {tuple(attention_mask.shape)} is neither a padding mask [B, N] "
+            "nor a token-to-token mask [B, 1 or H, N, N]; pass one of those"
         )
     world, _ = group_size_and_rank(sp.process_group)
     if sp.resolved_backend() == "local":
@@ -277,14 +284,10 @@ def _checked_arguments(module: nn.Module, sp: SequenceParallelAttention, state: 
                    "model.gradient_checkpointing_enable() on a model that does, or turn checkpointing off)")
             )
         seq_len = s_local
-        if attention_mask is not None:  # unsharded call with a padding mask: right padding only
-            lengths = _right_padding_lengths(attention_mask)
-            if lengths is not None and bool((lengths != lengths[0]).any()):
-                raise NotImplementedError(
-                    f"rows of the batch have different unpadded lengths ({lengths.tolist()}): pass the batch through "
-                    "shard_inputs(batch, model), which packs them into one row of documents"
-                )
-            seq_len = s_local if lengths is None else int(lengths[0])
+        if attention_mask is not None and attention_mask.dim() == 2:  # unsharded call with a padding mask
+            ranges = _padding_ranges(attention_mask)  # other padding: key_padding (_given_mask_of_call)
+            if ranges is not None and all(r == (0, ranges[0][1]) for r in ranges):
+                seq_len = ranges[0][1]  # right padding of one length: a global length
         cu_seqlens = None
     else:
         if attention_mask is not None:
@@ -436,7 +439,13 @@ def sequence_parallel_attention(
     causal = bool(is_causal) if is_causal is not None else bool(getattr(module, "is_causal", True))
     try:  # a rejection on one rank must not leave its peers waiting in their attention's collectives
         seq_len, cu_seqlens, info = _checked_arguments(module, sp, state, query, key, attention_mask, dropout, kwargs)
+        given = _given_mask_of_call(sp, attention_mask, info, query)  # padding, 4-D masks
+        if given is not None and given.causal is not None:  # a 4-D mask is the whole mask (HF's eager / sdpa)
+            causal = given.causal
+            kwargs.pop("sliding_window", None)
         mask, sinks = _mask_and_sinks(query, causal, kwargs)  # Note [Hugging Face's mask kwargs]
+        if given is not None and given.mask is not None:
+            mask = given.mask if mask is None else mask.merged(given.mask)
         mask = _with_relative_position_bias(mask, module, query, kwargs)  # Note [T5's relative-position bias]
     except (ValueError, NotImplementedError, TypeError) as err:
         sp.raise_on_every_rank(err, query)
@@ -518,7 +527,7 @@ def _padding_mask_only(
     mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any,
 ) -> torch.Tensor | None:
     """``AttentionMaskInterface["lightning_sp"]``: hand the 2-D padding mask ``[B, N]`` through (``None``
-    if it has no padding) so the attention can turn it into a length or refuse it, instead of HF
+    if it has no padding) so the attention can turn it into a length or ``key_padding`` (or refuse holes), instead of HF
     silently dropping it. Causality, windows and packing are the attention function's business."""
     if attention_mask is None or bool(attention_mask.all()):
         return None
@@ -996,33 +1005,175 @@ _TOKEN_INDEX_KEY = "_lightning_sp_token_index"
 _CONSUMED_KEYS = ("attention_mask", "cu_seqlens", "labels", "position_ids", SHARD_INFO_KEY)
 
 
-def _right_padding_lengths(mask: torch.Tensor) -> torch.Tensor | None:
-    """``mask [B, N]`` -> unpadded length per row ``[B]``, or ``None`` without padding; raises unless
-    every row is tokens followed by padding."""
-    mask = mask.bool()
-    if bool(mask.all()):
+# ------------------------------------------------------------------------------------ padding and 4-D masks
+
+
+def _padding_ranges(mask: torch.Tensor) -> tuple[tuple[int, int], ...] | None:
+    """``mask [B, N]`` (1 = real token) -> each row's ``(start, end)`` of real tokens, or ``None`` without
+    padding; raises unless every row is one run of tokens with padding on its left and/or right."""
+    if bool(mask.bool().all()):
         return None
-    lengths = mask.sum(-1)
-    if not torch.equal(mask, torch.arange(mask.size(1), device=mask.device)[None, :] < lengths[:, None]):
+    try:
+        return padding_ranges(mask)
+    except ValueError as err:
         raise NotImplementedError(
-            "only right padding can be expressed exactly (the attention knows a global length and packed documents, "
-            "not arbitrary masks): pad on the right (tokenizer.padding_side = 'right'), or pack the sequences into "
-            "one row with 'position_ids' restarting at 0 per sequence (causal LMs) or a global 'cu_seqlens'"
-        )
-    return lengths
+            f"{err}. Only padding on the left and/or right of each row can be expressed exactly (the attention knows "
+            "per-row padding, packed documents and 4-D masks, not holes in a 2-D mask): pad on one side "
+            "(tokenizer.padding_side), pass the token-to-token mask as a 4-D attention_mask [B, 1, N, N], or pack "
+            "the sequences into one row with 'position_ids' restarting at 0 per sequence (causal LMs) or a global "
+            "'cu_seqlens'"
+        ) from None
 
 
-def _pack_rows(rows: dict[str, torch.Tensor], lengths: list[int]) -> dict[str, torch.Tensor]:
+def _pack_rows(rows: dict[str, torch.Tensor], ranges: tuple[tuple[int, int], ...]) -> dict[str, torch.Tensor]:
     """Note [Packing padded rows]: rows of different unpadded lengths ``L_i`` cannot share one global
-    length, so their real tokens are packed into one row ``[1, sum L_i, ...]`` and become documents
-    (``cu_seqlens = [0, L_0, L_0 + L_1, ...]``); padding is dropped. Per-row facts (positions,
-    globally shifted labels, ESM's mask ratio) are computed on the rows first, so every real token
-    sees exactly what the padded batch gives it::
+    length, so their real tokens (``[start_i, end_i)``, padding on either side) are packed into one row
+    ``[1, sum L_i, ...]`` and become documents (``cu_seqlens = [0, L_0, L_0 + L_1, ...]``); padding is
+    dropped. Per-row facts (HF's positions, which count the left padding; globally shifted labels; ESM's
+    mask ratio) are computed on the rows first, so every real token sees exactly what the padded batch
+    gives it; a padded position predicts nothing (its logits are not returned, its loss term is dropped)::
 
         row 0:  a a a . .        packed:  a a a b b b b      cu_seqlens [0, 3, 7]
-        row 1:  b b b b .
+        row 1:  . b b b b        (positions of b: 1 2 3 4, as HF numbers them)
     """
-    return {k: torch.cat([t[i, :n] for i, n in enumerate(lengths)], dim=0).unsqueeze(0) for k, t in rows.items()}
+    return {k: torch.cat([t[i, s:e] for i, (s, e) in enumerate(ranges)], dim=0).unsqueeze(0) for k, t in rows.items()}
+
+
+@dataclass(frozen=True)
+class _GivenMask:
+    """What an attention call takes from the batch's mask beyond the layer's own kwargs: ``causal`` (a 4-D
+    mask replaces the layer's causality and sliding window, as HF's eager and sdpa attention apply it;
+    ``None``: the layer's) and an ``AttentionMask`` (key padding, a recognised window, or a 4-D mask's rows)."""
+
+    causal: bool | None
+    mask: AttentionMask | None
+
+
+def _four_d_visible(mask: torch.Tensor, bsz: int, n: int, num_heads: int) -> torch.Tensor:
+    """HF's 4-D ``attention_mask`` ``[B, 1 or H, N, N]``, bool (True = attend) or additive float (0 = attend,
+    ``-inf`` / ``finfo.min`` = masked) -> bool ``[B, 1 or H, N, N]`` (True = visible)."""
+    expected = f"[B, 1 or H, N, N] = [{bsz}, 1 or {num_heads}, {n}, {n}] (batch, heads, query, key)"
+    if mask.dim() != 4 or mask.size(0) != bsz or mask.size(1) not in (1, num_heads) or tuple(mask.shape[2:]) != (n, n):
+        raise ValueError(f"a 4-D attention_mask must be {expected}; got {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        raise ValueError(f"a 4-D attention_mask must be bool (True = attend) or an additive float mask (0 = attend, "
+                         f"-inf or torch.finfo(dtype).min = masked); got {mask.dtype}")
+    visible = mask == 0
+    if not bool((mask[~visible] <= torch.finfo(mask.dtype).min / 2).all()):  # -inf and finfo.min are "masked"
+        raise NotImplementedError(
+            "an additive float 4-D attention_mask with values other than 0 (attend) and -inf / torch.finfo(dtype).min "
+            "(masked) is a score bias, which the exact sequence-parallel backends do not apply; pass a bool mask "
+            "(True = attend) or one of 0 / -inf, or add the bias as AttentionMask(score_mod=...) in your own attention"
+        )
+    return visible
+
+
+def _recognised_pattern(visible: torch.Tensor) -> tuple[bool, tuple[int, int] | None, torch.Tensor] | None:
+    """Note [Recognising a 4-D mask]: ``visible [B, Hm, N, N]`` -> ``(causal, window, real [B, N])`` when it is
+    causal or bidirectional attention, with or without a window, over each row's real tokens (one run, padding
+    on either side); ``None`` otherwise.
+
+    ``real`` are the keys some query sees; every other position is padding (dropped from the batch like a
+    2-D mask's padding, so only the real queries' rows must match). The window is read off the farthest
+    visible pair on each side; a candidate is built from the parts and must equal the mask on every real row."""
+    if visible.size(1) > 1 and not bool((visible == visible[:, :1]).all()):
+        return None  # heads that differ: rows
+    v = visible[:, 0]  # [B, N, N]
+    n = v.size(-1)
+    real = v.any(1)  # [B, N] keys some query sees
+    if not bool(real.any(-1).all()):
+        return None
+    try:
+        padding_ranges(real)
+    except ValueError:
+        return None
+    pos = torch.arange(n, device=v.device)
+    diff = pos[:, None] - pos[None, :]  # q - k
+    causal = not bool((v & (diff < 0)).any())
+    base = (diff >= 0) if causal else torch.ones(n, n, dtype=torch.bool, device=v.device)
+    left = int(diff.masked_fill(~v, -n).amax())
+    right = 0 if causal else int((-diff).masked_fill(~v, -n).amax())
+    rows = real[:, :, None]  # [B, N, 1]: compare real query rows only
+    for window in (None, (left, right)):
+        cand = base if window is None else base & (diff <= window[0]) & (-diff <= window[1])
+        cand = cand[None] & real[:, None, :]  # [B, N, N]
+        if bool(((cand == v) | ~rows).all()):
+            return causal, window, real
+    return None
+
+
+class _DenseRows:
+    """A 4-D mask no pattern describes, as a ``mask_mod``: this rank's query rows ``rows [B, Hm, R, N_pad]``
+    (bool) of the global positions ``positions [R]`` its attention computes, looked up by global position.
+    Memory ``O(B Hm R N)``: ``R = N / P`` on the ring backends, ``N`` for Ulysses (every rank computes every
+    position, for its heads)."""
+
+    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, padded_len: int):
+        self.rows = rows
+        self.row_of = torch.full((padded_len,), -1, dtype=torch.long)
+        self.row_of[positions] = torch.arange(positions.numel())
+        self._on_device: dict = {}  # device -> (rows, row_of): copied once, not per block
+
+    def __call__(self, b, h, q, k):
+        if k.device not in self._on_device:
+            self._on_device[k.device] = (self.rows.to(k.device), self.row_of.to(k.device))
+        rows, row_of = self._on_device[k.device]
+        row_of = row_of[q]  # [1, 1, Sq, 1]
+        if bool((row_of < 0).any()):
+            raise RuntimeError("a 4-D attention mask was asked for query rows this rank does not hold: the backend "
+                               "computes other positions than the shard_inputs of this batch expected")
+        heads = h if rows.size(1) > 1 else torch.zeros_like(h)
+        return rows[b, heads, row_of, k]  # [B, H or 1, Sq, Sk]
+
+
+def _query_positions(sp: SequenceParallelAttention, world: int, rank: int, padded_len: int) -> torch.Tensor:
+    """Global positions whose query rows this rank's attention computes (``[R]``, its layout order)."""
+    backend = sp.resolved_backend()
+    if world == 1 or backend not in ("ring", "zigzag_ring", "allgather_kv", "colossal", "usp"):
+        return torch.arange(padded_len)  # Ulysses (every position, a slice of heads) or a per-call choice
+    members = [rank]
+    if backend == "usp":  # the ring rank's tokens, gathered over its Ulysses group
+        u = sp.layout.ulysses_degree
+        members = list(range(rank // u * u, rank // u * u + u))
+    return torch.cat([token_indices(sp.layout, world, padded_len, m) for m in members])
+
+
+def _dense_rows_mask(visible: torch.Tensor, positions: torch.Tensor, padded_len: int) -> AttentionMask:
+    """``visible [B, Hm, N, N]`` -> an ``AttentionMask`` whose ``mask_mod`` holds the rows of ``positions``."""
+    b, hm, n, _ = visible.shape
+    warnings.warn(
+        f"a 4-D attention_mask that is not causal / bidirectional attention with padding or a window is applied "
+        f"as each rank's query rows: O(N^2 / P) memory per rank (O(N^2) under Ulysses), and the per-score kernel",
+        stacklevel=3,
+    )
+    padded = visible.new_zeros(b, hm, padded_len, padded_len)
+    padded[:, :, :n, :n] = visible
+    return AttentionMask(mask_mod=_DenseRows(padded[:, :, positions.to(visible.device)].clone(), positions, padded_len))
+
+
+def _given_mask_of_call(sp: SequenceParallelAttention, attention_mask: torch.Tensor | None, info: "ShardInfo | None",
+                        query: torch.Tensor) -> _GivenMask | None:
+    """The batch's mask for this attention call: from the ShardInfo (sharded), else from the mask HF hands
+    an unsharded call (2-D padding -> ``key_padding``; 4-D -> a recognised pattern or its rows)."""
+    if info is not None:
+        return info.given_mask
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        ranges = _padding_ranges(attention_mask)
+        if ranges is None or all(r == (0, ranges[0][1]) for r in ranges):
+            return None  # no padding, or right padding of one length: the call's seq_len says it
+        return _GivenMask(None, AttentionMask(key_padding=ranges))
+    b, h, n = query.size(0), query.size(1), query.size(2)
+    visible = _four_d_visible(attention_mask, b, n, h)
+    pattern = _recognised_pattern(visible)
+    if pattern is None:
+        return _GivenMask(False, _dense_rows_mask(visible, torch.arange(n), n))
+    causal, window, real = pattern
+    ranges = None if bool(real.all()) else padding_ranges(real)
+    return _GivenMask(causal, AttentionMask(window=window, key_padding=ranges))
 
 
 def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool | None = None, ignore_index: int = -100) -> dict:
@@ -1030,16 +1181,20 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
 
     ``batch`` (the same on every rank of the group): ``input_ids [B, N]`` (or ``inputs_embeds [B, N, E]``),
     optional ``labels [B, N]`` in HF's convention (the tokens themselves, ``ignore_index`` to ignore; NOT
-    shifted), optional right-padding ``attention_mask [B, N]``, optional packed ``position_ids [B, N]``
+    shifted), optional ``attention_mask``: padding ``[B, N]`` (left and/or right) or a 4-D token-to-token mask
+    ``[B, 1 or H, N, N]`` (bool, or additive 0 / -inf; Note [Recognising a 4-D mask]), optional packed
+    ``position_ids [B, N]``
     (restarting at 0 per document; causal LMs) or a global ``cu_seqlens [n_docs + 1]`` (``B == 1``).
     Other tensors ``[B, N, ...]`` are sharded along dim 1, anything else passes through.
 
     Returns ``input_ids [B', S_local]``, global ``position_ids``, ``labels`` (for causal LMs shifted over
     the global sequence as HF's loss does; each row's last token ``ignore_index``) and a ``ShardInfo``
-    under ``"sequence_parallel"``. The attention mask is not passed on: right padding is dropped (rows of
-    one length ``L`` are cut to ``L`` columns; rows of different lengths are packed into one row of
-    documents, ``B' = 1``, Note [Packing padded rows]); any other mask raises. Logits therefore cover
-    the real tokens only, in row order.
+    under ``"sequence_parallel"``. The attention mask is not passed on: padding (left and/or right) is
+    dropped (rows of one length ``L`` are cut to ``L`` columns; rows of different lengths are packed into
+    one row of documents, ``B' = 1``, Note [Packing padded rows]), positions staying HF's; a recognised
+    4-D mask likewise, plus its causality and window in the ShardInfo; any other 4-D mask stays whole and
+    each rank gets its query rows (``ShardInfo.given_mask``); a 2-D mask with holes raises. Logits
+    therefore cover the real tokens only, in row order.
 
     Either pop ``labels`` and take ``sequence_parallel_cross_entropy(model(**shard).logits, labels, group=...)``,
     or leave them in: ``model(**shard).loss`` is then the same global token mean, HF's ``num_items_in_batch``
@@ -1064,19 +1219,22 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
         raise ValueError(f"input_ids must be [B, N]; got shape {tuple(main.shape)} (add the batch dim: x[None])")
     bsz, n = main.shape[:2]
     mask = batch.get("attention_mask")
-    if mask is not None and mask.dim() != 2:
+    if mask is not None and mask.dim() not in (2, 4):
         raise NotImplementedError(
-            f"a {mask.dim()}-D attention_mask {tuple(mask.shape)} (an arbitrary token-to-token mask) cannot be applied "
-            "exactly by the sequence-parallel backends, which know causality, a global length and packed documents: "
-            "pass a right-padding 2-D attention_mask [B, N], or pack documents with position_ids restarting at 0 "
-            "(causal LMs) or a global cu_seqlens"
+            f"a {mask.dim()}-D attention_mask {tuple(mask.shape)} is neither a padding mask [B, N] = [{bsz}, {n}] nor "
+            f"a token-to-token mask [B, 1 or H, N, N]; pass one of those (or pack documents with position_ids "
+            "restarting at 0 (causal LMs) or a global cu_seqlens)"
         )
     for key in ("labels", "attention_mask", "position_ids"):
-        if key in batch and batch[key] is not None and tuple(batch[key].shape[:2]) != (bsz, n):
+        if key in batch and batch[key] is not None and tuple(batch[key].shape[:2]) != (bsz, n) and not (
+                key == "attention_mask" and mask.dim() == 4):
             raise ValueError(f"{key} has shape {tuple(batch[key].shape)} but input_ids is [B, N] = [{bsz}, {n}]")
     causal = is_causal_lm(model) if causal_lm is None else causal_lm
-    lengths = _right_padding_lengths(mask) if mask is not None else None
-    if lengths is None:
+    given_mask = None
+    if mask is not None and mask.dim() == 4:  # Note [Recognising a 4-D mask]
+        mask, given_mask = _shard_four_d_mask(mask, model, sp, world, bsz, n)
+    ranges = _padding_ranges(mask) if mask is not None else None
+    if ranges is None:
         mask = None  # all ones: nothing to describe (HF's own src_lengths then equal the row length)
     cu_seqlens = batch.get("cu_seqlens")
     if cu_seqlens is not None and bsz != 1:
@@ -1105,8 +1263,10 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
     if labels is not None:
         if causal:  # HF's causal-LM loss predicts token i+1 at position i: shift over the GLOBAL row
             labels = torch.cat([labels[:, 1:], labels.new_full((bsz, 1), ignore_index)], dim=1)
-        if lengths is not None:  # padding predicts nothing (and nothing predicts padding)
-            keep = torch.arange(n, device=labels.device)[None, :] < (lengths[:, None] - (1 if causal else 0))
+        if ranges is not None:  # padding predicts nothing (and nothing predicts padding)
+            col = torch.arange(n, device=labels.device)[None, :]
+            start, end = torch.tensor(ranges, device=labels.device).unbind(-1)  # [B] each
+            keep = (col >= start[:, None]) & (col < end[:, None] - (1 if causal else 0))
             labels = labels.masked_fill(~keep, ignore_index)
         rows["labels"] = labels
     ratio = extra.get("token_dropout_ratio")  # float32 [B]
@@ -1117,13 +1277,14 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
             rows[key] = value
     passthrough = {k: v for k, v in batch.items() if k not in _CONSUMED_KEYS and k not in rows}
 
-    if lengths is not None and bool((lengths != lengths[0]).any()):
-        rows = _pack_rows(rows, lengths.tolist())  # Note [Packing padded rows]
-        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        bsz, n = 1, int(lengths.sum())
+    lengths = None if ranges is None else [e - s for s, e in ranges]
+    if lengths is not None and len(set(lengths)) > 1:
+        rows = _pack_rows(rows, ranges)  # Note [Packing padded rows]
+        cu_seqlens = torch.tensor([0, *lengths]).cumsum(0)
+        bsz, n = 1, sum(lengths)
     elif lengths is not None:  # rows of one length L: the padding columns are dropped (exact, and cheaper)
-        n = int(lengths[0])
-        rows = {k: t[:, :n] for k, t in rows.items()}
+        n = lengths[0]
+        rows = {k: torch.stack([t[i, s:e] for i, (s, e) in enumerate(ranges)]) for k, t in rows.items()}
         if cu_seqlens is not None and int(torch.as_tensor(cu_seqlens)[-1]) > n:
             raise ValueError(f"cu_seqlens ends at {int(torch.as_tensor(cu_seqlens)[-1])} but the mask leaves {n} tokens")
     seq_len = n  # no padding is left; only the layout pads (to N_pad), and the attention knows N
@@ -1153,6 +1314,21 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
     shard[SHARD_INFO_KEY] = ShardInfo(
         seq_len=seq_len, padded_len=n_pad, cu_seqlens=cu_seqlens, token_dropout_ratio=shard.pop("token_dropout_ratio", None),
         max_position=max_position, token_index=shard.pop(_TOKEN_INDEX_KEY), chunk_cu_seqlens=chunk_cu_seqlens,
-        ignore_index=ignore_index,
+        ignore_index=ignore_index, given_mask=given_mask,
     )
     return shard
+
+
+def _shard_four_d_mask(mask: torch.Tensor, model: nn.Module, sp: SequenceParallelAttention, world: int, bsz: int,
+                       n: int) -> tuple[torch.Tensor | None, _GivenMask]:
+    """Note [Recognising a 4-D mask]: a global 4-D ``attention_mask`` -> ``(padding mask [B, N] or None, given
+    mask)``: a recognised pattern becomes padding (dropped like a 2-D mask's) plus causality and a window;
+    any other mask, this rank's query rows (no padding dropped)."""
+    visible = _four_d_visible(mask, bsz, n, int(getattr(_base_config(model), "num_attention_heads", 1) or 1))
+    pattern = _recognised_pattern(visible)
+    if pattern is not None:
+        causal, window, real = pattern
+        return real.long(), _GivenMask(causal, None if window is None else AttentionMask(window=window))
+    rank = group_size_and_rank(sp.process_group)[1] if world > 1 else 0
+    n_pad = padded_length(n, world, sp.layout)
+    return None, _GivenMask(False, _dense_rows_mask(visible, _query_positions(sp, world, rank, n_pad), n_pad))

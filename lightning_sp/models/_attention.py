@@ -6,8 +6,9 @@ from torch import nn
 
 from lightning_sp.attention import SequenceParallelAttention
 from lightning_sp.loss import sequence_parallel_cross_entropy
+from lightning_sp.masks import AttentionMask
 
-__all__ = ["SequenceParallelAttention", "attention_group", "sequence_parallel_cross_entropy"]
+__all__ = ["AttentionMask", "SequenceParallelAttention", "attention_group", "sequence_parallel_cross_entropy"]
 
 
 def attention_group(module: nn.Module):

@@ -18,7 +18,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_sp.models._attention import SequenceParallelAttention, attention_group, sequence_parallel_cross_entropy
+from lightning_sp.models._attention import (
+    AttentionMask,
+    SequenceParallelAttention,
+    attention_group,
+    sequence_parallel_cross_entropy,
+)
 from lightning_sp.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -214,7 +219,8 @@ class Block(TensorParallelModule):
             )
         self.tp = ctx
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                mask: AttentionMask | None = None) -> torch.Tensor:
         b, s = position_ids.shape  # x [B, S_t, C]: S_t = S without TP+SP, ceil(S / t) with it
         t = self.tp.world if self.tp is not None else 1
         h, hkv, d = self.cfg.n_heads // t, self.cfg.kv_heads // t, self.cfg.head_dim  # this rank's heads
@@ -223,9 +229,11 @@ class Block(TensorParallelModule):
         k = rotary(k.view(b, s, hkv, d), position_ids, self.cfg.rope_base)  # [B, S, Hkv/t, D]
         v = v.view(b, s, hkv, d)  # [B, S, Hkv/t, D]
         if self.cfg.dense_attention:
+            if mask is not None:
+                raise NotImplementedError("dense_attention=True does not take an AttentionMask; use dense_attention=False")
             a = self._dense_attention(q, k, v, cu_seqlens)  # [B, S, H/t, D]
         else:
-            a = self.attn(q, k, v, cu_seqlens=cu_seqlens)  # [B, S, H/t, D]
+            a = self.attn(q, k, v, cu_seqlens=cu_seqlens, mask=mask)  # [B, S, H/t, D]
         x = x + self.proj(a.reshape(b, s, h * d))  # [B, S_t, C]
         return x + self.mlp(self.ln2(x), s)
 
@@ -276,17 +284,20 @@ class Transformer(TensorParallelModule):
             nn.init.zeros_(m.bias)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
+        """``mask``: this batch's ``AttentionMask`` on global positions (the same on every rank), passed to every
+        attention layer over its constructor's fields."""
         if position_ids is None:  # unsharded use only: under the strategy positions come from the batch
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed(input_ids)  # [B, S_t, C]
         recompute = self.cfg.activation_checkpointing and torch.is_grad_enabled()
         for blk in self.blocks:
             if recompute:
-                x = torch.utils.checkpoint.checkpoint(blk, x, position_ids, cu_seqlens, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(blk, x, position_ids, cu_seqlens, mask, use_reentrant=False)
             else:
-                x = blk(x, position_ids, cu_seqlens)
+                x = blk(x, position_ids, cu_seqlens, mask)
         # tied head: column-parallel over the vocabulary, [B, S_t, C] -> [B, S, V_r]
         return column_parallel_linear(self.ln_f(x), self.embed.weight, None, self.tp, seq_len=input_ids.size(1))
 

@@ -69,7 +69,8 @@ class ColossalFunction(torch.autograd.Function):
         ring_pass(comm, (k,), ring_qk)
         if sinks is not None:
             scores[..., -1] = sinks.detach().to(acc).view(1, h, 1)
-        probs = torch.softmax(scores, dim=-1)  # [B, H, S/P, N]: the O(N^2/P) buffer
+        # [B, H, S/P, N]: the O(N^2/P) buffer; a row that sees no key (padding) is all -inf: zeros, not NaN
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(nan=0.0)
         del scores
         p_sink = None
         if sinks is not None:

@@ -21,8 +21,11 @@ Kernels (``KERNELS``):
   uses on Hopper), else the efficient op, else ``torch``.
 - ``flash_attn`` (CUDA): the flash-attn package 2.6 / 2.7 / 2.8 (pinned by ``__version__``;
   imported lazily), else the efficient op, else ``torch``.
+- ``flex`` (``ops/flex.py``): FlexAttention (compiled) for every block on CUDA (fp16, bf16, fp32, head dims
+  >= 16), else ``sdpa``; calls with score modifiers too (``score_mod_kernel``). Opt-in: not yet run on a GPU.
+  Under every other kernel a call with score modifiers runs the pure-PyTorch ``ScoreModKernel``.
 - ``auto``: CPU: ``sdpa``. CUDA: ``flash_attn`` when a supported flash-attn is installed, else
-  ``sdpa``. A static order for now; GPU benchmarks will decide between flash and cuDNN.
+  ``sdpa``, with the cuDNN op tried first on Hopper (Note [cuDNN first on Hopper], measured on an H200).
 
 Note [CUDA kernel eligibility] (checked per block call, ``why_not``):
 
@@ -85,10 +88,11 @@ from typing import Protocol
 
 import torch
 
+from lightning_sp.ops.flex import FlexKernel
 from lightning_sp.ops.merge import accumulation_dtype, merge_into
 from lightning_sp.ops.plan import MaskKind
 
-KERNELS = ("auto", "torch", "sdpa", "flash_attn", "efficient", "cudnn")
+KERNELS = ("auto", "torch", "sdpa", "flash_attn", "efficient", "cudnn", "flex")
 
 _HALF = (torch.float16, torch.bfloat16)
 FLASH_ATTN_VERSIONS = ("2.6", "2.7", "2.8")
@@ -446,10 +450,14 @@ class _CudaChainKernel:
         b, sq, h, d = q.shape
         block = dict(dtype=q.dtype, head_dim=d, kind=kind, capability=self._capability(q), batch=b, heads=h,
                      seq_len_q=sq, seq_len_k=k.size(1), deterministic=deterministic_required())
-        for op in self.ops:
+        for op in self._ops(q):
             if self._op_available(op) and why_not(op, **block) is None:
                 return op
         return "torch"
+
+    def _ops(self, q) -> tuple[str, ...]:
+        """The ops tried for a block of ``q``, first eligible wins."""
+        return self.ops
 
     def _op_available(self, op: str) -> bool:
         return True
@@ -570,11 +578,36 @@ class CudnnKernel(_CudaChainKernel):
     ops = ("cudnn", "efficient")
 
     def _op_available(self, op: str) -> bool:
-        # PyTorch builds its cuDNN attention only against cuDNN 9+; a given ``capability`` describes a
-        # stand-in device (unit tests), on which cuDNN is assumed
-        if op != "cudnn" or self.capability is not None:
-            return True
-        return torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000
+        return op != "cudnn" or _cudnn_attention_built(self.capability)
+
+
+def _cudnn_attention_built(stand_in_capability) -> bool:
+    """PyTorch builds its cuDNN attention only against cuDNN 9+; a given ``capability`` describes a stand-in
+    device (unit tests), on which cuDNN is assumed."""
+    if stand_in_capability is not None:
+        return True
+    return torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000
+
+
+class AutoKernel(SDPAKernel):
+    """``kernel="auto"`` without flash-attn: ``sdpa`` (CPU: the CPU flash op; CUDA: the flash op, then the
+    efficient op), except that on Hopper (sm90) a block tries the cuDNN op first (Note [cuDNN first on Hopper]).
+
+    Note [cuDNN first on Hopper]
+        Measured side by side in one run on one H200 (torch 2.11 + cuDNN 9.19, ``benchmarks/gpu/results/
+        2026-11-28_h200/perf.json``), local causal fwd+bwd, bf16, 32 query / 8 K/V heads of 128: cuDNN 420 / 585 /
+        556 TFLOP/s at N = 4K / 16K / 64K against SDPA's flash op 243 / 319 / 328, and every cuDNN block of the
+        same run's exactness check (bf16, fp16, GQA, packed documents, odd lengths) within tolerance of float64.
+        Only sm90 was measured, so only sm90 gets this order; elsewhere ``auto`` stays ``sdpa``. Blocks cuDNN
+        cannot take (one key, D > 128, fp32, deterministic mode: Note [CUDA kernel eligibility]) go to the flash
+        op as before, then to the efficient op."""
+
+    name = "auto"
+
+    def _ops(self, q) -> tuple[str, ...]:
+        if self._capability(q)[0] == 9 and _cudnn_attention_built(self.capability):
+            return ("cudnn", *self.ops)
+        return self.ops
 
 
 # ----------------------------------------------------------------------------------------------
@@ -666,12 +699,14 @@ def flash_attn_available() -> bool:
 
 
 def make_kernel(name: str) -> LocalKernel:
-    """``"auto"``: flash-attn on CUDA when a supported version is installed, else PyTorch SDPA (CPU
-    or CUDA; on CUDA that is the flash op, then the efficient op, per block)."""
+    """``"auto"``: flash-attn on CUDA when a supported version is installed, else ``AutoKernel`` (PyTorch SDPA;
+    on CUDA the flash op, then the efficient op, per block, with cuDNN first on Hopper)."""
     if name not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
     if name == "auto":
-        name = "flash_attn" if flash_attn_available() else "sdpa"
+        if not flash_attn_available():
+            return AutoKernel()
+        name = "flash_attn"
     if name == "torch":
         return TorchBlockwiseKernel()
     if name == "sdpa":
@@ -680,6 +715,8 @@ def make_kernel(name: str) -> LocalKernel:
         return EfficientKernel()
     if name == "cudnn":
         return CudnnKernel()
+    if name == "flex":
+        return FlexKernel(fallback=SDPAKernel())
     if not flash_attn_available():
         try:
             import flash_attn
@@ -704,9 +741,10 @@ class ScoreModKernel(TorchBlockwiseKernel):
     global positions of the call's first query/key (calls under a mask are globally contiguous, Note [Plans
     under a mask] in ``ops/plan.py``), ``head_offset`` the global index of the first query head. No fused op
     takes these (flash-attn's softcap/ALiBi arguments have no equivalent for the others, and the SDPA ops none),
-    so a call with score modifiers always runs here, whatever ``kernel=`` says: exact in every dtype, any device.
+    so a call with score modifiers runs here under every ``kernel=`` but ``"flex"`` (``score_mod_kernel``): exact in
+    every dtype, any device.
     The backward differentiates the modifiers by autograd on each tile (``ds = d mod(s) / ds . dS``) and adds the
-    tile's share of a relative bias's table gradient to ``mods.table_grad`` (``ScoreMods.backward_through``)."""
+    tile's share of a relative bias's table gradient to ``mods.table_grad`` (``ScoreMods.differentiable``)."""
 
     name = "torch+score_mods"
 
@@ -761,3 +799,15 @@ class ScoreModKernel(TorchBlockwiseKernel):
             dq[:, :, q0:q1] += ds @ kh[:, :, k0:k1] * scale
             dk[:, :, k0:k1] += ds.transpose(-1, -2) @ qh[:, :, q0:q1] * scale
         return dq.transpose(1, 2), reduce_kv_grad(dk.transpose(1, 2), h_kv), reduce_kv_grad(dv.transpose(1, 2), h_kv)
+
+
+def score_mod_kernel(kernel: LocalKernel, mods, *, q_global: int, k_global: int, head_offset: int) -> LocalKernel:
+    """The kernel of one call with score modifiers ``mods`` under the local kernel ``kernel``: ``ops/flex.py``'s
+    ``FlexKernel`` under ``kernel="flex"`` (FlexAttention on eligible CUDA blocks, ``ScoreModKernel`` for the
+    others), else ``ScoreModKernel`` (always under a relative bias: its backward accumulates the table's
+    gradient). FlexAttention is opt-in until its GPU test (``tests/gpu/test_flex_kernels.py``)
+    has passed on a GPU: it is checked on CPU against a stand-in only (docs/gpu-status.md)."""
+    exact = ScoreModKernel(mods, q_global=q_global, k_global=k_global, head_offset=head_offset)
+    if getattr(kernel, "name", None) != "flex" or getattr(mods, "relative_bias", None) is not None:
+        return exact  # a relative bias's table gradient is accumulated by ScoreModKernel's backward only
+    return FlexKernel(mods, fallback=exact, q_global=q_global, k_global=k_global, head_offset=head_offset)

@@ -1,4 +1,4 @@
-"""Which (query slice, key slice, mask) kernel calls one block of attention needs.
+r"""Which (query slice, key slice, mask) kernel calls one block of attention needs.
 
 Every backend reduces to "these local queries attend to these local keys", where both sides are
 described by their global positions as ``Run``s. ``plan_blocks`` turns that into the fewest kernel

@@ -88,7 +88,7 @@ from lightning_sp.comm.stats import CommStats
 from lightning_sp.layout import Run
 from lightning_sp.ops.precision import autocast_off
 from lightning_sp.masks import ScoreMods, StructuredMask
-from lightning_sp.ops.kernels import LocalKernel, ScoreModKernel, prefers_heads_major
+from lightning_sp.ops.kernels import LocalKernel, prefers_heads_major, score_mod_kernel
 from lightning_sp.ops.merge import accumulation_dtype, merge_into
 from lightning_sp.ops.plan import MaskKind, masked_dense, plan_blocks
 
@@ -133,7 +133,8 @@ class BlockAttentionSpec:
     """Plan under this mask (``plan_blocks(mask=)``; it carries causality and documents); ``None``: ``causal``
     and ``doc_bounds``."""
     score_mods: ScoreMods | None = None
-    """Per-score modifiers: every call runs ``ScoreModKernel`` (needs ``mask``, whose calls are contiguous)."""
+    """Per-score modifiers: every call runs ``score_mod_kernel``'s kernel (FlexAttention on CUDA, else
+    ``ScoreModKernel``; needs ``mask``, whose calls are contiguous)."""
     head_offset: int = 0
     """Global index of the first local query head (Ulysses ranks hold a slice): for score modifiers and sinks."""
     follow_mask: bool = False
@@ -185,11 +186,12 @@ def _plan(spec: BlockAttentionSpec, q_runs, k_runs):
 
 
 def _kernel_for(spec: BlockAttentionSpec, call):
-    """The kernel of one call: ``spec.kernel``, or with score modifiers the ``ScoreModKernel`` that knows the
-    call's global positions."""
+    """The kernel of one call: ``spec.kernel``, or with score modifiers the one that knows the call's global
+    positions (``score_mod_kernel``: FlexAttention on CUDA, else ``ScoreModKernel``)."""
     if spec.score_mods is None:
         return spec.kernel
-    return ScoreModKernel(spec.score_mods, q_global=call.q_global, k_global=call.k_global, head_offset=spec.head_offset)
+    return score_mod_kernel(spec.kernel, spec.score_mods, q_global=call.q_global, k_global=call.k_global,
+                            head_offset=spec.head_offset)
 
 
 def _call_forward(spec, call, q, k, v):

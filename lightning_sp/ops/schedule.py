@@ -15,8 +15,21 @@ A ``Step`` is the work between two points where a rank waits for another (a ring
 collective): the cost model takes, step by step, the slowest rank (or the cores' share of all
 ranks' work when ranks share cores). Element counts are of tensors (tokens x heads x head_dim);
 ``*_acc`` counts are in the accumulation dtype (``merge.accumulation_dtype``), the others in the
-input dtype. Documents (``doc_bounds``) and masks (``lightning_sp/masks.py``: the blocks and K/V rows they skip)
-are not modelled; padding is computed like tokens.
+input dtype. Without a mask or documents, padding is computed like tokens. With ``mask=`` (an ``AttentionMask``)
+or ``doc_bounds=`` (packed documents) the schedule is the masked one (Note [Schedules under a mask]).
+
+Note [Schedules under a mask]
+    ``rank_schedule(..., mask=, doc_bounds=)`` resolves the mask as ``SequenceParallelAttention`` does
+    (``resolve_masking``: padding a document of its own, ``AttentionMask.structured`` on the padded length, the K/V
+    traffic following the mask for documents, windows, spans and chunks) and plans every call with
+    ``plan_blocks(..., mask=)``: the blocks the mask leaves empty are not called, partial tiles are DENSE calls.
+    Where the traffic follows the mask (rings, ``allgather_kv`` and ``usp``'s ring, whole K/V blocks) each step
+    is the pairwise exchange of ``ops/ring_attention.py`` (Note [Traffic follows the mask]): rank ``r`` sends at
+    step ``t`` the rows ``kv_rows_needed(r + t, r)`` of its block and receives ``kv_rows_needed(r, r - t)``, from
+    the library's own function on the same runs, and in backward sends each step's dK/dV contribution back
+    over the same rows. So the bytes are counted, not re-derived: a sliding window's rows, a document that
+    never leaves its shard (nothing). Ulysses' all-to-alls, K/V in pieces and the all-gather move every row
+    whatever the mask; only their kernel calls shrink.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from lightning_sp.layout import SequenceLayout, padded_length, runs_for_ranks
+from lightning_sp.masks import AttentionMask, StructuredMask
 from lightning_sp.ops.backends import head_group_count, kv_head_replication
 from lightning_sp.ops.plan import plan_blocks
 from lightning_sp.ops.ring_attention import piece_bounds, piece_count, query_chunks, slice_runs
@@ -59,8 +73,12 @@ class Step:
     packing)."""
     overlapped_send: int = 0
     """Elements (input dtype) sent to / received from a peer while this step computes (K/V blocks)."""
+    overlapped_recv: int = 0
+    """Elements received meanwhile when they differ from those sent (a ring that follows the mask); else 0."""
     exposed_send_acc: int = 0
     """Elements (accumulation dtype) sent and waited for after this step's compute (dK/dV sums)."""
+    exposed_recv_acc: int = 0
+    """Elements (accumulation dtype) received and waited for, when they differ from those sent; else 0."""
     messages: int = 0
     """Point-to-point exchanges started in this step (each ``RingComm`` exchange of a tuple is one)."""
     collective: tuple[str, int, int] | None = None
@@ -86,6 +104,45 @@ class RankSchedule:
         return [c for s in self.forward + self.backward for c in s.calls]
 
 
+@dataclass(frozen=True)
+class Masking:
+    """How a call is masked, as ``SequenceParallelAttention`` resolves it (``resolve_masking``)."""
+
+    doc_bounds: tuple[int, ...] | None = None
+    """Global document bounds on the padded sequence (padding a document of its own)."""
+    mask: StructuredMask | None = None
+    """The structured mask the plans use (``None``: ``causal`` and ``doc_bounds``)."""
+    follow: bool = False
+    """Whether rings and ``allgather_kv`` exchange only the rows the mask lets each rank see."""
+
+
+NO_MASKING = Masking()
+
+
+def resolve_masking(mask: AttentionMask | None, doc_bounds, *, causal: bool, seq_len: int,
+                    padded_len: int) -> Masking:
+    """``mask`` and the documents' global bounds ``doc_bounds`` (``[0, ..., seq_len]``, as ``cu_seqlens``; ``None``:
+    one sequence) as ``SequenceParallelAttention`` resolves them for a ``padded_len``-position sequence (its
+    ``_doc_bounds`` and ``_mask_fields``; a test keeps the two equal). ``NO_MASKING`` when both are ``None``."""
+    if mask is not None and mask.signature() == AttentionMask().signature():
+        mask = None  # an empty mask is no mask (as the module drops it)
+    if mask is None and doc_bounds is None:
+        return NO_MASKING
+    if doc_bounds is not None:
+        bounds = tuple(int(b) for b in doc_bounds)
+        if bounds[0] != 0 or bounds[-1] != seq_len or any(b < a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"doc_bounds must run from 0 to seq_len={seq_len} without decreasing, as cu_seqlens; "
+                             f"got {list(bounds[:8])}{'...' if len(bounds) > 8 else ''}")
+        docs = bounds + ((padded_len,) if seq_len < padded_len else ())
+    else:
+        docs = None if seq_len == padded_len else (0, seq_len, padded_len)
+    if mask is None:
+        return Masking(doc_bounds=docs, mask=None, follow=True)
+    structured = mask.structured(causal=causal, doc_bounds=docs, padded_len=padded_len)
+    follow = doc_bounds is not None or not structured.is_plain() or mask.chunk_size is not None
+    return Masking(doc_bounds=docs, mask=structured, follow=follow)
+
+
 def backend_layout(backend: str, ulysses_degree: int | None = None) -> SequenceLayout:
     """The layout each backend shards for (as ``attention.layout_for_backend``; ``ulysses``,
     ``ring`` and ``colossal``: contiguous)."""
@@ -98,75 +155,81 @@ def backend_layout(backend: str, ulysses_degree: int | None = None) -> SequenceL
 
 def rank_schedule(backend: str, *, seq_len: int, world: int, rank: int, heads: int, kv_heads: int, head_dim: int,
                   causal: bool, ulysses_degree: int | None = None, kv_pieces: int = 1,
-                  layout: SequenceLayout | None = None) -> RankSchedule:
+                  layout: SequenceLayout | None = None, mask: AttentionMask | None = None,
+                  doc_bounds=None) -> RankSchedule:
     """Rank ``rank``'s steps for one layer's fwd+bwd (cached). ``seq_len`` is padded as the layout pads
     it (padding is computed like tokens, as the backends do with their masks); ``kv_pieces`` as ``SequenceParallelAttention(kv_pieces=)`` resolved
-    to an int."""
+    to an int. ``mask``, ``doc_bounds`` (``cu_seqlens``' values): Note [Schedules under a mask]."""
     if backend not in SCHEDULE_BACKENDS:
         raise ValueError(f"backend must be one of {SCHEDULE_BACKENDS}, got {backend!r}")
     layout = layout or backend_layout(backend, ulysses_degree)
-    if world > 1 and backend != "local":
-        seq_len = padded_length(seq_len, world, layout)  # what the shards hold, padding included
-    return _rank_schedule(backend, seq_len, world, rank, heads, kv_heads, head_dim, bool(causal), ulysses_degree,
-                          int(kv_pieces), layout)
+    padded = padded_length(seq_len, world, layout) if world > 1 and backend != "local" else seq_len
+    masking = resolve_masking(mask, doc_bounds, causal=bool(causal), seq_len=seq_len, padded_len=padded)
+    return _rank_schedule(backend, padded, world, rank, heads, kv_heads, head_dim, bool(causal), ulysses_degree,
+                          int(kv_pieces), layout, masking)
 
 
 @lru_cache(maxsize=4096)
-def _rank_schedule(backend, n, p, rank, h, hkv, d, causal, u, kv_pieces, layout) -> RankSchedule:
+def _rank_schedule(backend, n, p, rank, h, hkv, d, causal, u, kv_pieces, layout, masking=NO_MASKING) -> RankSchedule:
     if p == 1 or backend == "local":
-        return _local(n, h, hkv, d, causal)
-    sched = _backend_schedule(backend, n, p, rank, h, hkv, d, causal, u, kv_pieces, layout)
+        return _local(n, h, hkv, d, causal, masking)
+    sched = _backend_schedule(backend, n, p, rank, h, hkv, d, causal, u, kv_pieces, layout, masking)
     sched.forward.insert(0, Step(collective=("all_gather", 0, p)))  # the cross-rank check (attention.py)
     return sched
 
 
-def _backend_schedule(backend, n, p, rank, h, hkv, d, causal, u, kv_pieces, layout) -> RankSchedule:
+def _backend_schedule(backend, n, p, rank, h, hkv, d, causal, u, kv_pieces, layout, masking) -> RankSchedule:
     if backend in ("ring", "zigzag_ring"):
         runs = [runs_for_ranks(layout, p, n, (r,)) for r in range(p)]
-        return _ring(runs[rank], runs, rank, p, n // p, h, hkv, d, causal, kv_pieces)
+        return _ring(runs[rank], runs, rank, p, n // p, h, hkv, d, causal, kv_pieces, masking)
     if backend == "allgather_kv":
-        return _allgather_kv(layout, n, p, rank, h, hkv, d, causal, kv_pieces)
+        if masking.follow and piece_count(kv_pieces, n // p) == 1:  # the pairwise exchange (backends.py)
+            runs = [runs_for_ranks(layout, p, n, (r,)) for r in range(p)]
+            return _ring(runs[rank], runs, rank, p, n // p, h, hkv, d, causal, kv_pieces, masking)
+        return _allgather_kv(layout, n, p, rank, h, hkv, d, causal, kv_pieces, masking)
     if backend == "ulysses":
-        return _ulysses(layout, n, p, h, hkv, d, causal, kv_pieces)
+        return _ulysses(layout, n, p, h, hkv, d, causal, kv_pieces, masking)
     if backend == "usp":
-        return _usp(layout, n, p, rank, u, h, hkv, d, causal, kv_pieces)
+        return _usp(layout, n, p, rank, u, h, hkv, d, causal, kv_pieces, masking)
     return _colossal(layout, n, p, rank, h, hkv, d, causal)
 
 
-def _calls(q_runs, k_runs, causal, h, hkv, backward) -> list[KernelCall]:
+def _calls(q_runs, k_runs, causal, h, hkv, backward, masking=NO_MASKING) -> list[KernelCall]:
     return [KernelCall(c.q_len, c.k_len, c.kind.value, h, hkv, backward)
-            for c in plan_blocks(q_runs, k_runs, causal=causal)]
+            for c in plan_blocks(q_runs, k_runs, causal=causal, doc_bounds=masking.doc_bounds, mask=masking.mask)]
 
 
-def _single_or_merged(q_runs, k_runs, q_len, k_len, causal, h, hkv, d) -> tuple[Step, Step]:
+def _single_or_merged(q_runs, k_runs, q_len, k_len, causal, h, hkv, d, masking=NO_MASKING) -> tuple[Step, Step]:
     """``block_attention_forward`` / ``_backward`` without a ring (``_single_call`` or one merged step)."""
-    fwd = _calls(q_runs, k_runs, causal, h, hkv, False)
+    fwd = _calls(q_runs, k_runs, causal, h, hkv, False, masking)
     if len(fwd) == 1 and (fwd[0].q_len, fwd[0].k_len) == (q_len, k_len):
-        return Step(calls=fwd), Step(calls=_calls(q_runs, k_runs, causal, h, hkv, True))
-    bwd = _calls(q_runs, k_runs, causal, h, hkv, True)
+        return Step(calls=fwd), Step(calls=_calls(q_runs, k_runs, causal, h, hkv, True, masking))
+    bwd = _calls(q_runs, k_runs, causal, h, hkv, True, masking)
     return (Step(calls=fwd, merges=[c.q_len * h * d for c in fwd]),
             Step(calls=bwd, accumulates=[(c.q_len * h + 2 * c.k_len * hkv) * d for c in bwd]))
 
 
-def _local(n, h, hkv, d, causal) -> RankSchedule:
+def _local(n, h, hkv, d, causal, masking=NO_MASKING) -> RankSchedule:
     whole = (runs_for_ranks(SequenceLayout("contiguous"), 1, n, (0,)))
-    f, b = _single_or_merged(whole, whole, n, n, causal, h, hkv, d)
+    f, b = _single_or_merged(whole, whole, n, n, causal, h, hkv, d, masking)
     return RankSchedule([f], [b])
 
 
-def _ring(q_runs, runs, rank, p, c, h, hkv, d, causal, kv_pieces) -> RankSchedule:
+def _ring(q_runs, runs, rank, p, c, h, hkv, d, causal, kv_pieces, masking=NO_MASKING) -> RankSchedule:
     """``block_attention_forward/backward`` on a ring of ``p`` (whole blocks or Note [K/V in pieces])."""
     m = piece_count(kv_pieces, c)
     kv = 2 * c * hkv * d  # K and V of one block
     fwd, bwd = [], []
+    if m == 1 and masking.follow:
+        return _selective_ring(q_runs, runs, rank, p, c, h, hkv, d, causal, masking)
     if m == 1:
         q_chunks = [(0, tuple(q_runs))]
         for t in range(p):
             src = (rank - t) % p
-            calls = _calls(q_runs, runs[src], causal, h, hkv, False)
+            calls = _calls(q_runs, runs[src], causal, h, hkv, False, masking)
             fwd.append(Step(calls=calls, merges=[x.q_len * h * d for x in calls],
                             overlapped_send=kv if t < p - 1 else 0, messages=int(t < p - 1)))
-            bc = [x for _, cr in q_chunks for x in _calls(cr, runs[src], causal, h, hkv, True)]
+            bc = [x for _, cr in q_chunks for x in _calls(cr, runs[src], causal, h, hkv, True, masking)]
             bwd.append(Step(calls=bc, accumulates=[(x.q_len * h + 2 * x.k_len * hkv) * d for x in bc],
                             overlapped_send=kv if t < p - 1 else 0, exposed_send_acc=kv,
                             messages=int(t < p - 1) + 1))
@@ -180,10 +243,10 @@ def _ring(q_runs, runs, rank, p, c, h, hkv, d, causal, kv_pieces) -> RankSchedul
         nxt = order[i + 1] if i + 1 < len(order) else None
         sends_next = nxt is not None and nxt[0] > 0  # the next piece is fetched during this one
         next_kv = 2 * (kb[nxt[1] + 1] - kb[nxt[1]]) * hkv * d if sends_next else 0
-        calls = _calls(q_runs, piece_runs, causal, h, hkv, False)
+        calls = _calls(q_runs, piece_runs, causal, h, hkv, False, masking)
         fwd.append(Step(calls=calls, merges=[x.q_len * h * d for x in calls], overlapped_send=next_kv,
                         messages=int(sends_next)))
-        bc = [x for _, cr in q_chunks for x in _calls(cr, piece_runs, causal, h, hkv, True)]
+        bc = [x for _, cr in q_chunks for x in _calls(cr, piece_runs, causal, h, hkv, True, masking)]
         piece = 2 * (kb[j + 1] - kb[j]) * hkv * d
         bwd.append(Step(calls=bc, accumulates=[(x.q_len * h + 2 * x.k_len * hkv) * d for x in bc]
                         + ([piece] if t > 0 else []),
@@ -192,12 +255,55 @@ def _ring(q_runs, runs, rank, p, c, h, hkv, d, causal, kv_pieces) -> RankSchedul
     return RankSchedule(fwd, bwd)
 
 
-def _allgather_kv(layout, n, p, rank, h, hkv, d, causal, kv_pieces) -> RankSchedule:
+def _kv_rows_needed(runs, dst: int, src: int, causal: bool, masking: Masking) -> tuple[int, int] | None:
+    """``ring_attention.kv_rows_needed``: rows ``[lo, hi)`` of ``src``'s block that ``dst``'s queries see."""
+    calls = plan_blocks(runs[dst], runs[src], causal=causal, doc_bounds=masking.doc_bounds, mask=masking.mask)
+    if not calls:
+        return None
+    return min(c.k_start for c in calls), max(c.k_start + c.k_len for c in calls)
+
+
+def _selective_ring(q_runs, runs, rank, p, c, h, hkv, d, causal, masking) -> RankSchedule:
+    """The ring that follows the mask (Note [Traffic follows the mask] in ``ops/ring_attention.py``): at step
+    ``t`` the rows of ``rank - t``'s block this rank's queries see, exchanged pairwise, step ``t + 1``'s exchange
+    in flight meanwhile; in backward each step's dK/dV contribution goes straight back to its owner."""
+    row = 2 * hkv * d  # K and V of one row
+
+    def need(dst, src):
+        return _kv_rows_needed(runs, dst % p, src % p, causal, masking)
+
+    def length(rows):
+        return 0 if rows is None else rows[1] - rows[0]
+
+    fwd, bwd = [], []
+    for t in range(p):
+        src = (rank - t) % p
+        rows = (0, c) if t == 0 else need(rank, src)
+        k_runs = None if rows is None else slice_runs(runs[src], *rows)
+        calls = [] if k_runs is None else _calls(q_runs, k_runs, causal, h, hkv, False, masking)
+        bcalls = [] if k_runs is None else _calls(q_runs, k_runs, causal, h, hkv, True, masking)
+        sent = got = 0
+        if t + 1 < p:  # step t + 1's exchange, in flight during this step
+            sent, got = length(need(rank + t + 1, rank)), length(need(rank, rank - t - 1))
+        kv = dict(overlapped_send=sent * row, overlapped_recv=got * row, messages=int(bool(sent or got)))
+        fwd.append(Step(calls=calls, merges=[x.q_len * h * d for x in calls], **kv))
+        acc = [(x.q_len * h + 2 * x.k_len * hkv) * d for x in bcalls]
+        grad = {}
+        if t > 0:  # this step's contribution back to `src`; the one for this rank's rows from `rank + t`
+            back, mine = length(rows), length(need(rank + t, rank))
+            acc += [mine * row] if mine else []
+            grad = dict(exposed_send_acc=back * row, exposed_recv_acc=mine * row)
+            kv["messages"] += int(bool(back or mine))
+        bwd.append(Step(calls=bcalls, accumulates=acc, **kv, **grad))
+    return RankSchedule(fwd, bwd)
+
+
+def _allgather_kv(layout, n, p, rank, h, hkv, d, causal, kv_pieces, masking=NO_MASKING) -> RankSchedule:
     c = n // p
     q_runs = runs_for_ranks(layout, p, n, (rank,))
     all_runs = runs_for_ranks(layout, p, n, tuple(range(p)))
     gather = [Step(collective=("all_gather", c * hkv * d, p)) for _ in range(2)]  # K, then V
-    f, _ = _single_or_merged(q_runs, all_runs, c, n, causal, h, hkv, d)
+    f, _ = _single_or_merged(q_runs, all_runs, c, n, causal, h, hkv, d, masking)
     bwd = [Step(collective=("all_gather", c * hkv * d, p)) for _ in range(2)]
     m = piece_count(kv_pieces, c)
     kb = piece_bounds(c, m)
@@ -207,7 +313,7 @@ def _allgather_kv(layout, n, p, rank, h, hkv, d, causal, kv_pieces) -> RankSched
         for step in range(p):
             chunk = (rank - step - 1) % p
             k_runs = slice_runs(runs_for_ranks(layout, p, n, (chunk,)), kb[j], kb[j + 1])
-            bc = [x for _, cr in q_chunks for x in _calls(cr, k_runs, causal, h, hkv, True)]
+            bc = [x for _, cr in q_chunks for x in _calls(cr, k_runs, causal, h, hkv, True, masking)]
             bwd.append(Step(calls=bc, accumulates=[(x.q_len * h + 2 * x.k_len * hkv) * d for x in bc],
                             exposed_send_acc=piece if step < p - 1 else 0, messages=int(step < p - 1)))
     return RankSchedule(gather + [f], bwd)
@@ -227,14 +333,14 @@ def _all_to_alls(c, heads_each, d, g) -> list[Step]:
     return [Step(collective=("all_to_all", c * hh * d, g), copies=2 * c * hh * d) for hh in heads_each]
 
 
-def _ulysses(layout, n, p, h, hkv, d, causal, kv_pieces) -> RankSchedule:
+def _ulysses(layout, n, p, h, hkv, d, causal, kv_pieces, masking=NO_MASKING) -> RankSchedule:
     c = n // p
     hkv_r = _replicated_kv_heads(h, hkv, p)
     groups = _head_groups(kv_pieces, hkv_r // p, c)
     runs = runs_for_ranks(layout, p, n, tuple(range(p)))
     whole = runs_for_ranks(SequenceLayout("contiguous"), 1, n, (0,))
     # q, k, v gathered whole, then one kernel call per head group (Note [Heads in groups])
-    f_attn, b_attn = _single_or_merged(whole, whole, n, n, causal, h // groups // p, hkv_r // groups // p, d)
+    f_attn, b_attn = _single_or_merged(whole, whole, n, n, causal, h // groups // p, hkv_r // groups // p, d, masking)
     if len(runs) > 1:  # the gathers reorder q, k, v and back (and the same in backward): each group its share
         reorder = (n * (h + 2 * hkv_r) // p * d + n * h // p * d) // groups
         f_attn.copies += reorder
@@ -244,7 +350,7 @@ def _ulysses(layout, n, p, h, hkv, d, causal, kv_pieces) -> RankSchedule:
     return RankSchedule(fwd, bwd)
 
 
-def _usp(layout, n, p, rank, u, h, hkv, d, causal, kv_pieces) -> RankSchedule:
+def _usp(layout, n, p, rank, u, h, hkv, d, causal, kv_pieces, masking=NO_MASKING) -> RankSchedule:
     if u is None or p % u:
         raise ValueError(f"usp needs ulysses_degree dividing world={p}, got {u}")
     r = p // u
@@ -252,11 +358,12 @@ def _usp(layout, n, p, rank, u, h, hkv, d, causal, kv_pieces) -> RankSchedule:
     ring_runs = [runs_for_ranks(layout, p, n, tuple(range(i * u, (i + 1) * u))) for i in range(r)]
     ring_rank = rank // u
     if u == 1:
-        return _ring(ring_runs[ring_rank], ring_runs, ring_rank, r, n // r, h, hkv, d, causal, kv_pieces)
+        return _ring(ring_runs[ring_rank], ring_runs, ring_rank, r, n // r, h, hkv, d, causal, kv_pieces, masking)
     hkv_r = _replicated_kv_heads(h, hkv, u)
     groups = _head_groups(kv_pieces, hkv_r // u, c)
     hg, kg = h // groups, hkv_r // groups
-    inner = _ring(ring_runs[ring_rank], ring_runs, ring_rank, r, n // r, hg // u, kg // u, d, causal, kv_pieces)
+    inner = _ring(ring_runs[ring_rank], ring_runs, ring_rank, r, n // r, hg // u, kg // u, d, causal, kv_pieces,
+                  masking)
     fwd, bwd = [], []
     for _ in range(groups):
         fwd += _all_to_alls(c, (hg, kg, kg), d, u) + inner.forward + _all_to_alls(c, (hg,), d, u)

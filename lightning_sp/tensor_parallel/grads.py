@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_sp.comm.device import group_device
 from lightning_sp.comm.release import collective
 from lightning_sp.comm.stats import CommStats
 
@@ -45,9 +46,9 @@ def clip_grad_norm_(module: nn.Module, parameters: Iterable[nn.Parameter], max_n
     sharded = set(sharded)
     names = {id(p): n for n, p in module.named_parameters()}
     grads = [(names.get(id(p)) in sharded, _local(p.grad)) for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    sq = torch.zeros(2, dtype=torch.float64, device=grads[0][1].device)  # [split, replicated]
+    # a rank without gradients still joins both all-reduces (its peers wait in them): zeros on the group's device
+    device = grads[0][1].device if grads else group_device(shard_group if shard_group is not None else tp_group)
+    sq = torch.zeros(2, dtype=torch.float64, device=device)  # [split, replicated]
     for split, g in grads:
         sq[0 if split else 1] += g.double().pow(2).sum()
     if shard_group is not None:

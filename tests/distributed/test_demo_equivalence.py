@@ -25,7 +25,7 @@ CASES = {
         "--data.init_args.val_samples", "0",
         "--model.init_args.d_model", "32", "--model.init_args.n_layers", "2",
     ]),
-    # causal decoder over image patches + text, plain ring
+    # causal decoder over image patches + text, each image one bidirectional span (the config's default), plain ring
     "multimodal": (ROOT / "experiments/multimodal_demo/config.yaml", [
         "--data.init_args.n_images", "3", "--data.init_args.batch_size", "2", "--data.init_args.val_samples", "0",
         "--model.init_args.d_model", "32", "--model.init_args.n_layers", "2",

@@ -156,6 +156,7 @@ def _worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     with KeepFloat64():
         out = {name: _case(mt, ov, controls, dist.group.WORLD) for name, mt, ov, controls in CASES}
+        out["padding_4d"] = _padding_and_4d_cases(dist.group.WORLD)
         out["t5_encoders"] = _t5_encoders(dist.group.WORLD)
         return out
 
@@ -197,6 +198,166 @@ def test_window_over_packed_rows_is_exact(results):
     for rank, res in enumerate(per_rank):
         for backend, r in res["mistral"]["packed_rows"].items():
             assert max(r["logits"], r["loss"], r["grads"]) < TOL, (world, rank, backend, r)
+
+
+# ------------------------------------------------------------------------ padding and 4-D masks
+
+PAD_LEFT = 4  # row 0: 4 padding tokens, then 9 real ones; row 1: 13 real tokens
+PAD_BACKENDS = ("zigzag_ring", "ulysses")
+ROWS_BACKENDS = ("ring", "zigzag_ring", "allgather_kv", "ulysses", "usp", "colossal")
+
+
+def _left_padded_batch(name: str) -> dict:
+    """Two rows of ``N``: row 0 left-padded (HF's ``padding_side='left'``), row 1 full; labels -100 on padding."""
+    from tests.hf_tiny import PAD_ID, tiny_batch
+
+    rows = [tiny_batch(name, N, seed=7 + i) for i in range(2)]
+    batch = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+    mask = torch.ones(2, N, dtype=torch.long)
+    mask[0, :PAD_LEFT] = 0
+    batch["input_ids"][0, :PAD_LEFT] = PAD_ID
+    batch["labels"][0, :PAD_LEFT] = -100
+    batch["attention_mask"] = mask
+    return batch
+
+
+def _four_d(batch: dict, heads: int | None):
+    """HF-style additive float 4-D masks: ``heads=None``: causal + the batch's padding, ``[B, 1, N, N]``; else an
+    arbitrary per-head pattern ``[B, heads, N, N]`` (every query sees itself) that no structured mask describes."""
+    q, k = torch.arange(N).view(N, 1), torch.arange(N).view(1, N)
+    if heads is None:
+        visible = (k <= q)[None, None] & batch["attention_mask"].bool()[:, None, None, :]
+    else:
+        h = torch.arange(heads).view(heads, 1, 1)
+        visible = (((q + 2 * k + h) % 3 != 0) | (q == k)).expand(2, heads, N, N)
+    return torch.zeros(visible.shape, dtype=torch.float64).masked_fill(~visible, torch.finfo(torch.float64).min)
+
+
+def _hf_reference(base, name: str, batch: dict, attention_mask, real_only: bool):
+    """HF's eager model on the padded batch -> (logits of the compared tokens in row order [T, V], loss, model):
+    the loss counts real tokens predicting real tokens (``real_only``) or every labelled position."""
+    import torch.nn.functional as F
+
+    from tests.hf_tiny import clone, is_mlm
+
+    ref = clone(base)
+    logits = ref(input_ids=batch["input_ids"], attention_mask=attention_mask).logits  # [2, N, V]
+    shift = 0 if is_mlm(name) else 1
+    starts = (PAD_LEFT, 0) if real_only else (0, 0)
+    kept = torch.cat([logits[i, s:] for i, s in enumerate(starts)])
+    labels = batch["labels"]
+    loss = F.cross_entropy(torch.cat([logits[i, s: N - shift] for i, s in enumerate(starts)]),
+                           torch.cat([labels[i, s + shift:] for i, s in enumerate(starts)]), ignore_index=-100)
+    loss.backward()
+    return kept.detach(), loss.detach(), ref
+
+
+def _sharded_run(base, batch: dict, backend: str, group, ref_logits, ref_loss, ref) -> dict:
+    from lightning_sp import gather_sequence
+    from lightning_sp.integrations import transformers as integration
+    from tests.hf_tiny import clone, max_grad_diff
+
+    model = integration.apply_sequence_parallel(clone(base), group=group, backend=backend)
+    shard = integration.shard_inputs(batch, model)
+    out = model(**shard)  # labels left in: the loss of model(**shard)
+    out.loss.backward()
+    layout = integration._sp_modules(model)[0].layout
+    full = gather_sequence(out.logits.detach(), group, layout=layout, seq_len=shard["sequence_parallel"].seq_len)
+    full = full.flatten(0, 1)  # [B' * N', V] in row order (packed rows: B' = 1)
+    return {"logits": float((full - ref_logits).abs().max()) if full.shape == ref_logits.shape else float("inf"),
+            "loss": abs(float(out.loss.detach() - ref_loss)), "grads": max_grad_diff(model, ref, group)}
+
+
+def _padding_and_4d_cases(group) -> dict:
+    """Left padding (2-D), the same as a recognised 4-D mask, and an arbitrary per-head 4-D mask, sharded, vs HF's
+    eager model on the padded batch; the unsharded call with left padding (AttentionMask.key_padding); controls."""
+    import warnings
+
+    from lightning_sp.integrations import transformers as integration
+    from tests.hf_tiny import clone, registry_model, tiny_model
+
+    out: dict = {}
+    for name in ("llama", "esm", "gpt2"):  # GPT-2: learned absolute positions (HF numbers the left padding too)
+        base = registry_model(name)[0] if name == "gpt2" else tiny_model(name)
+        base.set_attn_implementation("eager")
+        batch = _left_padded_batch(name)
+        ref_logits, ref_loss, ref = _hf_reference(base, name, batch, batch["attention_mask"], real_only=True)
+        for backend in PAD_BACKENDS:
+            out[(name, "left_padding_2d", backend)] = _sharded_run(base, batch, backend, group, ref_logits, ref_loss, ref)
+        # negative control: HF's positions not kept (each row's positions restart at 0 after its padding)
+        restarted = dict(batch, position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0))
+        if name == "gpt2":
+            out[(name, "control_positions_restarted")] = _sharded_run(
+                base, restarted, "zigzag_ring", group, ref_logits, ref_loss, clone(base))["logits"]
+        # the unsharded model, padding passed to it: HF hands the 2-D mask to the attention (key_padding)
+        local = integration.apply_sequence_parallel(clone(base), backend="local")
+        logits = local(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        real = torch.cat([logits[0, PAD_LEFT:], logits[1]]).detach()
+        out[(name, "unsharded_left_padding")] = float((real - ref_logits).abs().max())
+    base = tiny_model("llama")
+    base.set_attn_implementation("eager")
+    batch = _left_padded_batch("llama")
+    # a 4-D mask that is causal attention with left padding: recognised, the same as the 2-D mask
+    causal_4d = dict(batch, attention_mask=_four_d(batch, heads=None))
+    ref_logits, ref_loss, ref = _hf_reference(base, "llama", batch, causal_4d["attention_mask"], real_only=True)
+    out[("llama", "causal_padding_4d", "zigzag_ring")] = _sharded_run(base, causal_4d, "zigzag_ring", group,
+                                                                      ref_logits, ref_loss, ref)
+    # an arbitrary per-head 4-D mask: each rank's query rows (a warning says what it costs)
+    rows_4d = dict(batch, attention_mask=_four_d(batch, heads=4))
+    ref_logits, ref_loss, ref = _hf_reference(base, "llama", batch, rows_4d["attention_mask"], real_only=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for backend in ROWS_BACKENDS:
+            out[("llama", "arbitrary_4d", backend)] = _sharded_run(base, rows_4d, backend, group, ref_logits, ref_loss,
+                                                                   ref)
+    out["rows_warning"] = [str(w.message) for w in caught if "query rows" in str(w.message)][:1]
+    # what each rank holds: [B, H, N_pad / P, N_pad] rows, of its own (zigzag) positions, in its layout order
+    import torch.distributed as dist
+
+    from lightning_sp.layout import token_indices
+
+    held = {}
+    for backend in ("zigzag_ring", "ulysses"):
+        model = integration.apply_sequence_parallel(clone(base), group=group, backend=backend)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows = integration.shard_inputs(rows_4d, model)["sequence_parallel"].given_mask.mask.mask_mod
+        layout, world = integration._sp_modules(model)[0].layout, dist.get_world_size(group)
+        mine = token_indices(layout, world, rows.row_of.numel(), dist.get_rank(group))
+        in_order = bool((rows.row_of[mine] == torch.arange(mine.numel())).all()) if backend == "zigzag_ring" else None
+        held[backend] = (tuple(rows.rows.shape), rows.row_of.numel(), in_order)
+    out["rows_held"] = held
+    # negative controls: the 4-D mask ignored; every head given head 0's rows
+    out["control_4d_ignored"] = _sharded_run(base, dict(batch, attention_mask=None), "zigzag_ring", group,
+                                             ref_logits, ref_loss, clone(base))["logits"]
+    heads_collapsed = dict(batch, attention_mask=rows_4d["attention_mask"][:, :1])
+    out["control_4d_heads_collapsed"] = _sharded_run(base, heads_collapsed, "ulysses", group, ref_logits, ref_loss,
+                                                     clone(base))["logits"]
+    return out
+
+
+def test_left_padding_and_4d_masks_are_exact(results):
+    """Left padding (Llama, ESM, GPT-2) and a 4-D mask, sharded, equal HF's eager model on the padded batch
+    (logits of the real tokens, the loss, every gradient) to 1e-9; an arbitrary per-head 4-D mask on the ring,
+    zigzag, allgather_kv, Ulysses, usp and colossal layouts too (each rank reads its own rows, N_pad / P of them
+    off Ulysses), with the memory warning; the unsharded model with left padding as well. Controls that must
+    miss: HF's positions not kept, the 4-D mask ignored, heads collapsed."""
+    world, per_rank = results
+    for rank, res in enumerate(per_rank):
+        cases = res["padding_4d"]
+        exact = {k: v for k, v in cases.items() if isinstance(k, tuple) and len(k) == 3}
+        assert len(exact) == 3 * len(PAD_BACKENDS) + 1 + len(ROWS_BACKENDS)
+        for key, r in exact.items():
+            assert max(r["logits"], r["loss"], r["grads"]) < TOL, (world, rank, key, r)
+        for name in ("llama", "esm", "gpt2"):
+            assert cases[(name, "unsharded_left_padding")] < TOL, (world, rank, name, cases)
+        for control in (("gpt2", "control_positions_restarted"), "control_4d_ignored", "control_4d_heads_collapsed"):
+            assert cases[control] > MISS, (world, rank, control, cases[control])
+        assert cases["rows_warning"] and "O(N^2 / P)" in cases["rows_warning"][0]
+        shape, n_pad, in_order = cases["rows_held"]["zigzag_ring"]
+        assert shape == (2, 4, n_pad // world, n_pad) and in_order, (world, rank, shape, n_pad)
+        shape, n_pad, _ = cases["rows_held"]["ulysses"]
+        assert shape == (2, 4, n_pad, n_pad), (world, rank, shape)  # Ulysses: every query position
 
 
 # ------------------------------------------------------------------------------ T5's learned relative-position bias

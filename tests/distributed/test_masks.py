@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import AttentionMask, SequenceParallelAttention, gather_sequence, shard_sequence
+from lightning_sp.layout import padded_length
+from tests.distributed import multimodal_spans
 from tests.distributed.harness import run_on_ranks
 from tests.reference import dense_attention
 
@@ -145,7 +147,8 @@ def _worker(rank, world):
     pieces = {case: _run_case(group, world, *case, seed=i, pieces=3) for i, case in enumerate(PIECES_CASES)}
     ring_attention.MIN_PIECE_TOKENS = 256
     return {"cases": cases, "pieces": pieces, "traffic": _traffic(group, world),
-            "disagree": _disagreeing_masks(group, rank), "relative_bias": _relative_bias_cases(group, world),
+            "disagree": _disagreeing_masks(group, rank), "multimodal": multimodal_spans.span_cases(group, world),
+            "padding": _padding_worker(group, world, rank), "relative_bias": _relative_bias_cases(group, world),
             "bad_bucket_fn": _bucket_fn_out_of_range(group)}
 
 
@@ -197,6 +200,134 @@ def test_ranks_with_different_masks_raise_together(grid):
     world, per_rank = grid
     for rank, result in enumerate(per_rank):
         assert result["disagree"] is not None and "hash(mask, sinks)" in result["disagree"], (rank, result["disagree"])
+
+
+def test_multimodal_decoder_with_bidirectional_images_matches_dense_fp64(grid):
+    """``MultimodalDecoder(image_attention="bidirectional")`` sharded by the strategy's sharder (zigzag_ring,
+    allgather_kv; padded: 51 tokens) equals one process with dense float64 attention and the same image spans:
+    loss and every parameter's gradient; the reference without the spans misses. ``"causal"`` equals the plain
+    causal reference and misses the bidirectional one. A batch whose labels sit inside a span raises on every rank
+    (tests/distributed/multimodal_spans.py)."""
+    world, per_rank = grid
+    for rank, result in enumerate(per_rank):
+        cases = result["multimodal"]["cases"]
+        assert len(cases) == len(multimodal_spans.BACKENDS) + 1
+        for key, (loss_err, grad_err, control) in cases.items():
+            assert loss_err < 1e-12 and grad_err < 1e-12, (world, rank, key, loss_err, grad_err)
+            assert control > 1e-4, (world, rank, key, f"control {control}: the image spans made no difference")
+        leak = result["multimodal"]["leak"]
+        assert leak is not None and "inside a bidirectional image span" in leak, (rank, leak)
+
+
+# ------------------------------------------------------------------------ key padding (AttentionMask.key_padding)
+
+# kind -> (causal, key_padding ranges per batch row, AttentionMask fields besides, with sinks, with documents)
+PADDING_KINDS = {
+    # rows padded differently: told apart per block (a mask_mod); row 0's first 5 causal queries see no key
+    "left_rows_causal": (True, ((5, N), (0, N)), {}, False, False),
+    "left_and_right_rows_bidirectional": (False, ((3, 40), (0, 31)), {}, False, False),
+    # rows padded alike: the structured mask alone (StructuredMask.keys); 24 padded keys cover whole shards
+    "shared_left_window": (True, ((24, N), (24, N)), {"window": (6, 0)}, False, False),
+    "left_docs_sinks": (True, ((4, 40),), {"softcap": 2.0}, True, True),
+}
+
+
+def _dense_padded(q, k, v, causal, ranges, fields, cu, sinks):
+    """Dense float64 attention with each row's keys outside ``[start, end)`` hidden; a query row that sees no
+    key (and has no sink) gives zeros. Written from the definitions, apart from ``lightning_sp.masks``."""
+    import math
+
+    from tests.reference import dense_visibility
+
+    b, n, h, d = q.shape
+    k, v = (t.repeat_interleave(h // t.size(2), dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    if fields.get("softcap"):
+        scores = fields["softcap"] * torch.tanh(scores / fields["softcap"])
+    visible = dense_visibility(n, causal=causal, cu_seqlens=cu, mask=AttentionMask(window=fields.get("window")))
+    pos = torch.arange(n)
+    real = torch.stack([(pos >= s) & (pos < e) for s, e in ranges])  # [B, N]
+    visible = visible[None, None] & real[:, None, None, :]  # [B, 1, N, N]
+    if sinks is not None:
+        scores = torch.cat([scores.masked_fill(~visible, -math.inf), sinks.view(1, h, 1, 1).expand(b, h, n, 1)], -1)
+        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1)[..., :n], v)
+    seen = visible.any(-1, keepdim=True)
+    scores = torch.where(seen, scores.masked_fill(~visible, -math.inf), 0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1) * seen, v)
+
+
+def _padding_case(group, world, backend, kind, seed):
+    causal, ranges, fields, with_sinks, with_docs = PADDING_KINDS[kind]
+    g = torch.Generator().manual_seed(100 + seed)
+    b = len(ranges)
+    q, k, v, dout = (torch.randn(b, N, hh, D, generator=g, dtype=torch.float64) for hh in (H, H_KV, H_KV, H))
+    sinks = torch.randn(H, generator=g, dtype=torch.float64)
+    cu = torch.tensor(DOCS, dtype=torch.int32) if with_docs else None
+    u = 2 if backend == "usp" and world == 4 else None
+    mask = AttentionMask(key_padding=ranges, **fields)
+    attn = SequenceParallelAttention(causal=causal, backend=backend, group=group, ulysses_degree=u, mask=mask)
+    local = [shard_sequence(t, group, layout=attn.layout) for t in (q, k, v, dout)]
+    for t in local[:3]:
+        t.requires_grad_()
+    s = sinks.clone().requires_grad_() if with_sinks else None
+    attn.comm_stats.reset()
+    out = attn(*local[:3], cu_seqlens=cu, sinks=s)
+    out.backward(local[3])
+    sent = dict(attn.comm_stats.bytes_by_op)
+    got = [gather_sequence(t, group, layout=attn.layout, seq_len=N)
+           for t in (out.detach(), local[0].grad, local[1].grad, local[2].grad)]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sinks.clone().requires_grad_()] if with_sinks else [])
+    ref = _dense_padded(*leaves[:3], causal, ranges, fields, cu, leaves[3] if with_sinks else None)
+    refs = [ref, *torch.autograd.grad(ref, leaves[:3], dout)]
+    errors = [_err(a, b) for a, b in zip(got, refs)]
+    finite = all(bool(torch.isfinite(t).all()) for t in got)
+    # negative control: the padding ignored must miss
+    control = _err(got[0], _dense_padded(q, k, v, causal, ((0, N),) * b, fields, cu, sinks if with_sinks else None))
+    # rows that see no key: zeros out, zero dq (row 0's causal queries before its first real token)
+    unseen = float(max(got[0][0, :ranges[0][0]].abs().max(), got[1][0, :ranges[0][0]].abs().max())) \
+        if causal and not with_sinks and ranges[0][0] else 0.0
+    return {"errors": errors, "control": control, "finite": finite, "unseen": unseen, "sent": sent}
+
+
+def _padding_worker(group, world, rank):
+    cases = {(backend, kind): _padding_case(group, world, backend, kind, seed=i)
+             for i, (backend, kind) in enumerate((b, kd) for b in BACKENDS for kd in PADDING_KINDS)}
+    try:  # one range per batch row: a wrong count is refused by every rank, naming the fix
+        attn = SequenceParallelAttention(causal=True, backend="ring", group=group,
+                                         mask=AttentionMask(key_padding=((0, 8),)))
+        q = torch.randn(2, 8, H, D, dtype=torch.float64)
+        attn(q, q[:, :, :H_KV], q[:, :, :H_KV], seq_len=8 * world)
+        wrong_count = None
+    except ValueError as e:
+        wrong_count = str(e)
+    return {"cases": cases, "wrong_count": wrong_count, "rank": rank}
+
+
+def test_key_padding_on_every_backend_matches_dense_fp64(grid):
+    """Left, right and both-sided padding per batch row, alone and with windows, documents, soft-capping and
+    sinks: forward and dq/dk/dv against dense float64; finite everywhere; the causal queries in the left
+    padding give exactly zero output and zero dq; the padding ignored must miss. Rows padded alike are
+    skipped block by block: on the contiguous ring, a rank whose keys are all padding sends no K/V."""
+    world, per_rank = grid
+    failures = []
+    for rank, result in enumerate(per_rank):
+        padding = result["padding"]
+        assert len(padding["cases"]) == len(BACKENDS) * len(PADDING_KINDS)
+        for key, r in padding["cases"].items():
+            if not r["finite"]:
+                failures.append(f"rank {rank} {key}: a NaN or inf in out/dq/dk/dv")
+            if max(r["errors"]) > TOL:
+                failures.append(f"rank {rank} {key}: out/dq/dk/dv errors {r['errors']} > {TOL}")
+            if r["control"] < 1e-3:
+                failures.append(f"rank {rank} {key}: the padding ignored passed ({r['control']})")
+            if r["unseen"] != 0.0:
+                failures.append(f"rank {rank} {key}: queries that see no key give {r['unseen']}, not 0")
+        shard = padded_length(N, world) // world
+        sent = padding["cases"][("ring", "shared_left_window")]["sent"]
+        if (rank + 1) * shard <= 24 and sent.get("ring_send", 0):
+            failures.append(f"rank {rank}: holds only padded keys but sent {sent} on the ring")
+        assert padding["wrong_count"] is not None and "one range of real tokens per batch row" in padding["wrong_count"]
+    assert not failures, f"world={world}:\n" + "\n".join(failures)
 
 
 # ------------------------------------------------------------------------------ learned relative-position bias

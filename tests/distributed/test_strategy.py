@@ -431,6 +431,24 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> dict:
     out["conflict_steps"] = model.trainer.global_step
 
     out["metrics"] = _metrics_case(rank)
+
+    # Note [One mesh per world and layout]: a second Trainer of the same layout reuses the first one's groups
+    import torch.distributed as dist
+
+    from lightning_sp import mesh as mesh_module
+
+    def live_groups():
+        return len(dist.distributed_c10d._world.pg_map)
+
+    reuse = _c("reuse", "zigzag_ring", 4, dp="fsdp")
+    _fit(reuse, _make_model(True), data, steps=1)
+    before = live_groups()
+    trainer = _fit(reuse, _make_model(True), data, steps=1)
+    out["reuse"] = {"new_groups": live_groups() - before, "finite": all(
+        bool(torch.isfinite(v).all()) for v in _full_params(trainer.lightning_module).values())}
+    mesh_module._BUILT.clear()  # control: a process that forgets its meshes builds new groups for the same layout
+    _fit(reuse, _make_model(True), data, steps=1)
+    out["reuse"]["new_groups_forgotten"] = live_groups() - before
     return out
 
 
@@ -699,3 +717,11 @@ def test_real_attention_used_when_available(results):
     except ImportError:
         pytest.skip("lightning_sp.attention not written yet: the strategy was tested with the stand-in")
     assert not results[0]["stand_in"]
+
+
+def test_trainers_of_one_layout_share_the_mesh(results):
+    """fit, then a new Trainer of the same layout (a resume, a test run): no new process groups. Building them again
+    after the first Trainer's teardown is what failed on NCCL (Note [One mesh per world and layout])."""
+    for res in results:
+        assert res["reuse"]["new_groups"] == 0 and res["reuse"]["finite"], res["reuse"]
+        assert res["reuse"]["new_groups_forgotten"] > 0, res["reuse"]  # control

@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tests.distributed.harness import run_on_ranks
 
@@ -130,8 +131,26 @@ def _autocast_case(rank, out):
                        "dtypes": sorted({str(p.grad.dtype) for p in model.parameters()})}
 
 
+def _clip_without_grads_case(rank, out):
+    """``clip_grad_norm_`` on a tp group where one rank has no gradient at all (a layer it did not use): every
+    rank returns the same global norm instead of the gradient-less rank skipping the all-reduces its peers wait in
+    (a hang until the process-group timeout)."""
+    from lightning_sp.tensor_parallel.grads import clip_grad_norm_
+
+    module = nn.Module()
+    module.w, module.b = nn.Parameter(torch.zeros(3, dtype=torch.float64)), nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    split = [torch.full((3,), float(r + 1), dtype=torch.float64) for r in range(WORLD)]
+    if rank != WORLD - 1:
+        module.w.grad, module.b.grad = split[rank].clone(), torch.full((2,), 0.5, dtype=torch.float64)
+    norm = clip_grad_norm_(module, module.parameters(), 1e-3, sharded={"w"}, tp_group=dist.group.WORLD)
+    split_sq = sum(float(g.pow(2).sum()) for g in split[:-1])
+    want = (split_sq + (0.5 if rank != WORLD - 1 else 0.0)) ** 0.5  # replicated b counted once, locally
+    out["clip_without_grads"] = abs(float(norm) - want)
+
+
 def _worker(rank: int, world_size: int) -> dict:
     out: dict = {}
+    _clip_without_grads_case(rank, out)
     pairs = [[0, 1], [2, 3]]
     _run_case(rank, "tp4/sp/gqa/causal", [[0, 1, 2, 3]], heads=8, kv=4, sequence_parallel=True, causal=True, out=out)
     _run_case(rank, "tp2/sp/gqa/bidirectional", pairs, heads=4, kv=2, sequence_parallel=True, causal=False, out=out)
@@ -208,3 +227,7 @@ def test_heads_not_divisible_fail_with_fix(results):
     msg = results[0]["ulysses_error"]
     assert msg is not None and "n_heads/tensor_parallel_size = 8/4 = 2 query heads, which ulysses_degree=4" in msg
     assert "ulysses_degree in [1, 2] or tensor_parallel_size in [1, 2] would work" in msg
+
+
+def test_clip_grad_norm_with_a_rank_without_gradients(results):
+    assert all(res["clip_without_grads"] < 1e-12 for res in results), [r["clip_without_grads"] for r in results]

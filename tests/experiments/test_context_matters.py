@@ -32,22 +32,24 @@ def _run(out: Path, *extra: str) -> tuple[dict, str]:
 
 @pytest.mark.timeout(900)  # three Lightning start-ups; far less on a quiet machine (see the report)
 def test_quick_run_has_provenance_progress_and_reruns_bit_for_bit(tmp_path):
-    meta, stdout = _run(tmp_path / "a")
+    # one full-context arm, with bidirectional images (the causal one runs the same code with no mask)
+    meta, stdout = _run(tmp_path / "a", "--image-attention", "bidirectional")
     for key in ("command", "date", "hardware", "git_commit", "git_dirty", "kind"):
         assert key in meta, key
     assert meta["kind"] == "measured" and meta["quick"] is True and "--quick" in meta["command"]
     rows = {r["arm"]: r for r in meta["results"]}
-    assert set(rows) == {"full_sp2", "trunc48"}
-    assert rows["full_sp2"]["sequence_parallel"] and rows["full_sp2"]["context_tokens"] == 177
+    assert set(rows) == {"full_sp2_bidir", "trunc48"}
+    assert rows["full_sp2_bidir"]["sequence_parallel"] and rows["full_sp2_bidir"]["context_tokens"] == 177
+    assert rows["full_sp2_bidir"]["image_attention"] == "bidirectional" and rows["trunc48"]["image_attention"] == "causal"
     assert (tmp_path / "a" / "context_matters.csv").is_file() and (tmp_path / "a" / "context_matters.png").is_file()
-    for line in ("[1/2] full_sp2 seed 0: training 4 steps", "[2/2] trunc48 seed 0: val answer accuracy"):
+    for line in ("[1/2] full_sp2_bidir seed 0: training 4 steps", "[2/2] trunc48 seed 0: val answer accuracy"):
         assert line in stdout, stdout
     # a rerun (truncated arm only) reproduces the first run's numbers exactly
     again, _ = _run(tmp_path / "b", "--skip-full")
     (rerun,) = again["results"]
     assert {m: rerun[m] for m in METRICS} == {m: rows["trunc48"][m] for m in METRICS}
     # negative control: the metrics are not constants (the full-context arm's differ)
-    assert rows["full_sp2"]["val_loss"] != rows["trunc48"]["val_loss"]
+    assert rows["full_sp2_bidir"]["val_loss"] != rows["trunc48"]["val_loss"]
 
 
 def test_output_dir_defaults_to_runs():

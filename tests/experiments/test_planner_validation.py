@@ -32,3 +32,54 @@ def test_smoke_run_writes_measured_and_predicted_rows(tmp_path):
     # the committed run renders into the planning guide (a generated block), and is a full grid
     committed = json.loads((ROOT / "experiments/planner/results/planner_validation.json").read_text())
     assert committed["summary"]["rows"] == 48
+
+
+
+def test_committed_grid_is_the_current_planners_prediction_of_its_measured_rows():
+    """Every committed row's prediction is what the planner predicts now (a change to the planner must re-predict:
+    ``run.py --repredict --publish``), its error is its figures', the summary is its rows', and the measured peaks
+    are positive and distinct per row (no stale row)."""
+    from experiments.planner.run import CPU_PROFILE, predict
+    from lightning_sp.planner import hardware_profile
+
+    committed = json.loads((ROOT / "experiments/planner/results/planner_validation.json").read_text())
+    hw = hardware_profile(CPU_PROFILE)
+    errors = []
+    for row in committed["rows"]:
+        now = predict(row, hw)["peak_bytes"]
+        assert row["predicted"]["peak_bytes"] == pytest.approx(now), (row["model"], row["backend"])
+        assert row["memory_error"] == pytest.approx(now / row["measured"]["peak_bytes"] - 1)
+        errors.append(abs(row["memory_error"]))
+    assert committed["summary"]["memory_mean_abs_error"] == pytest.approx(sum(errors) / len(errors))
+    assert committed["summary"]["memory_max_abs_error"] == pytest.approx(max(errors))
+    assert {row["model"] for row in committed["rows"]} >= {"llama_gqa", "qwen3", "esm", "deepseek_mla"}
+    assert {row["data_parallel"] for row in committed["rows"]} == {"ddp", "fsdp"}
+    assert {row["world"] for row in committed["rows"]} == {2, 4}
+
+
+def test_committed_step_times_are_consistent_and_not_calibrated_on_their_rows():
+    """The committed step-time validation (``run.py --time`` / ``--recommend``): each error is its measured and
+    predicted figures', the summary is its rows', the fixed time per step comes from models none of these rows
+    use, and the planner's pick is the candidate it predicts fastest."""
+    results = ROOT / "experiments/planner/results"
+    data = json.loads((results / "planner_time_validation.json").read_text())
+    overhead = json.loads((results / "cpu_step_overhead.json").read_text())
+    assert data["kind"] == overhead["kind"] == "measured"
+    calibration = {r["model"] for r in overhead["rows"]}
+    timed = {r["model"] for r in data["rows"]} | {k.split()[0] for k in data["recommendations"]}
+    assert calibration and not calibration & timed
+    errors = []
+    for r in data["rows"]:
+        assert r["predicted_step_s"] == pytest.approx(sum(r["predicted_time"].values()))
+        assert r["error"] == pytest.approx(r["predicted_step_s"] / r["measured_step_s"] - 1)
+        assert r["predicted_time"]["fixed_s"] > 0
+        errors.append(abs(r["error"]))
+    assert data["summary"]["rows"] == len(errors) >= 12
+    assert data["summary"]["mean_abs_error"] == pytest.approx(sum(errors) / len(errors))
+    assert len(data["recommendations"]) >= 2
+    for rec in data["recommendations"].values():
+        cands = rec["candidates"]
+        picked = min(cands, key=lambda c: c["predicted_step_s"])
+        assert rec["planner_pick"] == {k: picked[k] for k in ("backend", "activation_checkpointing")}
+        fastest = min(c["measured_step_s"] for c in cands)
+        assert rec["pick_over_fastest"] == pytest.approx(picked["measured_step_s"] / fastest - 1)

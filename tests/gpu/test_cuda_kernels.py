@@ -153,8 +153,12 @@ def test_blocks_the_dispatcher_never_sends(kernel):
         ref_out, ref_lse = ref.forward(*args, scale=0.125, kind=kind, mask=None)
         ref_grads = ref.backward(dout.double(), *args, ref_out, ref_lse, scale=0.125, kind=kind, mask=None)
         assert _rel(out, ref_out) < TOL[dtype], case
+        # one key: the softmax is 1 whatever the score, so dQ = dK = 0 exactly and only dV carries a gradient; the
+        # kernels return rounding noise there (~1e-8), so those two are measured against dV's scale, not zero's
+        floor = ref_grads[2].abs().max() if sk == 1 else 0.0
         for g, r in zip(grads, ref_grads):
-            assert torch.isfinite(g).all() and _rel(g, r) < TOL[dtype], case
+            err = ((g.double() - r).abs().max() / max(r.abs().max(), floor)).item()
+            assert torch.isfinite(g).all() and err < TOL[dtype], (case, err)
         wrong = ref.forward(*args, scale=0.25, kind=kind, mask=None)[0]
         assert sk == 1 or _rel(out, wrong) > 10 * TOL[dtype], case  # control (one key: out = v whatever the scale)
 

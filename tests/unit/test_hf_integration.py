@@ -143,17 +143,28 @@ def test_output_attentions_refused():
         model(**shard, output_attentions=True)
 
 
-def test_arbitrary_4d_mask_refused():
+def test_4d_score_bias_refused():
+    """A float 4-D mask with values other than 0 / -inf is a score bias: refused, naming the alternatives."""
     model = apply_sequence_parallel(tiny_model("llama"))
-    with pytest.raises(NotImplementedError, match="arbitrary 4-D attention mask"):
-        model(input_ids=torch.randint(4, 30, (1, 6)), attention_mask=torch.zeros(1, 1, 6, 6, dtype=torch.float64))
+    with pytest.raises(NotImplementedError, match="score bias.* bool mask"):
+        model(input_ids=torch.randint(4, 30, (1, 6)), attention_mask=torch.full((1, 1, 6, 6), 0.5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 6, 5), (2, 1, 6, 6), (1, 3, 6, 6), (1, 6, 6)])
+def test_4d_mask_of_the_wrong_shape_names_the_expected_one(shape):
+    model = apply_sequence_parallel(tiny_model("llama"))
+    batch = {"input_ids": torch.randint(4, 30, (1, 6)), "attention_mask": torch.ones(shape, dtype=torch.bool)}
+    error = ValueError if len(shape) == 4 else NotImplementedError
+    expected = r"\[B, 1 or H, N, N\] = \[1, 1 or 4, 6, 6\]" if len(shape) == 4 else r"\[B, 1 or H, N, N\]"
+    with pytest.raises(error, match=expected):
+        shard_inputs(batch, model)
 
 
 @pytest.mark.parametrize("mask, match", [
-    ([[0, 0, 1, 1, 1, 1]], "only right padding"),
-    ([[1, 0, 1, 1, 1, 1]], "only right padding"),
+    ([[1, 0, 1, 1, 1, 1]], "not one run of real tokens"),
+    ([[0, 1, 1, 0, 1, 0]], "not one run of real tokens"),
 ])
-def test_non_right_padding_refused(mask, match):
+def test_holes_in_a_padding_mask_refused(mask, match):
     model = apply_sequence_parallel(tiny_model("llama"))
     batch = {"input_ids": torch.randint(4, 30, (1, 6)), "attention_mask": torch.tensor(mask)}
     with pytest.raises(NotImplementedError, match=match):
@@ -177,9 +188,9 @@ def test_rows_of_different_lengths_are_packed(name):
     assert (logits - real).abs().max() < TOL
     loss = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=-100)
     assert abs(float(loss.detach() - ref_loss.detach())) < TOL
-    # control: the padded batch given straight to the model cannot be expressed, and says how
-    with pytest.raises(NotImplementedError, match=r"different unpadded lengths \(\[7, 12\]\).*shard_inputs"):
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    # the padded batch given straight to the (unsharded) model: per-row key padding, exact on the real tokens
+    direct = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert (torch.cat([direct[0, :7], direct[1, :12]])[None] - real).abs().max() < TOL
 
 
 def test_bad_arguments():
@@ -233,10 +244,10 @@ def test_bf16_autocast_like_hf_sdpa(name):
 # ------------------------------------------------------------------ exact or refused (no process group)
 
 
-def test_4d_mask_in_the_batch_refused_naming_the_alternative():
+def test_a_4d_mask_with_a_bias_in_the_batch_refused_naming_the_alternative():
     model = apply_sequence_parallel(tiny_model("llama"))
     batch = {"input_ids": torch.randint(4, 30, (1, 6)), "attention_mask": torch.ones(1, 1, 6, 6)}
-    with pytest.raises(NotImplementedError, match=r"4-D attention_mask .*right-padding 2-D attention_mask .*cu_seqlens"):
+    with pytest.raises(NotImplementedError, match=r"additive float 4-D attention_mask .*bool mask"):
         shard_inputs(batch, model)
 
 

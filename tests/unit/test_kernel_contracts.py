@@ -85,6 +85,27 @@ def test_eligibility_depends_on_the_block(op, block, reason):
     assert got is None if reason is None else reason in got
 
 
+def test_auto_tries_cudnn_first_on_hopper_only(monkeypatch):
+    """Note [cuDNN first on Hopper]: ``auto`` (no flash-attn) is ``sdpa`` except that on sm90 cuDNN comes first;
+    blocks cuDNN cannot take fall back to the flash op (not to the efficient op, as ``kernel="cudnn"`` does).
+    Control: on sm80 and on CPU ``auto`` chooses exactly as ``sdpa``."""
+    meta = lambda dtype, d=64, s=4: torch.empty(1, s, 2, d, dtype=dtype, device="meta")  # noqa: E731
+    monkeypatch.setattr(K, "flash_attn_available", lambda: False)
+    assert type(K.make_kernel("auto")) is K.AutoKernel
+    hopper, ampere = K.AutoKernel(device_type="cuda", capability=H100), K.AutoKernel(device_type="cuda", capability=(8, 0))
+    sdpa = K.SDPAKernel(device_type="cuda", capability=(8, 0))
+    blocks = [(meta(torch.bfloat16), meta(torch.bfloat16), MaskKind.CAUSAL),
+              (meta(torch.float16), meta(torch.float16), MaskKind.FULL),
+              (meta(torch.bfloat16, 256), meta(torch.bfloat16, 256), MaskKind.FULL),   # D > 128: not cuDNN
+              (meta(torch.bfloat16), meta(torch.bfloat16, s=1), MaskKind.FULL),        # one key: not cuDNN
+              (meta(torch.float32), meta(torch.float32), MaskKind.FULL),
+              (meta(torch.float16), meta(torch.float16), MaskKind.DENSE)]
+    assert [hopper.choose(*b) for b in blocks] == ["cudnn", "cudnn", "flash", "flash", "efficient", "efficient"]
+    assert [ampere.choose(*b) for b in blocks] == [sdpa.choose(*b) for b in blocks]
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert hopper.choose(*blocks[0]) == "flash"  # cuDNN's backward is not deterministic
+
+
 def test_each_kernel_chooses_its_ops_in_order(monkeypatch):
     meta = lambda dtype, d=64, s=4: torch.empty(1, s, 2, d, dtype=dtype, device="meta")  # noqa: E731
     sdpa, cudnn, eff = _cuda(K.SDPAKernel), _cuda(K.CudnnKernel), _cuda(K.EfficientKernel)

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from lightning_sp.planner import Candidate, ModelSpec, hardware_profile, main, memory_bytes, plan
+from lightning_sp.planner import (Candidate, ModelSpec, hardware_profile, main, memory_bytes, memory_phases, plan,
+                                  step_time)
 
 ESM2_650M = {"architectures": ["EsmForMaskedLM"], "model_type": "esm", "hidden_size": 1280, "num_hidden_layers": 33,
              "num_attention_heads": 20, "intermediate_size": 5120, "vocab_size": 33, "hidden_act": "gelu",
@@ -82,12 +83,78 @@ def test_memory_parts_follow_the_layout():
     assert fsdp["ddp_buckets"] == 0 and ddp["ddp_buckets"] > 0
     ckpt = memory_bytes(spec, Candidate(**{**base.__dict__, "activation_checkpointing": True}), data_parallel="ddp", **kw)
     assert ckpt["stored_activations"] < ddp["stored_activations"] / 10
-    tiled = memory_bytes(spec, Candidate(**{**base.__dict__, "tiled_loss": True}), data_parallel="ddp", **kw)
+    _, phases = memory_phases(spec, base, data_parallel="ddp", **kw)
+    _, tiled = memory_phases(spec, Candidate(**{**base.__dict__, "tiled_loss": True}), data_parallel="ddp", **kw)
     # [N/P, V] logits and their gradient in bf16 + two float32 chunks of the loss; tiled: four float32 tiles
-    assert ddp["logits"] == pytest.approx(2 * 16384 * 128256 * 2 + 2 * (1 << 24) * 4)
-    assert tiled["logits"] == pytest.approx(4 * (1 << 24) * 4)
-    allgather = memory_bytes(spec, Candidate(**{**base.__dict__, "backend": "allgather_kv"}), data_parallel="ddp", **kw)
-    assert allgather["attention"] > 3 * ddp["attention"]  # the whole K/V against the ring's blocks in flight
+    assert phases["loss"]["logits"] == pytest.approx(2 * 16384 * 128256 * 2 + 2 * (1 << 24) * 4)
+    assert tiled["loss"]["logits"] == pytest.approx(4 * (1 << 24) * 4)
+    assert ddp["logits"] == phases["loss"]["logits"]  # 128K tokens of a 128K vocabulary: the loss is the peak
+    _, allgather = memory_phases(spec, Candidate(**{**base.__dict__, "backend": "allgather_kv"}), data_parallel="ddp", **kw)
+    # the whole K/V against the ring's blocks in flight
+    assert allgather["attention_backward"]["attention"] > 3 * phases["attention_backward"]["attention"]
+
+
+def test_the_peak_is_the_largest_moment_not_their_sum():
+    """The activations of the loss, a layer's MLP backward and its attention backward are not alive at once:
+    the peak is the states plus the largest moment (negative control: their sum is far larger)."""
+    spec = ModelSpec.from_hf_config(LLAMA3_8B)
+    kw = dict(seq_len=131072, batch=1, precision="bf16-mixed", data_parallel="ddp", hw=hardware_profile("h100"))
+    c = Candidate(backend="ring", sequence_parallel_size=8, data_parallel_size=1, tensor_parallel_size=1,
+                  ulysses_degree=None, kv_pieces=1, activation_checkpointing=True, tiled_loss=True)
+    states, phases = memory_phases(spec, c, **kw)
+    peak = sum(memory_bytes(spec, c, **kw).values())
+    assert peak == pytest.approx(sum(states.values()) + max(sum(p.values()) for p in phases.values()))
+    assert peak < sum(states.values()) + sum(sum(p.values()) for p in phases.values()) - 2**30
+
+
+def test_pure_bf16_states_and_the_tiled_mlp():
+    """``bf16-true``: 2 + 2 + 4 bytes per parameter and no float32 master or weight copies; the tiled MLP
+    keeps only its input and recomputes the MLP's forward once more."""
+    spec = ModelSpec.from_hf_config(ESM2_650M)
+    hw = hardware_profile("h200")
+    c = Candidate(backend="local", sequence_parallel_size=1, data_parallel_size=1, tensor_parallel_size=1,
+                  ulysses_degree=None, kv_pieces=1, activation_checkpointing=True, tiled_loss=False)
+    kw = dict(seq_len=65536, batch=1, data_parallel="ddp", hw=hw)
+    pure = memory_bytes(spec, c, precision="bf16-true", **kw)
+    mixed = memory_bytes(spec, c, precision="bf16-mixed", **kw)
+    assert pure["parameters"] + pure["gradients"] + pure["optimizer"] == pytest.approx(8 * spec.params)
+    assert mixed["parameters"] + mixed["gradients"] + mixed["optimizer"] == pytest.approx(16 * spec.params)
+    assert pure["weight_copies"] == 0 < mixed["weight_copies"]
+    tiled_c = Candidate(**{**c.__dict__, "mlp_chunk_tokens": 8192})
+    _, whole = memory_phases(spec, c, precision="bf16-true", **kw)
+    _, tiled = memory_phases(spec, tiled_c, precision="bf16-true", **kw)
+    # the recomputed layer in its MLP backward: without the 4 x 5120 MLP activations of 64K tokens (ESM's erf
+    # GELU) and the 3 x 5120 its backward adds, with one tile's four [8192, 5120]
+    saved_mlp = (4 + 3) * 5120 * 65536 * 2
+    tile = 4 * 8192 * 5120 * 2
+    assert (whole["mlp_backward"]["layer_in_backward"] - tiled["mlp_backward"]["layer_in_backward"]
+            == pytest.approx(saved_mlp - tile))
+    t_whole = step_time(spec, c, precision="bf16-true", seq_len=65536, batch=1, data_parallel="ddp", hw=hw)
+    t_tiled = step_time(spec, tiled_c, precision="bf16-true", seq_len=65536, batch=1, data_parallel="ddp", hw=hw)
+    assert t_tiled["other_compute_s"] > t_whole["other_compute_s"]
+    assert step_time(spec, c, precision="bf16-true", seq_len=65536, batch=1, data_parallel="ddp", hw=hw,
+                     step_overhead_s=0.25)["fixed_s"] == 0.25
+
+
+def test_saved_tensors_follow_the_code_that_runs_the_layer():
+    """Note [Saved tensors]: transformers' ESM keeps two more [T, ffn] tensors (its erf GELU), Qwen3 its q/k
+    norms' inputs and outputs, this project's layer the q/k part of its fused projection."""
+    esm = ModelSpec.from_hf_config(ESM2_650M)
+    fused = ModelSpec(**{**esm.__dict__, "implementation": "fused", "python_gelu": False})
+    assert sum(esm.saved_per_token(act_bytes=2)) - sum(fused.saved_per_token(act_bytes=2)) == 2 * 5120
+    project = ModelSpec(**{**fused.__dict__, "implementation": "project"})
+    assert sum(project.saved_per_token(act_bytes=2)) - sum(fused.saved_per_token(act_bytes=2)) == 2 * 1280
+    qwen = ModelSpec.from_hf_config({"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
+                                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32})
+    assert qwen.qk_norm and not ModelSpec.from_hf_config(LLAMA3_8B).qk_norm
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        ModelSpec(num_layers=1, hidden=8, num_heads=2, implementation="jax")
+
+
+def test_h200_measured_profile_is_a_hardware():
+    hw = hardware_profile("h200-measured")
+    assert hw.source.startswith("measured") and hw.memory_bytes == pytest.approx(139.8 * 2**30)
+    assert plan(ESM2_650M, seq_len=32768, devices=1, hardware="h200-measured", precision="bf16-true").recommended.fits
 
 
 def test_esm2_650m_on_8_h100_at_64k():
@@ -111,6 +178,15 @@ def test_llama_8b_at_128k_recommends_the_tiled_loss_and_says_what_lets_longer_fi
     assert "up to N=" in p.cheapest_change
     longer = int(p.cheapest_change.split("up to N=")[1].split()[0])
     assert longer > p.recommended.max_seq_len
+
+
+def test_cheapest_change_from_a_local_recommendation():
+    """Without sequence parallelism (``local``) and every cheaper change already taken (FSDP asked for), the
+    last suggestion is a sequence-parallel split; doubling ``local``'s degree once raised a ValueError."""
+    p = plan(ESM2_650M, seq_len=131072, devices=1, hardware="h100", data_parallel="fsdp")
+    assert p.recommended.backend == "local"
+    assert "sp=2, backend='zigzag_ring'" in p.cheapest_change
+    assert int(p.cheapest_change.split("up to N=")[1].split()[0]) > p.recommended.max_seq_len
 
 
 def test_no_layout_fits_says_so_and_what_would_help():

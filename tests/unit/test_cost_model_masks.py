@@ -1,0 +1,234 @@
+"""The cost model under a mask (Note [Cost model under a mask] in ``lightning_sp/cost_model.py``), without
+processes: the mask resolved as the module resolves it, the bytes the committed measurement counted, the compute
+a window leaves, and ``backend="auto"``'s choice with and without a window. (Counted against real ranks:
+``tests/distributed/test_cost_model_counts.py``.)"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from lightning_sp import cost_model as cm
+from lightning_sp.attention import _doc_bounds, _mask_fields, auto_choice
+from lightning_sp.masks import AttentionMask
+from lightning_sp.ops.schedule import resolve_masking
+
+H100 = cm.preset("h100-80gb")
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/masks/results/2026-11-28_traffic-and-window.json"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq_len,padded", [(1000, 1000), (1000, 1024)])
+@pytest.mark.parametrize("mask,cu", [
+    (None, None), (None, (0, 300, 1000)), (AttentionMask(window=(99, 0)), None),
+    (AttentionMask(window=(40, 40)), (0, 500, 1000)), (AttentionMask(chunk_size=256), None),
+    (AttentionMask(bidirectional_spans=((10, 200),)), None), (AttentionMask(softcap=30.0), None), (AttentionMask(), None),
+])
+def test_masking_is_resolved_as_the_module_resolves_it(mask, cu, causal, seq_len, padded):
+    got = resolve_masking(mask, cu, causal=causal, seq_len=seq_len, padded_len=padded)
+    if mask is not None and mask.signature() == AttentionMask().signature():
+        mask = None  # the module drops an empty mask before it resolves one
+    if mask is None and cu is None:  # unmasked: the model as before (padding computed like tokens)
+        assert got == resolve_masking(None, None, causal=causal, seq_len=seq_len, padded_len=padded)
+        assert got.mask is None and got.doc_bounds is None and not got.follow
+        return
+    bounds = _doc_bounds(cu, seq_len, padded)
+    want = _mask_fields(mask, None, causal, bounds, padded, follow=cu is not None)
+    assert got.doc_bounds == (None if bounds is None else tuple(bounds))
+    assert got.mask == want.get("mask") and got.follow == want["follow_mask"]
+
+
+def test_resolve_masking_rejects_documents_that_do_not_cover_the_sequence():
+    with pytest.raises(ValueError, match="doc_bounds must run from 0 to seq_len=1000"):
+        resolve_masking(None, (0, 300, 900), causal=True, seq_len=1000, padded_len=1000)
+
+
+def _benchmark_inputs(row, meta):
+    from benchmarks.masks.run import protein_docs
+
+    shape = cm.AttentionShape(seq_len=row["N"], num_heads=meta["heads"], num_kv_heads=meta["kv_heads"],
+                              head_dim=meta["head_dim"], dtype_bytes=4, causal=meta["causal"])
+    if row["case"] == "docs":
+        return shape, dict(cu_seqlens=tuple(protein_docs(row["N"])))
+    return shape, dict(mask=AttentionMask(window=(511, 0)))
+
+
+def test_model_counts_the_bytes_the_mask_benchmark_measured():
+    data = json.loads(RESULTS.read_text())
+    assert len(data["rows"]) >= 30  # every rank of packed documents and of the window at three lengths
+    for row in data["rows"]:
+        shape, masking = _benchmark_inputs(row, data["meta"])
+        got = cm.rank_counts(row["backend"], shape, row["P"], ranks=[row["rank"]], **masking)[0].bytes_by_op
+        ring = got.get("ring_send", 0) + got.get("ring_send_grad", 0)
+        assert ring == row["fwd_bwd_bytes"] and set(got) <= {"ring_send", "ring_send_grad"}, (row, got)
+        # negative control: the model blind to the mask counts the traffic before it followed the mask
+        blind = cm.rank_counts(row["backend"], shape, row["P"], ranks=[row["rank"]])[0].bytes_by_op
+        if row["backend"] != "allgather_kv":  # (all-gather + reduce-scatter without the mask: other operations)
+            assert blind["ring_send"] + blind["ring_send_grad"] == row["today_fwd_bwd_bytes"] != ring, (row, blind)
+    # a sliding window's bytes per rank do not grow with N; the blind model's do
+    window = {(r["N"], r["P"], r["rank"]): r["fwd_bwd_bytes"] for r in data["rows"] if r["case"] == "window"}
+    assert window[(16384, 4, 1)] == window[(65536, 4, 1)] > 0
+
+
+def test_window_prices_the_compute_it_leaves():
+    shape = cm.AttentionShape(seq_len=65536, num_heads=32, num_kv_heads=8, head_dim=128)
+    window = AttentionMask(window=(4095, 0))
+    for backend, u in (("zigzag_ring", None), ("ulysses", None), ("usp", 2), ("allgather_kv", None)):
+        full = cm.predict_attention(backend, shape, 4, H100, ulysses_degree=u)
+        win = cm.predict_attention(backend, shape, 4, H100, ulysses_degree=u, mask=window)
+        # every rank computes about its share of N W H pairs, not its share of the causal N^2 / 2 H
+        share = 65536 / 4 * 4096 * 32
+        assert 0.95 * share <= win.attention_pairs < 1.1 * share, (backend, win.attention_pairs / share)
+        assert full.attention_pairs >= 65536 ** 2 / 2 * 32 / 4
+        # time falls less than the pairs: the window's partial tiles are small DENSE calls (MASK_TILE = 128),
+        # which the GPU presets price at a small block's rate
+        assert win.compute_s < 0.6 * full.compute_s, backend
+    # traffic: the ring's follows the window, Ulysses' all-to-alls do not shrink
+    ring = [cm.predict_attention("zigzag_ring", shape, 4, H100, mask=m).comm_bytes for m in (None, window)]
+    uly = [cm.predict_attention("ulysses", shape, 4, H100, mask=m).comm_bytes for m in (None, window)]
+    assert ring[1] < 0.5 * ring[0] and uly[1] == uly[0]
+    # K/V in pieces (a memory choice) moves every row whatever the mask, as the pieces path runs
+    pieces = [cm.predict_attention("zigzag_ring", shape, 4, H100, kv_pieces=4, mask=m).comm_bytes for m in (None, window)]
+    assert pieces[1] == pieces[0]
+    # one rank: the local call's compute under the window too
+    one = [cm.predict_attention("zigzag_ring", shape, 1, H100, mask=m) for m in (None, window)]
+    assert one[1].attention_pairs < 0.2 * one[0].attention_pairs
+
+
+def test_auto_follows_a_sliding_window_and_is_unchanged_without_one():
+    shape = cm.AttentionShape(seq_len=131072, num_heads=32, num_kv_heads=8, head_dim=128)
+    hw = replace(H100, ranks_per_node=4)
+    plain = cm.choose_backend(shape, 4, hw)
+    window = cm.choose_backend(shape, 4, hw, mask=AttentionMask(window=(511, 0)))
+    # without a mask: Ulysses, as before (the mask-blind pricing); an empty mask and mask=None are that too
+    assert plain.backend == "ulysses", plain.summary()
+    for same in (cm.choose_backend(shape, 4, hw, mask=None), cm.choose_backend(shape, 4, hw, mask=AttentionMask())):
+        assert [(p.label, p.total_s) for p in same.predictions] == [(p.label, p.total_s) for p in plain.predictions]
+    # W << N: the ring that sends the window's rows, not the all-to-alls that move every row
+    assert window.backend == "zigzag_ring", window.summary()
+    by = {p.label: p for p in window.predictions}
+    assert by["zigzag_ring"].comm_bytes < 0.05 * by["ulysses"].comm_bytes
+    # the module's entry point passes the mask on
+    got = auto_choice(32, 4, seq_len=131072, num_kv_heads=8, head_dim=128, hardware=hw,
+                      mask=AttentionMask(window=(511, 0)))
+    assert got.backend == "zigzag_ring"
+
+
+# ------------------------------------------------------------------------------------------------ the planner
+
+MISTRAL = {"model_type": "mistral", "hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "intermediate_size": 2816, "vocab_size": 32000, "sliding_window": 512,
+           "hidden_act": "silu"}
+
+
+def _hf_configs():
+    """transformers' own configs (their ``layer_types`` are the truth), as dicts without ``layer_types``."""
+    tf = pytest.importorskip("transformers")
+    cases = {
+        "mistral": tf.MistralConfig(num_hidden_layers=4, sliding_window=4096),
+        "qwen2": tf.Qwen2Config(num_hidden_layers=6, use_sliding_window=True, sliding_window=4096, max_window_layers=2),
+        "qwen2-off": tf.Qwen2Config(num_hidden_layers=6, sliding_window=4096, max_window_layers=2),
+        "gemma2": tf.Gemma2Config(num_hidden_layers=5, sliding_window=4096),
+        "gemma3": tf.Gemma3TextConfig(num_hidden_layers=12, sliding_window=1024),
+        "modernbert": tf.ModernBertConfig(num_hidden_layers=7, local_attention=128),
+    }
+    out = {}
+    for name, cfg in cases.items():
+        d = cfg.to_dict()
+        truth = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+        if name == "qwen2-off":
+            truth = ["full_attention"] * cfg.num_hidden_layers
+        d.pop("layer_types", None)
+        if name == "gemma3":
+            d["sliding_window_pattern"] = 6  # as the Hub's Gemma-3 configs write it
+        out[name] = (d, truth)
+    return out
+
+
+def test_hf_configs_give_each_layers_window_as_transformers_does():
+    from lightning_sp.planner import ModelSpec, hf_sliding_windows
+
+    expected_window = {"mistral": (4095, 0), "qwen2": (4095, 0), "gemma2": (4095, 0), "gemma3": (1023, 0),
+                       "modernbert": (64, 64), "qwen2-off": None}
+    for name, (cfg, truth) in _hf_configs().items():
+        layers = len(truth)
+        want = tuple(expected_window[name] if t == "sliding_attention" else None for t in truth)
+        if name == "qwen2-off":
+            want = ()
+        got = hf_sliding_windows(cfg, layers, cfg["model_type"])  # the model type's rule
+        assert got == want, (name, got, truth)
+        listed = hf_sliding_windows({**cfg, "layer_types": truth}, layers, cfg["model_type"])  # the config's list
+        assert (listed if any(listed) else ()) == want, name  # every layer full: () or all None alike
+        assert ModelSpec.from_hf_config(cfg).sliding_windows == want, name
+    # the mixes the task is about: Gemma-3 five local of six, Gemma-2 every other, ModernBERT two of three
+    cfgs = _hf_configs()
+    assert sum(w is not None for w in hf_sliding_windows(cfgs["gemma3"][0], 12, "gemma3_text")) == 10
+    assert sum(w is not None for w in hf_sliding_windows(cfgs["gemma2"][0], 5, "gemma2")) == 3
+    assert hf_sliding_windows({"model_type": "llama", "sliding_window": None}, 4, "llama") == ()
+
+
+def test_planner_prices_each_layers_window():
+    from lightning_sp import planner
+    from lightning_sp.planner import ModelSpec, attention_per_layer
+
+    windowed = ModelSpec.from_hf_config(MISTRAL)
+    full = replace(windowed, sliding_windows=())
+    assert windowed.sliding_windows == ((511, 0),) * 4
+    kw = dict(seq_len=32768, devices=4, hardware="h100", sequence_parallel=4, tensor_parallel=1)
+    got = {c.label: c for c in planner.plan(windowed, **kw).candidates}
+    before = {c.label: c for c in planner.plan(full, **kw).candidates}
+    assert got.keys() == before.keys()
+    for label, c in got.items():  # a window of 512 at N = 32K: far less attention compute on every layout
+        assert c.time["attention_compute_s"] < 0.5 * before[label].time["attention_compute_s"], label
+        assert c.peak_bytes_per_rank == before[label].peak_bytes_per_rank  # memory: not the mask's business
+    # the mean over the layers: half windowed is the mean of all windowed and none
+    c = next(iter(planner.plan(windowed, **kw).candidates))
+    half = replace(windowed, sliding_windows=((511, 0), None) * 2)
+    args = (32768, 1, 2, cm.preset("h100-80gb"))
+    mixed, win, none = (attention_per_layer(m, c, *args) for m in (half, windowed, full))
+    assert mixed[0] == pytest.approx((win[0] + none[0]) / 2, rel=1e-12) and win[0] < none[0]
+    # plan(mask=) puts one window on every layer, and mask=None keeps the config's
+    from lightning_sp.masks import AttentionMask
+
+    masked = planner.plan(full, mask=AttentionMask(window=(511, 0)), **kw)
+    assert masked.model.sliding_windows == windowed.sliding_windows
+    assert [x.step_time_s for x in masked.candidates] == [x.step_time_s for x in planner.plan(windowed, **kw).candidates]
+    with pytest.raises(ValueError, match="chunks, spans and mask_mod are not planned"):
+        planner.plan(full, mask=AttentionMask(chunk_size=1024), **kw)
+    with pytest.raises(ValueError, match="one per layer"):
+        attention_per_layer(replace(windowed, sliding_windows=((511, 0),)), c, *args)
+
+
+def test_plan_command_takes_a_sliding_window(capsys, tmp_path):
+    from lightning_sp import planner
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**MISTRAL, "sliding_window": None}))
+    base = ["--model", str(path), "--seq-len", "32768", "--devices", "4", "--sequence-parallel", "4",
+            "--tensor-parallel", "1", "--json"]
+    assert planner.main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert planner.main(base + ["--sliding-window", "512"]) == 0
+    windowed = json.loads(capsys.readouterr().out)
+    assert plain["model"]["sliding_windows"] == [] and windowed["model"]["sliding_windows"] == [[511, 0]] * 4
+    times = [{c["backend"] + str(c["kv_pieces"]): c["time"]["attention_compute_s"] for c in p["candidates"]}
+             for p in (plain, windowed)]
+    assert all(times[1][k] < times[0][k] for k in times[0])
+    assert planner.main(base[:-1] + ["--sliding-window", "512"]) == 0
+    assert "attention: window (511, 0) on 4 of 4 layers" in capsys.readouterr().out
+    assert planner.main(base + ["--sliding-window", "0"]) == 2
+    assert "--sliding-window must be >= 1" in capsys.readouterr().err
+
+
+def test_masks_docs_example_runs_and_shows_auto_following_the_window(capsys):
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs/guides/planning.md").read_text()
+    block = re.search(r"<!-- test: masks example[^>]*-->\s*```python\n(.*?)```", text, re.DOTALL).group(1)
+    exec(compile(block, "docs/guides/planning.md", "exec"), {"__name__": "docs_example"})  # noqa: S102
+    out = capsys.readouterr().out
+    assert re.findall(r"auto would run: (\w+)", out) == ["ulysses", "zigzag_ring"], out
+    assert re.search(r"zigzag_ring .* sends +16 MiB", out) and re.search(r"zigzag_ring .* sends +1792 MiB", out), out
