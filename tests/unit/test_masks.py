@@ -421,3 +421,23 @@ def test_relative_bias_table_gradient_under_activation_checkpointing(use_reentra
     checkpoint(layer, q, use_reentrant=use_reentrant).backward(dout)
     assert float(expected.abs().max()) > 1e-2
     assert torch.allclose(table.grad, expected, rtol=0, atol=1e-12) and torch.allclose(q.grad, expected_dq, rtol=0, atol=1e-12)
+
+
+def test_a_relative_bias_runs_the_kernel_that_accumulates_its_table_gradient_and_trials_add_none():
+    """Under ``kernel="flex"`` a call with a relative bias still runs ``ScoreModKernel`` (FlexAttention's backward
+    would not accumulate the table's gradient); ``backend="auto"``'s timed trials get the table detached."""
+    from types import SimpleNamespace
+
+    from lightning_sp import RelativePositionBias
+    from lightning_sp.attention import _without_learned_tables
+    from lightning_sp.ops.kernels import ScoreModKernel, score_mod_kernel
+
+    table = torch.zeros(8, 4, dtype=torch.float64, requires_grad=True)
+    mask = AttentionMask(softcap=2.0, relative_bias=RelativePositionBias(table, num_buckets=8, max_distance=10))
+    flex = SimpleNamespace(name="flex")
+    chosen = score_mod_kernel(flex, mask.score_mods(), q_global=0, k_global=0, head_offset=0)
+    assert type(chosen) is ScoreModKernel
+    trial = _without_learned_tables(mask)
+    assert not trial.relative_bias.table.requires_grad and trial.relative_bias.table.data_ptr() == table.data_ptr()
+    assert trial.signature() == mask.signature() and trial.softcap == 2.0
+    assert _without_learned_tables(AttentionMask(softcap=2.0)) == AttentionMask(softcap=2.0)
