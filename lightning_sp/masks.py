@@ -239,7 +239,8 @@ class RelativePositionBias:
             return f"bucket_fn returned shape {tuple(bucket.shape)} for relative positions of shape {(2 * length - 1,)}"
         low, high = int(bucket.min()), int(bucket.max())
         if low < 0 or high >= self.table.size(0):
-            return (f"bucket_fn returned buckets in [{low}, {high}], outside the table's [0, {self.table.size(0)}) rows "
+            rows = self.table.size(0)
+            return (f"bucket_fn returned buckets in [{low}, {high}], outside the table's [0, {rows}) rows "
                     f"(relative positions {1 - length}..{length - 1})")
         return None
 

@@ -435,7 +435,8 @@ def _t5_run(base, batch: dict, reference, weight, backend: str, group, control: 
         grads = max(grads, float((g - (p_ref.grad if p_ref.grad is not None else 0)).abs().max()))
     loss_total = loss.detach().clone()
     dist.all_reduce(loss_total, group=group)
-    tables = [m.relative_attention_bias.weight.grad for m in ref.modules() if getattr(m, "has_relative_attention_bias", False)]
+    tables = [m.relative_attention_bias.weight.grad for m in ref.modules()
+              if getattr(m, "has_relative_attention_bias", False)]
     return {"hidden": float((full - real).abs().max()), "loss": abs(float(loss_total - loss_ref)),
             "grads": grads, "table_grad": min(float(t.abs().max()) for t in tables)}
 

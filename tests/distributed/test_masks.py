@@ -378,12 +378,15 @@ def _relative_bias_case(group, world, backend, kind, seed):
         dsinks = s.grad.clone()
         dist.all_reduce(dsinks, group=group)
         got.append(dsinks)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, table)] + ([sinks.clone().requires_grad_()] if with_sinks else [])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, table)]
+    leaves += [sinks.clone().requires_grad_()] if with_sinks else []
     ref_mask = AttentionMask(score_mod=_bias_reference_mod(RelativePositionBias(leaves[3], **bias_kw)), **extra)
-    ref = dense_attention(*leaves[:3], causal=causal, cu_seqlens=cu, mask=ref_mask, sinks=leaves[4] if with_sinks else None)
+    ref = dense_attention(*leaves[:3], causal=causal, cu_seqlens=cu, mask=ref_mask,
+                          sinks=leaves[4] if with_sinks else None)
     refs = [ref, *torch.autograd.grad(ref, leaves, dout)]
     errors = [_err(a, b) for a, b in zip(got, refs)]
-    ignored = dense_attention(q, k, v, causal=causal, cu_seqlens=cu, mask=AttentionMask(**extra), sinks=sinks if with_sinks else None)
+    ignored = dense_attention(q, k, v, causal=causal, cu_seqlens=cu, mask=AttentionMask(**extra),
+                              sinks=sinks if with_sinks else None)
     return {"errors": errors, "bias_ignored": _err(got[0], ignored), "not_reduced": _err(leaf.grad, refs[4]),
             "table_grad_norm": float(refs[4].abs().max())}
 

@@ -330,7 +330,8 @@ def test_local_attention_with_a_relative_bias_matches_dense_fp64_with_its_table_
     softcap = 0.9 if extra == "softcap_docs_sinks" else None
     cu = torch.tensor([0, 40, 41, 150], dtype=torch.int32) if extra == "softcap_docs_sinks" else None
     sinks = torch.randn(4, dtype=torch.float64) if extra == "softcap_docs_sinks" else None
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, table)] + ([sinks.clone().requires_grad_()] if sinks is not None else [])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, table)]
+    leaves += [sinks.clone().requires_grad_()] if sinks is not None else []
     bias = RelativePositionBias(leaves[3], num_buckets=rows, max_distance=40, bidirectional=bidirectional,
                                 bucket_fn=bucket_fn)
     attn = SequenceParallelAttention(causal=causal, kernel="torch")
@@ -368,8 +369,8 @@ def test_relative_bias_table_gradient_per_backward_and_frozen_table():
     out.backward(dout)
     ref_table = table.detach().clone().requires_grad_()
     sm = _bias_as_score_mod(RelativePositionBias(ref_table, num_buckets=16, max_distance=30), ref_table)
-    ref = dense_attention(q, k, v, mask=AttentionMask(score_mod=sm)) + dense_attention(q.flip(1), k, v,
-                                                                                        mask=AttentionMask(score_mod=sm))
+    ref_mask = AttentionMask(score_mod=sm)
+    ref = dense_attention(q, k, v, mask=ref_mask) + dense_attention(q.flip(1), k, v, mask=ref_mask)
     (expected,) = torch.autograd.grad(ref, ref_table, dout)
     assert float((first - expected).abs().max()) < 1e-11
     assert float((table.grad - 2 * expected).abs().max()) < 1e-11
@@ -420,7 +421,8 @@ def test_relative_bias_table_gradient_under_activation_checkpointing(use_reentra
     table.grad = q.grad = None
     checkpoint(layer, q, use_reentrant=use_reentrant).backward(dout)
     assert float(expected.abs().max()) > 1e-2
-    assert torch.allclose(table.grad, expected, rtol=0, atol=1e-12) and torch.allclose(q.grad, expected_dq, rtol=0, atol=1e-12)
+    assert torch.allclose(table.grad, expected, rtol=0, atol=1e-12)
+    assert torch.allclose(q.grad, expected_dq, rtol=0, atol=1e-12)
 
 
 def test_a_relative_bias_runs_the_kernel_that_accumulates_its_table_gradient_and_trials_add_none():
