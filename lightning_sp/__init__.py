@@ -21,7 +21,7 @@ from lightning_sp.attention import SequenceParallelAttention, layout_for_backend
 from lightning_sp.context import SequenceParallelContext
 from lightning_sp.layout import SequenceLayout, gather_sequence, sequence_positions, shard_sequence
 from lightning_sp.loss import sequence_parallel_cross_entropy
-from lightning_sp.masks import AttentionMask
+from lightning_sp.masks import AttentionMask, RelativePositionBias
 
 if TYPE_CHECKING:
     from lightning_sp.callbacks import SequenceParallelMonitor
@@ -57,6 +57,7 @@ register_when_lightning_loads()
 
 __all__ = [
     "AttentionMask",
+    "RelativePositionBias",
     "SequenceLayout",
     "SequenceParallelAttention",
     "SequenceParallelContext",

@@ -10,6 +10,7 @@ binds it (``bind``), so one model runs with and without sequence parallelism.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -26,7 +27,7 @@ from lightning_sp.comm.agree import describe_disagreement, gather_rows, global_r
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.context import SequenceParallelContext
 from lightning_sp.layout import Run, SequenceLayout, global_seq_len_of, padded_length
-from lightning_sp.masks import AttentionMask
+from lightning_sp.masks import AttentionMask, route_table_gradient
 from lightning_sp.ops import backends
 from lightning_sp.ops.kernels import KERNELS, make_kernel, prefers_heads_major
 
@@ -487,6 +488,7 @@ class SequenceParallelAttention(nn.Module):
             padded_len=n, doc_bounds=doc_bounds, stats=None, **_mask_fields(attn_mask, sinks, self.causal, doc_bounds, n,
                                                                             follow=False),
         )
+        q = route_table_gradient(q, call.score_mods)  # Note [Relative-position bias gradient] in masks.py
         with torch.autocast(q.device.type, enabled=False):
             return backends.local_attention(q, k, v, call)
 
@@ -499,7 +501,7 @@ class SequenceParallelAttention(nn.Module):
         # Every local problem becomes an error code, raised only after the cross-rank check that every
         # rank joins at every call (Note [Cross-rank checks are decided together] in comm/agree.py)
         error = (_local_input_error(q, k, v, cu_seqlens, kv_layout, self.causal, attn_mask, sinks)
-                 or _mask_input_error(q, attn_mask, sinks))
+                 or _mask_input_error(q, attn_mask, sinks, world))
         bounds = ctx.cu_bounds(cu_seqlens) if cu_seqlens is not None and error is None else None
         try:  # a replicated memory is no shard: only q's sequence has a global length
             seq_len = self._global_seq_len(seq_len, q, q, q) if replicated else self._global_seq_len(seq_len, q, k, v)
@@ -565,6 +567,7 @@ class SequenceParallelAttention(nn.Module):
             return backends.block_attention(q, k, v, call.spec(queries, [memory]))
 
     def _dispatch(self, backend, auto_u, q, k, v, call, group, world) -> torch.Tensor:
+        q = route_table_gradient(q, call.score_mods)  # Note [Relative-position bias gradient] in masks.py
         with torch.autocast(q.device.type, enabled=False):
             if backend == "ulysses":
                 return backends.ulysses_attention(q, k, v, call, group=group)
@@ -693,7 +696,8 @@ class SequenceParallelAttention(nn.Module):
         def run(label: str) -> None:
             backend, u = candidates[label]
             tq, tk, tv = (t.detach().requires_grad_() for t in trial[:3])
-            call = self._attention_call(tq, tk, backend, world, scale, layout, bounds, n, None, u, attn_mask=attn_mask)
+            call = self._attention_call(tq, tk, backend, world, scale, layout, bounds, n, None, u,
+                                        attn_mask=_without_learned_tables(attn_mask))
             # identity hooks: a trial inside activation checkpointing must not be packed for recomputation
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 self._dispatch(backend, u, tq, tk, tv, call, group, world).backward(trial[3])
@@ -847,14 +851,29 @@ def _mask_fields(attn_mask: AttentionMask | None, sinks, causal, doc_bounds, pad
                 follow_mask=follow or not structured.is_plain() or attn_mask.chunk_size is not None)
 
 
-def _mask_input_error(q, attn_mask: AttentionMask | None, sinks) -> tuple[int, str] | None:
-    """``(code, message)`` for a mask or sinks that do not fit ``q [B, S, H, D]``."""
+def _without_learned_tables(attn_mask: AttentionMask | None) -> AttentionMask | None:
+    """``attn_mask`` with its relative bias's table detached: a timed trial's backward must not add to the
+    parameter's gradient."""
+    bias = None if attn_mask is None else attn_mask.relative_bias
+    if bias is None or not bias.table.requires_grad:
+        return attn_mask
+    return dataclasses.replace(attn_mask, relative_bias=dataclasses.replace(bias, table=bias.table.detach()))
+
+
+def _mask_input_error(q, attn_mask: AttentionMask | None, sinks, world: int = 1) -> tuple[int, str] | None:
+    """``(code, message)`` for a mask or sinks that do not fit ``q [B, S, H, D]`` (``world`` shards of it)."""
     if q.dim() != 4:
         return None  # reported by _local_input_error
     h = q.size(2)
     if attn_mask is not None and attn_mask.alibi_slopes is not None and len(attn_mask.alibi_slopes) != h:
         return 14, (f"mask.alibi_slopes has {len(attn_mask.alibi_slopes)} slopes but q has {h} heads: pass one slope "
                     f"per query head")
+    bias = None if attn_mask is None else attn_mask.relative_bias
+    if bias is not None and bias.num_heads != h:
+        return 14, (f"mask.relative_bias.table has {bias.num_heads} columns but q has {h} heads: pass a "
+                    f"[num_buckets, H] table, one column per query head")
+    if bias is not None and bias.bucket_error(q.size(1) * world) is not None:
+        return 14, f"mask.relative_bias: {bias.bucket_error(q.size(1) * world)}"
     if attn_mask is not None and attn_mask.key_padding is not None and len(attn_mask.key_padding) != q.size(0):
         return 14, (f"mask.key_padding has {len(attn_mask.key_padding)} (start, end) ranges but q has batch size "
                     f"{q.size(0)}: pass one range of real tokens per batch row")

@@ -15,14 +15,20 @@ Visibility of key ``k`` from query ``q`` (global positions; every part is option
     and start_b <= k < end_b                    (key_padding=((start_b, end_b), ...): row b's real tokens)
 
 Scores (``s = q.k * scale``) are modified in this order: ``softcap * tanh(s / softcap)``, then ``- slope_h * |q - k|``
-(ALiBi, one slope per query head), then ``score_mod(s, b, h, q, k)``. Attention sinks (gpt-oss) are one learned
+(ALiBi, one slope per query head), then ``+ table[bucket(k - q), h]`` (``relative_bias``: a learned relative-position
+bias, T5's buckets by default; its table gets its gradient, Note [Relative-position bias gradient]), then
+``score_mod(s, b, h, q, k)``. Attention sinks (gpt-oss) are one learned
 logit per query head that joins every row's softmax with a zero value vector: ``out = sum_k p_k v_k`` with
 ``p = softmax([s_1 .. s_n, sink_h])``.
 
 ``b`` is the batch index, ``h`` the *global* query head index (Ulysses ranks hold a slice of the heads), ``q`` and
 ``k`` global positions; the callables receive broadcastable int64 tensors ``[B, 1, 1, 1]``, ``[1, H, 1, 1]``,
 ``[1, 1, Sq, 1]``, ``[1, 1, 1, Sk]`` and must be elementwise (as FlexAttention's). ``score_mod`` must be
-differentiable by autograd (its gradient flows to the scores, not to parameters it closes over).
+differentiable by autograd (its gradient flows to the scores, not to parameters it closes over: a learned bias
+indexed by ``k - q`` is ``relative_bias``, whose table does get its gradient).
+
+    bias = RelativePositionBias(t5_layer.relative_attention_bias.weight, num_buckets=32, max_distance=128)
+    out = attn(q, k, v, mask=AttentionMask(relative_bias=bias))   # T5 encoder attention; d(table) exact
 
 Padding (``key_padding``, one global ``[start, end)`` of real tokens per batch row: left, right or both
 sides padded): padded keys are never seen; a query row that sees no key at all (a causal query in the left
@@ -46,6 +52,23 @@ Note [Block classes from global ranges]
     rings decide from it which K/V rows to send to whom, and the peer agrees without a message.
     ``mask_mod`` takes no part in the classes (it is evaluated on the blocks that are computed): it can only hide
     more, never reveal, so a pair the structured parts leave empty is empty.
+
+Note [Relative-position bias gradient]
+    ``relative_bias`` adds ``table[bucket(k - q), h]`` (``table [num_buckets, H]``, ``h`` the global query head)
+    to every score, so ``d loss / d table[j, h] = sum over (b, q, k) with bucket(k - q) = j of dS[b, h, q, k]``,
+    where ``dS`` is the gradient of the modified score, which every score-modifying backward has per computed
+    block (``ScoreMods.backward_through``: autograd through the modifiers of one block, with the block's slice of
+    the table as a leaf, whose gradient is that bucketed sum). Blocks a mask leaves empty have ``dS = 0`` and are
+    skipped. Each (query, key) pair is computed exactly once over the group, by the rank that holds the query
+    (Ulysses: of its heads, ``head_offset``), so the per-block sums, added into one ``[num_buckets, H]``
+    accumulator per call (``ScoreMods.table_grad``), give on each rank its rows' share of the gradient; summed
+    over the group they are the whole gradient, as the sinks' (Note [Attention sinks] in
+    ``ops/ring_attention.py``): like any parameter's share, the data-parallel reduction over ``dp x sp`` sums them.
+    The accumulator reaches autograd through ``route_table_gradient``: an identity on ``q`` whose backward
+    returns ``dq`` unchanged and the accumulated ``d table``. Every node of the call's backward takes ``q`` (or
+    what was made from it) as an input, so autograd runs them all before that identity's backward: the
+    accumulator is complete when it is read (and emptied, so a second backward through a retained graph starts
+    from zero).
 """
 
 from __future__ import annotations
@@ -58,7 +81,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["AttentionMask", "StructuredMask", "ScoreMods", "BlockClass", "resolve_window", "padding_ranges"]
+__all__ = ["AttentionMask", "RelativePositionBias", "StructuredMask", "ScoreMods", "BlockClass", "resolve_window",
+           "padding_ranges", "route_table_gradient", "t5_relative_position_bucket"]
 
 
 class BlockClass(Enum):
@@ -129,6 +153,103 @@ def _callable_name(fn) -> str | None:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
+def t5_relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool = True, num_buckets: int = 32,
+                                max_distance: int = 128) -> torch.Tensor:
+    """T5's bucket of each relative position ``k - q`` (int tensor, any shape) -> int64 in ``[0, num_buckets)``, the
+    same as Hugging Face's ``T5Attention._relative_position_bucket`` (its float32 logarithm included, so bit for bit).
+
+    Bidirectional: half the buckets for keys after the query (``k > q``), half for the others. Unidirectional
+    (decoders): only ``k <= q`` is told apart (later keys share bucket 0). Of each half, distances below
+    ``exact = half // 2`` get one bucket each; larger ones ``exact + floor(log(d / exact) / log(max_distance / exact)
+    * (half - exact))``, capped at ``half - 1`` (every distance ``>= max_distance`` shares the last bucket)."""
+    rel = relative_position.to(torch.int64)
+    half = num_buckets
+    if bidirectional:
+        half //= 2
+        side = (rel > 0).to(torch.int64) * half  # later keys: the upper half
+        distance = rel.abs()
+    else:
+        side = torch.zeros_like(rel)
+        distance = (-rel).clamp(min=0)  # later keys: distance 0
+    exact = half // 2
+    # log of a distance >= exact only (smaller ones take the exact branch; log(0) would be cast from -inf)
+    log_bucket = exact + (torch.log(distance.clamp(min=exact).float() / exact) / math.log(max_distance / exact)
+                          * (half - exact)).to(torch.int64)
+    return side + torch.where(distance < exact, distance, log_bucket.clamp(max=half - 1))
+
+
+@dataclass(frozen=True, eq=False)
+class RelativePositionBias:
+    """A learned per-head bias of the scores, indexed by a bucket of the relative position ``k - q`` (global
+    positions): ``s[b, h, q, k] += table[bucket(k - q), h]`` (T5, MT5, UMT5; ``table`` is their first layer's
+    ``relative_attention_bias.weight``). ``table`` gets its exact gradient on every backend (Note
+    [Relative-position bias gradient]). ``bucket_fn(relative_position) -> bucket`` (elementwise on int64 tensors,
+    values in ``[0, table.size(0))``) replaces T5's bucketing (``num_buckets``, ``max_distance`` and
+    ``bidirectional`` are then unused)."""
+
+    table: torch.Tensor
+    """``[num_buckets, H]`` floating: one column per (global) query head."""
+    num_buckets: int = 32
+    max_distance: int = 128
+    bidirectional: bool = True
+    """T5's encoders: ``True``; its decoders (causal): ``False``."""
+    bucket_fn: Callable | None = None
+
+    def __post_init__(self):
+        t = self.table
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"RelativePositionBias.table must be a floating [num_buckets, H] tensor, got {got}")
+        if self.bucket_fn is not None:
+            if not callable(self.bucket_fn):
+                raise ValueError(f"bucket_fn must be a callable (relative_position) -> bucket, got {self.bucket_fn!r}")
+            return
+        for name in ("num_buckets", "max_distance"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        half = self.num_buckets // 2 if self.bidirectional else self.num_buckets
+        if half < 2 or self.max_distance <= half // 2:
+            raise ValueError(
+                f"T5 buckets need num_buckets >= {4 if self.bidirectional else 2} and max_distance > "
+                f"{max(half // 2, 1)} (the exact buckets' reach), got num_buckets={self.num_buckets}, "
+                f"max_distance={self.max_distance}")
+        if t.size(0) != self.num_buckets:
+            raise ValueError(f"RelativePositionBias.table has {t.size(0)} rows but num_buckets={self.num_buckets}: "
+                             f"pass the [num_buckets, H] table (HF T5: relative_attention_bias.weight)")
+
+    @property
+    def num_heads(self) -> int:
+        return self.table.size(1)
+
+    def buckets(self, relative_position: torch.Tensor) -> torch.Tensor:
+        """``k - q`` (int64, any shape) -> bucket indices into ``table`` (int64, same shape)."""
+        if self.bucket_fn is None:
+            return t5_relative_position_bucket(relative_position, bidirectional=self.bidirectional,
+                                               num_buckets=self.num_buckets, max_distance=self.max_distance)
+        return torch.as_tensor(self.bucket_fn(relative_position)).to(torch.int64)
+
+    def bucket_error(self, length: int) -> str | None:
+        """Why the buckets of a ``length``-token sequence (every ``k - q`` in ``(-length, length)``) do not index the
+        table, or ``None``. A pure function of global inputs: the attention checks it before any collective, so every
+        rank raises together (the kernels index the table without checking)."""
+        if self.bucket_fn is None or length < 1:
+            return None
+        bucket = self.buckets(torch.arange(1 - length, length))
+        if bucket.shape != (2 * length - 1,):
+            return f"bucket_fn returned shape {tuple(bucket.shape)} for relative positions of shape {(2 * length - 1,)}"
+        low, high = int(bucket.min()), int(bucket.max())
+        if low < 0 or high >= self.table.size(0):
+            rows = self.table.size(0)
+            return (f"bucket_fn returned buckets in [{low}, {high}], outside the table's [0, {rows}) rows "
+                    f"(relative positions {1 - length}..{length - 1})")
+        return None
+
+    def signature(self) -> tuple:
+        """What every rank compares (the table by shape and dtype: its values are a parameter's)."""
+        return (tuple(self.table.shape), str(self.table.dtype), self.num_buckets, self.max_distance,
+                self.bidirectional, _callable_name(self.bucket_fn))
+
+
 @dataclass(frozen=True)
 class AttentionMask:
     """What a ``SequenceParallelAttention`` call attends to beyond ``causal`` and ``cu_seqlens`` (module
@@ -146,6 +267,8 @@ class AttentionMask:
     """One slope per query head (``H`` of them): ``s - slope_h * |q - k|``."""
     mask_mod: Callable | None = field(default=None, compare=False)
     score_mod: Callable | None = field(default=None, compare=False)
+    relative_bias: RelativePositionBias | None = field(default=None, compare=False)
+    """A learned bias ``table[bucket(k - q), h]`` added to the scores (T5), whose table gets its gradient."""
     key_padding: tuple[tuple[int, int], ...] | None = None
     """One global ``[start, end)`` of real tokens per batch row (``padding_ranges(attention_mask)``): keys
     outside are never seen; a query that sees no key outputs zeros (module docstring)."""
@@ -176,11 +299,15 @@ class AttentionMask:
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 raise ValueError(f"{name} must be a callable (b, h, q_idx, kv_idx) as FlexAttention's, got {fn!r}")
+        if self.relative_bias is not None and not isinstance(self.relative_bias, RelativePositionBias):
+            raise ValueError(f"relative_bias must be a lightning_sp.RelativePositionBias, got "
+                             f"{type(self.relative_bias).__name__}")
 
     def signature(self) -> tuple:
         """A description every rank can compare (callables by qualified name)."""
         return (self.window, self.chunk_size, self.bidirectional_spans, self.softcap, self.alibi_slopes,
-                _callable_name(self.mask_mod), _callable_name(self.score_mod), self.key_padding)
+                _callable_name(self.mask_mod), _callable_name(self.score_mod), self.key_padding,
+                None if self.relative_bias is None else self.relative_bias.signature())
 
     def merged(self, other: "AttentionMask | None") -> "AttentionMask":
         """``other``'s set fields over this one's (a forward's mask over the constructor's)."""
@@ -193,6 +320,7 @@ class AttentionMask:
             softcap=pick(self.softcap, other.softcap), alibi_slopes=pick(self.alibi_slopes, other.alibi_slopes),
             mask_mod=pick(self.mask_mod, other.mask_mod), score_mod=pick(self.score_mod, other.score_mod),
             key_padding=pick(self.key_padding, other.key_padding),
+            relative_bias=pick(self.relative_bias, other.relative_bias),
         )
 
     def score_mods(self) -> "ScoreMods | None":
@@ -201,9 +329,10 @@ class AttentionMask:
         mask_mod = self.mask_mod
         if self.key_padding is not None and len(set(self.key_padding)) > 1:
             mask_mod = _RowsKeyPadding(self.key_padding, mask_mod)
-        if self.softcap is None and self.alibi_slopes is None and mask_mod is None and self.score_mod is None:
+        if (self.softcap is None and self.alibi_slopes is None and mask_mod is None and self.score_mod is None
+                and self.relative_bias is None):
             return None
-        return ScoreMods(self.softcap, self.alibi_slopes, mask_mod, self.score_mod)
+        return ScoreMods(self.softcap, self.alibi_slopes, mask_mod, self.score_mod, self.relative_bias)
 
     def structured(self, *, causal: bool, doc_bounds, padded_len: int) -> "StructuredMask":
         """The structural parts resolved against a sequence of ``padded_len`` positions: ``chunk_size`` becomes
@@ -346,31 +475,116 @@ class StructuredMask:
 
 @dataclass(frozen=True, eq=False)
 class ScoreMods:
-    """The per-score parts of a mask: applied to each computed block of scores by the score-modifying kernel."""
+    """The per-score parts of a mask: applied to each computed block of scores by the score-modifying kernel. One
+    per attention call (``AttentionMask.score_mods``): it carries that call's ``table_grad``."""
 
     softcap: float | None = None
     alibi_slopes: tuple[float, ...] | None = None
     mask_mod: Callable | None = None
     score_mod: Callable | None = None
+    relative_bias: RelativePositionBias | None = None
+    table_grad: dict = field(default_factory=dict, repr=False)
+    """``{"grad": [num_buckets, H]}``: this call's share of ``d loss / d relative_bias.table`` so far, in the
+    accumulation dtype (Note [Relative-position bias gradient]); empty until a backward adds to it."""
 
     def check_heads(self, num_heads: int) -> None:
         if self.alibi_slopes is not None and len(self.alibi_slopes) != num_heads:
             raise ValueError(f"alibi_slopes has {len(self.alibi_slopes)} slopes but the attention has {num_heads} "
                              f"query heads: pass one slope per query head")
+        if self.relative_bias is not None and self.relative_bias.num_heads != num_heads:
+            raise ValueError(f"relative_bias.table has {self.relative_bias.num_heads} columns but the attention has "
+                             f"{num_heads} query heads: pass a [num_buckets, H] table, one column per query head")
 
-    def apply(self, s: torch.Tensor, b_idx, h_idx, q_idx, k_idx) -> torch.Tensor:
-        """Scores ``s [B, H, Sq, Sk]`` (scaled) -> modified scores (``mask_mod`` not applied here)."""
+    def _table_slice(self, h_idx, dtype, device) -> torch.Tensor | None:
+        """``[num_buckets, H_block]``: the table's columns of the block's (global) heads, detached, in ``dtype``."""
+        if self.relative_bias is None:
+            return None
+        return self.relative_bias.table.detach().to(device=device, dtype=dtype)[:, h_idx.flatten().to(device)]
+
+    def apply(self, s: torch.Tensor, b_idx, h_idx, q_idx, k_idx, *, table: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores ``s [B, H, Sq, Sk]`` (scaled) -> modified scores (``mask_mod`` not applied here). ``table``: the
+        block's ``[num_buckets, H]`` slice of the relative bias (default: the detached table's)."""
         if self.softcap is not None:
             s = torch.tanh(s / self.softcap) * self.softcap
         if self.alibi_slopes is not None:
             slopes = torch.tensor(self.alibi_slopes, dtype=s.dtype, device=s.device)[h_idx.flatten()].view(1, -1, 1, 1)
             s = s - slopes * (q_idx - k_idx).abs().to(s.dtype)
+        if self.relative_bias is not None:
+            if table is None:
+                table = self._table_slice(h_idx, s.dtype, s.device)
+            bucket = self.relative_bias.buckets((k_idx - q_idx).flatten(0, 2).to(s.device))  # [Sq, Sk]
+            s = s + table[bucket].permute(2, 0, 1).unsqueeze(0)  # [Sq, Sk, H] -> [1, H, Sq, Sk]
         if self.score_mod is not None:
             s = self.score_mod(s, b_idx, h_idx, q_idx, k_idx)
         return s
+
+    def differentiable(self, raw: torch.Tensor, b_idx, h_idx, q_idx, k_idx):
+        """One block's raw (scaled) scores ``raw [B, H, Sq, Sk]`` -> ``(modified, backward)``: the modified scores
+        (detached) and ``backward(ds) -> d raw``, by autograd through the modifiers, which also adds the block's
+        bucketed sum of ``ds`` to ``table_grad`` (Note [Relative-position bias gradient])."""
+        learned = self.relative_bias is not None and self.relative_bias.table.requires_grad
+        with torch.enable_grad():
+            leaf = raw.detach().requires_grad_()
+            table = self._table_slice(h_idx, raw.dtype, raw.device)
+            if learned:
+                table.requires_grad_()
+            modified = self.apply(leaf, b_idx, h_idx, q_idx, k_idx, table=table)
+
+        def backward(ds: torch.Tensor) -> torch.Tensor:
+            if not modified.requires_grad:  # no modifier depends on the scores nor on a learned table
+                return ds
+            inputs = (leaf, table) if learned else (leaf,)
+            grads = torch.autograd.grad(modified, inputs, ds, allow_unused=True)
+            if learned:
+                self._add_table_grad(grads[1], h_idx)
+            return torch.zeros_like(ds) if grads[0] is None else grads[0]
+
+        return modified.detach(), backward
+
+    def backward_through(self, raw: torch.Tensor, ds: torch.Tensor, b_idx, h_idx, q_idx, k_idx) -> torch.Tensor:
+        """``differentiable(raw, ...)[1](ds)``: ``ds``, the gradient of one block's modified scores, -> the gradient
+        of its raw scores (and the block's share of the table's, into ``table_grad``)."""
+        return self.differentiable(raw, b_idx, h_idx, q_idx, k_idx)[1](ds)
+
+    def _add_table_grad(self, grad: torch.Tensor | None, h_idx) -> None:
+        if grad is None:
+            return
+        total = self.table_grad.get("grad")
+        if total is None:
+            table = self.relative_bias.table
+            total = self.table_grad["grad"] = torch.zeros(table.shape, dtype=grad.dtype, device=grad.device)
+        total[:, h_idx.flatten().to(grad.device)] += grad
 
     def visible(self, b_idx, h_idx, q_idx, k_idx) -> torch.Tensor | None:
         """``mask_mod`` on a block (broadcastable bool), ``None`` without one."""
         if self.mask_mod is None:
             return None
         return torch.as_tensor(self.mask_mod(b_idx, h_idx, q_idx, k_idx), dtype=torch.bool)
+
+
+class _TableGradient(torch.autograd.Function):
+    """Identity on ``q``; its backward hands the call's accumulated table gradient to autograd (Note
+    [Relative-position bias gradient])."""
+
+    @staticmethod
+    def forward(ctx, q, table, mods):
+        ctx.mods = mods
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, dq):
+        table = ctx.mods.relative_bias.table
+        grad = ctx.mods.table_grad.pop("grad", None)
+        grad = torch.zeros_like(table) if grad is None else grad.to(device=table.device, dtype=table.dtype)
+        return dq, grad, None
+
+
+def route_table_gradient(q: torch.Tensor, mods: ScoreMods | None) -> torch.Tensor:
+    """``q`` itself, routed through ``_TableGradient`` when the call has a relative bias whose table needs a
+    gradient (call it on the ``q`` the backends get, once per call)."""
+    if mods is None or mods.relative_bias is None or not torch.is_grad_enabled():
+        return q
+    table = mods.relative_bias.table
+    if not table.requires_grad:
+        return q
+    return _TableGradient.apply(q, table, mods)

@@ -44,6 +44,8 @@ Note [Hugging Face under sequence parallelism]
     MLA: value head dim != query/key head dim    zero-padded to one head dim, sliced after
     ``sliding_window`` / ``softcap`` / ``s_aux``  an ``AttentionMask`` and sinks per layer call
       per layer (Gemma, Mistral, gpt-oss)          (Note [Hugging Face's mask kwargs])
+    T5's ``position_bias`` from local positions   the bucket table itself, on global positions, with
+      (T5, MT5, UMT5 encoders)                     its gradient (Note [T5's relative-position bias])
     convolutions / SSMs mix tokens per shard     refused, naming the module (``token_mixers_...``)
     ==========================================  ==================================================
 
@@ -212,7 +214,7 @@ def _reject_unsupported(module: nn.Module, dropout: float, kwargs: dict) -> None
             f"attention dropout ({dropout}) is not supported under sequence parallelism (every rank would need the "
             "same RNG stream); set config.attention_dropout = 0 (for ESM: attention_probs_dropout_prob = 0)"
         )
-    for name in ("sinks", "position_bias"):
+    for name in ("sinks",):  # position_bias: _relative_position_bias (T5's learned buckets, or refused there)
         if kwargs.get(name) is not None:
             raise NotImplementedError(
                 f"attention with {name!r} (sinks / additive position biases) is not supported by the exact backends; "
@@ -338,6 +340,78 @@ def _mask_and_sinks(query: torch.Tensor, causal: bool, kwargs: dict) -> tuple[At
     return AttentionMask(window=window, softcap=None if softcap is None else float(softcap)), sinks
 
 
+_BIAS_OWNER_ATTR = "_lightning_sp_relative_bias_owner"
+
+
+def _relative_position_bias(module: nn.Module, query: torch.Tensor, kwargs: dict):
+    """Note [T5's relative-position bias]: a layer call's ``position_bias`` kwarg as the ``RelativePositionBias``
+    of the table that made it (``None`` without one); raises where that table is not known.
+
+    T5 (MT5, ``T5EncoderModel``...) computes ``position_bias [1, H, S, S]`` in the first layer of a stack from its
+    ``relative_attention_bias`` table (buckets of ``k - q``, HF's ``_relative_position_bucket``) and hands the
+    tensor on to every later layer; UMT5 computes it in every layer from the layer's own table. Under sequence
+    parallelism that tensor is wrong twice over: it is built from the shard's local positions, and a rank holds
+    no ``[S, N]`` block of it. So the tensor is dropped, and the attention gets the table itself
+    (``AttentionMask(relative_bias=...)``), which adds ``table[bucket(k - q), h]`` on global positions and gives
+    the table its exact gradient (Note [Relative-position bias gradient] in ``masks.py``): from every layer that
+    uses it, as HF's autograd does through the shared tensor. The owner of the table is the layer itself
+    (``has_relative_attention_bias``) or the stack's first layer (``_link_relative_bias_owners``, at
+    ``apply_sequence_parallel``). Bidirectional buckets unless the owner is a decoder's (HF's rule)."""
+    from lightning_sp.masks import RelativePositionBias
+
+    position_bias = kwargs.pop("position_bias", None)
+    if position_bias is None:
+        return None
+    owner = module if getattr(module, "has_relative_attention_bias", False) else module.__dict__.get(_BIAS_OWNER_ATTR)
+    table = getattr(getattr(owner, "relative_attention_bias", None), "weight", None)
+    if owner is None or not isinstance(table, torch.Tensor):
+        if hasattr(module, "has_relative_attention_bias"):  # T5's cross-attention: no table, a zero bias
+            raise NotImplementedError(
+                f"{type(module).__name__} gets a position_bias but no relative_attention_bias table (of its own or of "
+                "its stack's first layer): T5's cross-attention (encoder-decoder models) is not supported under "
+                "sequence parallelism; run the encoder alone (T5EncoderModel, MT5EncoderModel, UMT5EncoderModel)"
+            )
+        raise NotImplementedError(
+            f"{type(module).__name__} passes an additive position_bias whose source lightning_sp does not know (only "
+            "T5-style learned relative-position buckets, relative_attention_bias of the layer or of its stack's first "
+            "layer, are mapped); use a model with rotary or absolute positions"
+        )
+    if table.dim() != 2 or table.size(1) != query.size(1):
+        raise NotImplementedError(f"{type(owner).__name__}.relative_attention_bias is {tuple(table.shape)}, not "
+                                  f"[num_buckets, {query.size(1)}] (one column per query head)")
+    return RelativePositionBias(table, num_buckets=int(owner.relative_attention_num_buckets),
+                                max_distance=int(owner.relative_attention_max_distance),
+                                bidirectional=not bool(getattr(owner, "is_decoder", False)))
+
+
+def _with_relative_position_bias(mask: AttentionMask | None, module: nn.Module, query: torch.Tensor,
+                                 kwargs: dict) -> AttentionMask | None:
+    """``mask`` with the layer's relative-position bias (``_relative_position_bias``) added, if it has one."""
+    bias = _relative_position_bias(module, query, kwargs)
+    if bias is None:
+        return mask
+    return (mask or AttentionMask()).merged(AttentionMask(relative_bias=bias))
+
+
+def _has_relative_bias_stacks(model: nn.Module) -> bool:
+    return any(getattr(m, "has_relative_attention_bias", False) for m in model.modules())
+
+
+def _link_relative_bias_owners(model: nn.Module, state: _State) -> None:
+    """Note [T5's relative-position bias]: in each stack of blocks (``T5Stack.block``), the self-attention of a
+    block without a table of its own uses the first block's: record it (outside ``_modules``, so it is no
+    submodule and state dicts are unchanged; ``copy.deepcopy`` maps it to the copy's first layer)."""
+    for blocks in (m for m in model.modules() if isinstance(m, nn.ModuleList)):
+        firsts = [next((a for a in blk.modules() if hasattr(a, "has_relative_attention_bias")), None) for blk in blocks]
+        # a stack of like blocks (a block's own list of sub-layers mixes attention with feed-forward: skipped)
+        if (not firsts or any(a is None for a in firsts) or len({type(a) for a in firsts}) != 1
+                or not firsts[0].has_relative_attention_bias):
+            continue
+        for attn in firsts[1:]:
+            if attn is not None and not attn.has_relative_attention_bias:
+                attn.__dict__[_BIAS_OWNER_ATTR] = firsts[0]
+
+
 def sequence_parallel_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -372,6 +446,7 @@ def sequence_parallel_attention(
         mask, sinks = _mask_and_sinks(query, causal, kwargs)  # Note [Hugging Face's mask kwargs]
         if given is not None and given.mask is not None:
             mask = given.mask if mask is None else mask.merged(given.mask)
+        mask = _with_relative_position_bias(mask, module, query, kwargs)  # Note [T5's relative-position bias]
     except (ValueError, NotImplementedError, TypeError) as err:
         sp.raise_on_every_rank(err, query)
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
@@ -613,6 +688,7 @@ _FIXES: tuple[_Fix, ...] = (
     _Fix(name="esm_token_dropout", applies=_is_esm_token_dropout, patch=_patch_esm, prepare=_esm_ratio),
     _Fix(name="global_length_rope", applies=lambda model: bool(_length_dependent_rope_modules(model)),
          patch=_patch_length_dependent_rope),
+    _Fix(name="relative_position_bias", applies=_has_relative_bias_stacks, patch=_link_relative_bias_owners),
 )
 
 

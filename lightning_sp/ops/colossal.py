@@ -123,12 +123,9 @@ class ColossalFunction(torch.autograd.Function):
             cols = slice(src * s_local, (src + 1) * s_local)
             kh = expand_kv(k_blk, h).transpose(1, 2).to(acc)
             ds = dscores[..., cols]
-            if ctx.score_mods is not None:  # through the modifiers, on this block's raw scores
-                with torch.enable_grad():
-                    r = raw[..., cols].detach().requires_grad_()
-                    modded = ctx.score_mods.apply(r, *_indices(b, h, qpos, ctx.positions[src].to(q.device), q.device))
-                if modded.requires_grad:
-                    (ds,) = torch.autograd.grad(modded, r, ds)
+            if ctx.score_mods is not None:  # through the modifiers, on this block's raw scores (and a bias table's)
+                idx = _indices(b, h, qpos, ctx.positions[src].to(q.device), q.device)
+                ds = ctx.score_mods.backward_through(raw[..., cols], ds, *idx)
             dq.add_(ds @ kh * ctx.scale)
             dk_blk = ds.transpose(-1, -2) @ qh * ctx.scale
             return (reduce_kv_grad(dk_blk.transpose(1, 2), h_kv),)

@@ -743,7 +743,8 @@ class ScoreModKernel(TorchBlockwiseKernel):
     takes these (flash-attn's softcap/ALiBi arguments have no equivalent for the others, and the SDPA ops none),
     so a call with score modifiers runs here under every ``kernel=`` but ``"flex"`` (``score_mod_kernel``): exact in
     every dtype, any device.
-    The backward differentiates the modifiers by autograd on each tile (``ds = d mod(s) / ds . dS``)."""
+    The backward differentiates the modifiers by autograd on each tile (``ds = d mod(s) / ds . dS``) and adds the
+    tile's share of a relative bias's table gradient to ``mods.table_grad`` (``ScoreMods.differentiable``)."""
 
     name = "torch+score_mods"
 
@@ -786,17 +787,15 @@ class ScoreModKernel(TorchBlockwiseKernel):
         dq, dk, dv = torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
         for q0, q1, k0, k1 in self._tiles(q.size(1), k.size(1), kind):
             idx = self._indices(b, h, q0, q1, k0, k1, q.device)
-            with torch.enable_grad():
-                raw = (qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2) * scale).requires_grad_()
-                s = self.mods.apply(raw, *idx)
+            raw = qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2) * scale  # [B, H, bq, bk]
+            s, through_mods = self.mods.differentiable(raw, *idx)
             visible = self._visible(kind, mask, idx, q0, q1, k0, k1, q.device)
-            s_masked = s.detach() if visible is None else s.detach().masked_fill(~visible, -math.inf)
+            s_masked = s if visible is None else s.masked_fill(~visible, -math.inf)
             p = torch.exp(s_masked - lse[:, :, q0:q1, None]).nan_to_num(nan=0.0)  # [B, H, bq, bk]
             dv[:, :, k0:k1] += p.transpose(-1, -2) @ doh[:, :, q0:q1]
             dp = doh[:, :, q0:q1] @ vh[:, :, k0:k1].transpose(-1, -2)
             ds = p * (dp - delta[:, :, q0:q1, None])  # d loss / d modified score
-            if s.requires_grad:
-                (ds,) = torch.autograd.grad(s, raw, ds)  # through the modifiers
+            ds = through_mods(ds)  # through the modifiers; adds the bias table's share to mods.table_grad
             dq[:, :, q0:q1] += ds @ kh[:, :, k0:k1] * scale
             dk[:, :, k0:k1] += ds.transpose(-1, -2) @ qh[:, :, q0:q1] * scale
         return dq.transpose(1, 2), reduce_kv_grad(dk.transpose(1, 2), h_kv), reduce_kv_grad(dv.transpose(1, 2), h_kv)
@@ -805,9 +804,10 @@ class ScoreModKernel(TorchBlockwiseKernel):
 def score_mod_kernel(kernel: LocalKernel, mods, *, q_global: int, k_global: int, head_offset: int) -> LocalKernel:
     """The kernel of one call with score modifiers ``mods`` under the local kernel ``kernel``: ``ops/flex.py``'s
     ``FlexKernel`` under ``kernel="flex"`` (FlexAttention on eligible CUDA blocks, ``ScoreModKernel`` for the
-    others), else ``ScoreModKernel``. FlexAttention is opt-in until its GPU test (``tests/gpu/test_flex_kernels.py``)
+    others), else ``ScoreModKernel`` (always under a relative bias: its backward accumulates the table's
+    gradient). FlexAttention is opt-in until its GPU test (``tests/gpu/test_flex_kernels.py``)
     has passed on a GPU: it is checked on CPU against a stand-in only (docs/gpu-status.md)."""
     exact = ScoreModKernel(mods, q_global=q_global, k_global=k_global, head_offset=head_offset)
-    if getattr(kernel, "name", None) != "flex":
-        return exact
+    if getattr(kernel, "name", None) != "flex" or getattr(mods, "relative_bias", None) is not None:
+        return exact  # a relative bias's table gradient is accumulated by ScoreModKernel's backward only
     return FlexKernel(mods, fallback=exact, q_global=q_global, k_global=k_global, head_offset=head_offset)

@@ -114,12 +114,17 @@ def test_sliding_window_shorter_than_the_sequence_is_exact():
 
 
 def test_unknown_sinks_and_position_bias_refused():
-    from lightning_sp.integrations.transformers import _reject_unsupported
+    from lightning_sp.integrations.transformers import _reject_unsupported, _relative_position_bias
 
     module = torch.nn.Linear(1, 1)
-    for name in ("sinks", "position_bias"):
-        with pytest.raises(NotImplementedError, match=f"attention with '{name}' .* not supported"):
-            _reject_unsupported(module, 0.0, {name: torch.zeros(4)})
+    with pytest.raises(NotImplementedError, match="attention with 'sinks' .* not supported"):
+        _reject_unsupported(module, 0.0, {"sinks": torch.zeros(4)})
+    query = torch.zeros(1, 4, 8, 8)
+    with pytest.raises(NotImplementedError, match="position_bias whose source lightning_sp does not know"):
+        _relative_position_bias(module, query, {"position_bias": torch.zeros(1, 4, 8, 8)})
+    module.has_relative_attention_bias = False  # T5's cross-attention: a zero bias, no table
+    with pytest.raises(NotImplementedError, match=r"T5.s cross-attention .*\(T5EncoderModel"):
+        _relative_position_bias(module, query, {"position_bias": torch.zeros(1, 4, 8, 8)})
 
 
 def test_attention_dropout_refused_in_training_only():

@@ -241,3 +241,205 @@ def test_batch_and_head_indices_reach_mask_mod_and_score_mod():
             else AttentionMask(score_mod=lambda s, b, h, q, k: score_mod(s, 0 * b, h, q, k), chunk_size=5)
         control = dense_attention(q, k, v, causal=True, mask=blind, sinks=leaves[3].detach())
         assert float((out.detach() - control)[1].abs().max()) > 1e-3
+
+
+# ------------------------------------------------------------------------------ learned relative-position bias
+
+
+def _hf_t5_bucket():
+    pytest.importorskip("transformers")
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    return T5Attention._relative_position_bucket
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (8, 12), (6, 7), (4, 3), (33, 200), (320, 1000)])
+def test_t5_buckets_equal_hugging_faces_bit_for_bit(bidirectional, num_buckets, max_distance):
+    """Every relative position in [-5000, 5000] (far beyond max_distance both ways) lands in HF's bucket."""
+    from lightning_sp.masks import t5_relative_position_bucket
+
+    rel = torch.arange(-5000, 5001).view(1, -1) - torch.zeros(3, 1, dtype=torch.int64)  # [3, 10001]
+    ours = t5_relative_position_bucket(rel, bidirectional=bidirectional, num_buckets=num_buckets,
+                                       max_distance=max_distance)
+    hf = _hf_t5_bucket()(rel, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+    assert ours.dtype == torch.int64 and torch.equal(ours, hf)
+    assert int(ours.min()) >= 0 and int(ours.max()) < num_buckets
+    # control: the other direction convention is told apart (the comparison above can fail)
+    flipped = t5_relative_position_bucket(-rel, bidirectional=bidirectional, num_buckets=num_buckets,
+                                          max_distance=max_distance)
+    assert not torch.equal(flipped, hf)
+
+
+def test_relative_position_bias_arguments_are_validated():
+    from lightning_sp import RelativePositionBias
+
+    table = torch.zeros(8, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="floating \\[num_buckets, H\\]"):
+        RelativePositionBias(torch.zeros(8, dtype=torch.float64), num_buckets=8)
+    with pytest.raises(ValueError, match="floating"):
+        RelativePositionBias(torch.zeros(8, 4, dtype=torch.int64), num_buckets=8)
+    with pytest.raises(ValueError, match="8 rows but num_buckets=32"):
+        RelativePositionBias(table)
+    with pytest.raises(ValueError, match="max_distance"):
+        RelativePositionBias(table, num_buckets=8, max_distance=2)
+    with pytest.raises(ValueError, match="num_buckets >= 4"):
+        RelativePositionBias(torch.zeros(2, 4), num_buckets=2)
+    with pytest.raises(ValueError, match="bucket_fn must be a callable"):
+        RelativePositionBias(table, bucket_fn=3)
+    with pytest.raises(ValueError, match="relative_bias must be a lightning_sp.RelativePositionBias"):
+        AttentionMask(relative_bias=table)
+    out_of_range = RelativePositionBias(table, bucket_fn=lambda rel: rel.abs())
+    assert out_of_range.bucket_error(8) is None  # |k - q| <= 7
+    assert "buckets in [0, 8], outside the table's [0, 8) rows" in out_of_range.bucket_error(9)
+    from lightning_sp import SequenceParallelAttention
+
+    q = torch.randn(1, 9, 4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="mask.relative_bias: bucket_fn returned buckets in \\[0, 8\\]"):
+        SequenceParallelAttention(causal=False)(q, q, q, mask=AttentionMask(relative_bias=out_of_range))
+
+
+def _bias_case(seed=0, n=150, h=4, h_kv=2, d=8, rows=16):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(1, n, hh, d, generator=g, dtype=torch.float64) for hh in (h, h_kv, h_kv, h))
+    table = torch.randn(rows, h, generator=g, dtype=torch.float64)
+    return q, k, v, dout, table
+
+
+def _bias_as_score_mod(bias, table):
+    """The same bias written as a plain ``score_mod`` closing over the table: dense attention differentiates it by
+    autograd on the whole matrix (the reference for ``d table``)."""
+    def score_mod(s, b, h, q, k):
+        return s + table[bias.buckets(k - q)[0, 0]][..., h.flatten()].permute(2, 0, 1).unsqueeze(0)
+    return score_mod
+
+
+@pytest.mark.parametrize("causal,bidirectional", [(False, True), (True, False)])
+@pytest.mark.parametrize("extra", ["none", "softcap_docs_sinks", "bucket_fn"])
+def test_local_attention_with_a_relative_bias_matches_dense_fp64_with_its_table_gradient(causal, bidirectional, extra):
+    """Blocks of 128 x 512 over 150 tokens (several tiles per call): out, dq/dk/dv and d(table) against dense
+    float64 attention with the same bias as a ``score_mod`` whose table autograd differentiates; the bias ignored
+    misses."""
+    from lightning_sp import RelativePositionBias, SequenceParallelAttention
+    from tests.reference import dense_attention
+
+    q, k, v, dout, table = _bias_case()
+    bucket_fn = (lambda rel: (rel.abs() % 7) + 7 * (rel > 0)) if extra == "bucket_fn" else None  # noqa: E731
+    rows = 14 if bucket_fn else 16
+    table = table[:rows].clone()
+    softcap = 0.9 if extra == "softcap_docs_sinks" else None
+    cu = torch.tensor([0, 40, 41, 150], dtype=torch.int32) if extra == "softcap_docs_sinks" else None
+    sinks = torch.randn(4, dtype=torch.float64) if extra == "softcap_docs_sinks" else None
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, table)]
+    leaves += [sinks.clone().requires_grad_()] if sinks is not None else []
+    bias = RelativePositionBias(leaves[3], num_buckets=rows, max_distance=40, bidirectional=bidirectional,
+                                bucket_fn=bucket_fn)
+    attn = SequenceParallelAttention(causal=causal, kernel="torch")
+    out = attn(*leaves[:3], cu_seqlens=cu, mask=AttentionMask(softcap=softcap, relative_bias=bias),
+               sinks=leaves[4] if sinks is not None else None)
+    got = [out, *torch.autograd.grad(out, leaves, dout)]
+    ref_leaves = [t.clone().requires_grad_() for t in leaves]
+    ref_bias = RelativePositionBias(ref_leaves[3], num_buckets=rows, max_distance=40, bidirectional=bidirectional,
+                                    bucket_fn=bucket_fn)
+    ref = dense_attention(*ref_leaves[:3], causal=causal, cu_seqlens=cu,
+                          mask=AttentionMask(softcap=softcap, score_mod=_bias_as_score_mod(ref_bias, ref_leaves[3])),
+                          sinks=ref_leaves[4] if sinks is not None else None)
+    refs = [ref, *torch.autograd.grad(ref, ref_leaves, dout)]
+    errors = [float((a.detach() - b.detach()).abs().max()) for a, b in zip(got, refs)]
+    assert max(errors) < 1e-11, errors
+    assert float(refs[4].abs().max()) > 1e-2  # the table's gradient is not trivially zero
+    ignored = dense_attention(q, k, v, causal=causal, cu_seqlens=cu, mask=AttentionMask(softcap=softcap),
+                              sinks=sinks)
+    assert float((out.detach() - ignored).abs().max()) > 1e-3
+
+
+def test_relative_bias_table_gradient_per_backward_and_frozen_table():
+    """Two backwards through one retained graph each give the gradient once (the call's accumulator is emptied);
+    one table shared by two calls gets the sum; a table that needs no gradient adds no autograd node."""
+    from lightning_sp import RelativePositionBias, SequenceParallelAttention
+    from tests.reference import dense_attention
+
+    q, k, v, dout, table = _bias_case(seed=1, n=40)
+    table = table.requires_grad_()
+    attn = SequenceParallelAttention(causal=False)
+    mask = AttentionMask(relative_bias=RelativePositionBias(table, num_buckets=16, max_distance=30))
+    out = attn(q, k, v, mask=mask) + attn(q.flip(1), k, v, mask=mask)
+    out.backward(dout, retain_graph=True)
+    first = table.grad.clone()
+    out.backward(dout)
+    ref_table = table.detach().clone().requires_grad_()
+    sm = _bias_as_score_mod(RelativePositionBias(ref_table, num_buckets=16, max_distance=30), ref_table)
+    ref_mask = AttentionMask(score_mod=sm)
+    ref = dense_attention(q, k, v, mask=ref_mask) + dense_attention(q.flip(1), k, v, mask=ref_mask)
+    (expected,) = torch.autograd.grad(ref, ref_table, dout)
+    assert float((first - expected).abs().max()) < 1e-11
+    assert float((table.grad - 2 * expected).abs().max()) < 1e-11
+    frozen = RelativePositionBias(table.detach(), num_buckets=16, max_distance=30)
+    out = attn(q.requires_grad_(), k, v, mask=AttentionMask(relative_bias=frozen))
+    assert "_TableGradientBackward" not in _graph_nodes(out.grad_fn)
+    assert "_TableGradientBackward" in _graph_nodes(attn(q, k, v, mask=mask).grad_fn)
+
+
+def _graph_nodes(fn) -> set[str]:
+    """Class names of every autograd node behind ``fn``."""
+    seen, names, todo = set(), set(), [fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and id(node) not in seen:
+            seen.add(id(node))
+            names.add(type(node).__name__)
+            todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
+def test_relative_bias_of_the_wrong_width_is_refused():
+    from lightning_sp import RelativePositionBias, SequenceParallelAttention
+
+    q = torch.randn(1, 8, 4, 8, dtype=torch.float64)
+    bias = RelativePositionBias(torch.zeros(8, 3, dtype=torch.float64), num_buckets=8, max_distance=20)
+    with pytest.raises(ValueError, match="relative_bias.table has 3 columns but q has 4 heads"):
+        SequenceParallelAttention(causal=False)(q, q[:, :, :2], q[:, :, :2], mask=AttentionMask(relative_bias=bias))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_relative_bias_table_gradient_under_activation_checkpointing(use_reentrant):
+    """The recompute in backward builds a second call (and accumulator); the table still gets the gradient once."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_sp import RelativePositionBias, SequenceParallelAttention
+
+    q, k, v, dout, table = _bias_case(seed=2, n=40)
+    q, table = q.requires_grad_(), table[:8].clone().requires_grad_()
+    attn = SequenceParallelAttention(causal=False)
+
+    def layer(x):
+        return attn(x * 1.0, k, v, mask=AttentionMask(relative_bias=RelativePositionBias(table, num_buckets=8,
+                                                                                           max_distance=10)))
+
+    layer(q).backward(dout)
+    expected, expected_dq = table.grad.clone(), q.grad.clone()
+    table.grad = q.grad = None
+    checkpoint(layer, q, use_reentrant=use_reentrant).backward(dout)
+    assert float(expected.abs().max()) > 1e-2
+    assert torch.allclose(table.grad, expected, rtol=0, atol=1e-12)
+    assert torch.allclose(q.grad, expected_dq, rtol=0, atol=1e-12)
+
+
+def test_a_relative_bias_runs_the_kernel_that_accumulates_its_table_gradient_and_trials_add_none():
+    """Under ``kernel="flex"`` a call with a relative bias still runs ``ScoreModKernel`` (FlexAttention's backward
+    would not accumulate the table's gradient); ``backend="auto"``'s timed trials get the table detached."""
+    from types import SimpleNamespace
+
+    from lightning_sp import RelativePositionBias
+    from lightning_sp.attention import _without_learned_tables
+    from lightning_sp.ops.kernels import ScoreModKernel, score_mod_kernel
+
+    table = torch.zeros(8, 4, dtype=torch.float64, requires_grad=True)
+    mask = AttentionMask(softcap=2.0, relative_bias=RelativePositionBias(table, num_buckets=8, max_distance=10))
+    flex = SimpleNamespace(name="flex")
+    chosen = score_mod_kernel(flex, mask.score_mods(), q_global=0, k_global=0, head_offset=0)
+    assert type(chosen) is ScoreModKernel
+    trial = _without_learned_tables(mask)
+    assert not trial.relative_bias.table.requires_grad and trial.relative_bias.table.data_ptr() == table.data_ptr()
+    assert trial.signature() == mask.signature() and trial.softcap == 2.0
+    assert _without_learned_tables(AttentionMask(softcap=2.0)) == AttentionMask(softcap=2.0)
