@@ -130,7 +130,9 @@ def unsupported_mods(mods: ScoreMods | None) -> list[str]:
     def is_set(value) -> bool:
         return value is not None and not (isinstance(value, (tuple, list)) and not value)
 
-    return [f.name for f in dataclasses.fields(mods) if f.name not in FLEX_SCORE_MODS and is_set(getattr(mods, f.name))]
+    return [f.name for f in dataclasses.fields(mods)
+            if f.name not in FLEX_SCORE_MODS and f.name != "table_grad"  # bookkeeping of the call, not a modifier
+            and is_set(getattr(mods, f.name))]
 
 
 def why_not_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: ScoreMods | None, *,

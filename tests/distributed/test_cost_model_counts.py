@@ -157,11 +157,13 @@ MASKS = {  # name -> (causal, AttentionMask fields or None, cu_seqlens or None)
 MASKED_BACKENDS = {2: (("ring", None), ("zigzag_ring", None), ("allgather_kv", None), ("ulysses", None)),
                    4: (("ring", None), ("zigzag_ring", None), ("allgather_kv", None), ("ulysses", None),
                        ("usp", 2))}
+MASKED_PIECES = ((2, "window", "zigzag_ring"), (2, "docs_window", "allgather_kv"), (2, "span", "ring"))
+"""Cases run again with ``kv_pieces=4``: the traffic follows the mask piece by piece."""
 FOLLOWS = ("ring", "zigzag_ring", "allgather_kv", "usp")
 """Backends whose K/V traffic follows the mask (whole blocks; usp: its ring part)."""
 
 
-def _masked_call(backend, u, world, kernel, stats, causal, fields, cu):
+def _masked_call(backend, u, world, kernel, stats, causal, fields, cu, pieces=1):
     from lightning_sp.attention import _doc_bounds, _mask_fields
     from lightning_sp.masks import AttentionMask
     from lightning_sp.ops import backends
@@ -170,7 +172,7 @@ def _masked_call(backend, u, world, kernel, stats, causal, fields, cu):
     mask = None if fields is None else AttentionMask(**fields)
     doc_bounds = _doc_bounds(cu, N, N)  # the module's own resolution of documents and masks
     return backends.AttentionCall(kernel=kernel, scale=D ** -0.5, causal=causal, layout=backend_layout(backend, u),
-                                  padded_len=N, doc_bounds=doc_bounds, stats=stats, kv_pieces=1,
+                                  padded_len=N, doc_bounds=doc_bounds, stats=stats, kv_pieces=pieces,
                                   **_mask_fields(mask, None, causal, doc_bounds, N, follow=cu is not None)), mask
 
 
@@ -207,44 +209,46 @@ def _masked_cases(rank, world):
     ring_groups = [dist.new_group(list(range(j, 4, 2))) for j in range(2)]
     shape = AttentionShape(seq_len=N, num_heads=H, num_kv_heads=H_KV, head_dim=D, dtype_bytes=4)
     rows = []
-    for p, cases in MASKED_BACKENDS.items():
+    grid = [(p, name, backend, u, 1) for p, cases in MASKED_BACKENDS.items() for name in MASKS for backend, u in cases]
+    grid += [(p, name, backend, None, 4) for p, name, backend in MASKED_PIECES]
+    for p, name, backend, u, pieces in grid:
         if rank >= p:
             continue
         group = pair if p == 2 else dist.group.WORLD
-        for name, (causal, fields, cu) in MASKS.items():
-            for backend, u in cases:
-                kernel, stats = PairCountingKernel(make_kernel("sdpa")), CommStats()
-                call, mask = _masked_call(backend, u, p, kernel, stats, causal, fields, cu)
-                g = torch.Generator().manual_seed(0)
-                q = torch.randn(1, N // p, H, D, generator=g, requires_grad=True)
-                k, v = (torch.randn(1, N // p, H_KV, D, generator=g, requires_grad=True) for _ in range(2))
-                if backend == "usp":
-                    out = backends.usp_attention(q, k, v, call, ulysses_group=ulysses_groups[rank // u],
-                                                 ring_group=ring_groups[rank % u])
-                else:
-                    fn = {"ulysses": backends.ulysses_attention, "ring": backends.ring_attention,
-                          "zigzag_ring": backends.ring_attention,
-                          "allgather_kv": backends.allgather_kv_attention}[backend]
-                    out = fn(q, k, v, call, group=group)
-                out.backward(torch.randn(out.shape, generator=g))
-                m_shape = shape if causal else AttentionShape(seq_len=N, num_heads=H, num_kv_heads=H_KV, head_dim=D,
-                                                                dtype_bytes=4, causal=False)
-                model = rank_counts(backend, m_shape, p, ulysses_degree=u, mask=mask, cu_seqlens=cu, ranks=[rank])[0]
-                blind = rank_counts(backend, m_shape, p, ulysses_degree=u, ranks=[rank])[0]  # ignores the mask
-                sched = rank_schedule(backend, seq_len=N, world=p, rank=rank, heads=H, kv_heads=H_KV, head_dim=D,
-                                      causal=causal, ulysses_degree=u, mask=mask, doc_bounds=cu)
-                blind_sched = rank_schedule(backend, seq_len=N, world=p, rank=rank, heads=H, kv_heads=H_KV,
-                                            head_dim=D, causal=causal, ulysses_degree=u)
-                key = lambda c: (c.q_len, c.k_len, c.kind, c.heads, c.kv_heads, c.backward)  # noqa: E731
-                counted = {op: float(b) for op, b in stats.bytes_by_op.items() if b}
-                ran = Counter(kernel.calls)
-                rows.append({
-                    "case": (p, name, backend, u), "calls_equal": ran == Counter(map(key, sched.calls())),
-                    "n_calls": len(kernel.calls), "pairs": (kernel.computed, model.pairs), "visible": kernel.visible,
-                    "bytes": (counted, model.bytes_by_op),
-                    "blind_misses_calls": ran != Counter(map(key, blind_sched.calls())),
-                    "blind_bytes": blind.bytes_by_op, "blind_pairs": blind.pairs,
-                })
+        causal, fields, cu = MASKS[name]
+        kernel, stats = PairCountingKernel(make_kernel("sdpa")), CommStats()
+        call, mask = _masked_call(backend, u, p, kernel, stats, causal, fields, cu, pieces)
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, N // p, H, D, generator=g, requires_grad=True)
+        k, v = (torch.randn(1, N // p, H_KV, D, generator=g, requires_grad=True) for _ in range(2))
+        if backend == "usp":
+            out = backends.usp_attention(q, k, v, call, ulysses_group=ulysses_groups[rank // u],
+                                         ring_group=ring_groups[rank % u])
+        else:
+            fn = {"ulysses": backends.ulysses_attention, "ring": backends.ring_attention,
+                  "zigzag_ring": backends.ring_attention,
+                  "allgather_kv": backends.allgather_kv_attention}[backend]
+            out = fn(q, k, v, call, group=group)
+        out.backward(torch.randn(out.shape, generator=g))
+        m_shape = shape if causal else AttentionShape(seq_len=N, num_heads=H, num_kv_heads=H_KV, head_dim=D,
+                                                        dtype_bytes=4, causal=False)
+        model = rank_counts(backend, m_shape, p, ulysses_degree=u, kv_pieces=pieces, mask=mask, cu_seqlens=cu,
+                            ranks=[rank])[0]
+        blind = rank_counts(backend, m_shape, p, ulysses_degree=u, ranks=[rank])[0]  # ignores the mask
+        sched = rank_schedule(backend, seq_len=N, world=p, rank=rank, heads=H, kv_heads=H_KV, head_dim=D,
+                              causal=causal, ulysses_degree=u, kv_pieces=pieces, mask=mask, doc_bounds=cu)
+        blind_sched = rank_schedule(backend, seq_len=N, world=p, rank=rank, heads=H, kv_heads=H_KV,
+                                    head_dim=D, causal=causal, ulysses_degree=u)
+        key = lambda c: (c.q_len, c.k_len, c.kind, c.heads, c.kv_heads, c.backward)  # noqa: E731
+        counted = {op: float(b) for op, b in stats.bytes_by_op.items() if b}
+        ran = Counter(kernel.calls)
+        rows.append({
+            "case": (p, name, backend, u, pieces), "calls_equal": ran == Counter(map(key, sched.calls())),
+            "n_calls": len(kernel.calls), "pairs": (kernel.computed, model.pairs), "visible": kernel.visible,
+            "bytes": (counted, model.bytes_by_op),
+            "blind_misses_calls": ran != Counter(map(key, blind_sched.calls())),
+            "blind_bytes": blind.bytes_by_op, "blind_pairs": blind.pairs,
+        })
     return rows
 
 
@@ -261,10 +265,10 @@ def _dense_visible(causal, fields, cu) -> int:
 
 def test_cost_model_counts_equal_what_the_backends_do_under_masks(results):
     rows = [r for out in results for r in out["masked"]]
-    assert len(rows) == 2 * 4 * len(MASKS) + 4 * 5 * len(MASKS)  # every rank of every case reported
+    assert len(rows) == 2 * 4 * len(MASKS) + 4 * 5 * len(MASKS) + 2 * len(MASKED_PIECES)  # every rank of every case
     by_case = {}
     for r in rows:
-        p, name, backend, _ = r["case"]
+        p, name, backend = r["case"][:3]
         assert r["calls_equal"], r
         assert r["n_calls"] > 0, r
         assert r["pairs"][0] == r["pairs"][1], r
@@ -274,15 +278,15 @@ def test_cost_model_counts_equal_what_the_backends_do_under_masks(results):
         if backend in FOLLOWS:
             assert r["blind_bytes"] != r["bytes"][0], r
         by_case.setdefault(r["case"], []).append(r)
-    for (p, name, backend, u), case_rows in by_case.items():
+    for (p, name, backend, _, _), case_rows in by_case.items():
         causal, fields, cu = MASKS[name]
         # the calls leave visible exactly the dense mask's pairs, and compute no fewer
         assert sum(r["visible"] for r in case_rows) == _dense_visible(causal, fields, cu), (p, name, backend)
         assert sum(r["pairs"][0] for r in case_rows) >= sum(r["visible"] for r in case_rows)
     # the mask-following traffic is far below the traffic the mask-blind model predicts: window at P = 4
-    zig = by_case[(4, "window", "zigzag_ring", None)][0]
+    zig = by_case[(4, "window", "zigzag_ring", None, 1)][0]
     assert sum(zig["bytes"][0].values()) < 0.5 * sum(zig["blind_bytes"].values()), zig
-    ring_docs = by_case[(2, "docs", "ring", None)]
+    ring_docs = by_case[(2, "docs", "ring", None, 1)]
     assert sum(sum(r["bytes"][0].values()) for r in ring_docs) < sum(sum(r["blind_bytes"].values()) for r in ring_docs)
 
 
@@ -386,3 +390,12 @@ def test_auto_prices_the_mask(results):
     seen = auto_choice(H, 4, seq_len=N, num_kv_heads=H_KV, head_dim=D, dtype=torch.float64, hardware=_slow_links(),
                        usp_allowed=True, mask=AttentionMask(window=WINDOW))
     assert seen.backend == "zigzag_ring", seen.summary()
+
+
+def test_cost_model_counts_pieces_under_masks(results):
+    """K/V in pieces follows the mask piece by piece: the same bytes as whole blocks, counted exactly."""
+    rows = {r["case"]: r for r in results[0]["masked"]}
+    for p, name, backend in MASKED_PIECES:
+        whole, pieces = rows[(p, name, backend, None, 1)], rows[(p, name, backend, None, 4)]
+        assert pieces["bytes"][0] == pieces["bytes"][1] and pieces["calls_equal"], pieces
+        assert sum(pieces["bytes"][0].values()) == sum(whole["bytes"][0].values()), (whole, pieces)
