@@ -72,3 +72,25 @@ def dense_attention(q, k, v, *, causal=False, cu_seqlens=None, seq_len=None, sca
     else:
         probs = torch.softmax(scores, dim=-1)
     return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def key_blocks(visible: torch.Tensor, q_start: int, key_ranges) -> list[tuple]:
+    """``(k0, k1, kind, mask)`` of each key range for the queries ``[q_start, N)`` of the ``[N, N]`` boolean
+    ``visible``, as the planner hands blocks to a kernel: FULL (every pair visible), CAUSAL (the square diagonal
+    block, lower triangle), else DENSE with its mask; a range with no visible pair is skipped."""
+    from lightning_sp.ops.plan import MaskKind
+
+    n = visible.size(1)
+    out = []
+    for k0, k1 in key_ranges:
+        block = visible[q_start:, k0:k1]
+        if not block.any():
+            continue
+        if block.all():
+            out.append((k0, k1, MaskKind.FULL, None))
+        elif (k0, k1) == (q_start, n) and torch.equal(block, torch.ones_like(block).tril()):
+            out.append((k0, k1, MaskKind.CAUSAL, None))
+        else:
+            out.append((k0, k1, MaskKind.DENSE, block))
+    return out
+

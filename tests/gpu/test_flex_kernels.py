@@ -21,7 +21,7 @@ from lightning_sp.ops import flex
 from lightning_sp.ops.kernels import make_kernel, score_mod_kernel
 from lightning_sp.ops.merge import merge_into
 from lightning_sp.ops.plan import MaskKind
-from tests.reference import dense_attention
+from tests.reference import dense_attention, key_blocks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,18 +69,7 @@ def _rel(a, b):
 
 def _blocks(mask, causal, docs, q_start, key_ranges):
     vis = mask.structured(causal=causal, doc_bounds=docs, padded_len=N).visible(torch.arange(N), torch.arange(N))
-    out = []
-    for k0, k1 in key_ranges:
-        block = vis[q_start:, k0:k1]
-        if not block.any():
-            continue
-        if block.all():
-            out.append((k0, k1, MaskKind.FULL, None))
-        elif (k0, k1) == (q_start, N) and torch.equal(block, torch.ones_like(block).tril()):
-            out.append((k0, k1, MaskKind.CAUSAL, None))
-        else:
-            out.append((k0, k1, MaskKind.DENSE, block.cuda()))
-    return out
+    return [(k0, k1, kind, None if m is None else m.cuda()) for k0, k1, kind, m in key_blocks(vis, q_start, key_ranges)]
 
 
 def _run_row(mask, q, k, v, blocks, dout, q_start):

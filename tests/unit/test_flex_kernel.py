@@ -18,6 +18,7 @@ from lightning_sp.ops.kernels import (KERNELS, SDPAKernel, ScoreModKernel, Torch
 from lightning_sp.ops.merge import merge_into
 from lightning_sp.ops.plan import MaskKind
 from lightning_sp.ops.ring_attention import AttentionResult, absorb_sinks
+from tests.reference import key_blocks
 from tests.stand_ins.flex_attention import FlexAttentionStandIn
 
 N, Q0, K_SPLIT = 200, 60, 130  # sequence length; the query block is [Q0, N); keys in [0, K_SPLIT) and [K_SPLIT, N)
@@ -71,19 +72,7 @@ def _visible(case):
 def _blocks(case, q_start=Q0, key_ranges=((0, K_SPLIT), (K_SPLIT, N))):
     """``(k0, k1, kind, mask)`` of each key block for the query block ``[q_start, N)``, as the planner would hand
     them over (a block with no visible pair skipped)."""
-    vis = _visible(case)[q_start:]
-    out = []
-    for k0, k1 in key_ranges:
-        block = vis[:, k0:k1]
-        if not block.any():
-            continue
-        if block.all():
-            out.append((k0, k1, MaskKind.FULL, None))
-        elif (k0, k1) == (q_start, N) and torch.equal(block, torch.ones_like(block).tril()):
-            out.append((k0, k1, MaskKind.CAUSAL, None))
-        else:
-            out.append((k0, k1, MaskKind.DENSE, block))
-    return out
+    return key_blocks(_visible(case), q_start, key_ranges)
 
 
 def run_row(make, q, k, v, blocks, *, sinks=None, dout=None):
