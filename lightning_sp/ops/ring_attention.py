@@ -134,8 +134,8 @@ class BlockAttentionSpec:
     """Plan under this mask (``plan_blocks(mask=)``; it carries causality and documents); ``None``: ``causal``
     and ``doc_bounds``."""
     score_mods: ScoreMods | None = None
-    """Per-score modifiers: every call runs ``score_mod_kernel``'s kernel (FlexAttention on CUDA, else
-    ``ScoreModKernel``; needs ``mask``, whose calls are contiguous)."""
+    """Per-score modifiers: every call runs ``score_mod_kernel``'s kernel (FlexAttention under ``kernel="flex"`` on
+    CUDA, else ``ScoreModKernel``; needs ``mask``, whose calls are contiguous)."""
     head_offset: int = 0
     """Global index of the first local query head (Ulysses ranks hold a slice): for score modifiers and sinks."""
     follow_mask: bool = False
@@ -188,7 +188,7 @@ def _plan(spec: BlockAttentionSpec, q_runs, k_runs):
 
 def _kernel_for(spec: BlockAttentionSpec, call):
     """The kernel of one call: ``spec.kernel``, or with score modifiers the one that knows the call's global
-    positions (``score_mod_kernel``: FlexAttention on CUDA, else ``ScoreModKernel``)."""
+    positions (``score_mod_kernel``: FlexAttention under ``kernel="flex"`` on CUDA, else ``ScoreModKernel``)."""
     if spec.score_mods is None:
         return spec.kernel
     return score_mod_kernel(spec.kernel, spec.score_mods, q_global=call.q_global, k_global=call.k_global,
