@@ -266,6 +266,11 @@ def cpu_profile():
     return hw
 
 
+def cpu_predict_step_s(row: dict, overhead: dict) -> float:
+    """The planner's step time of a row on the committed CPU calibrations (``cpu_profile``, ``overhead``)."""
+    return predict(row, cpu_profile(), overhead)["step_s"]
+
+
 def _median_time(fn, reps: int) -> float:
     fn()
     fn()  # warm: allocator, first-call dispatch, AdamW's state
