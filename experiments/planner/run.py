@@ -389,7 +389,6 @@ def predict(row: dict, hw, overhead: dict | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from experiments.common.launch import run_on_ranks
     from experiments.common.results import RUNS, run_metadata
-    from lightning_sp.planner import hardware_profile
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true")
