@@ -39,8 +39,10 @@ Note [Step model]
            gradient all-reduce not hidden by backward + a fixed time per step (the training loop; calibrated,
            0 unless given),
     with one more forward of every layer under activation checkpointing and of the MLP with the tiled MLP;
-    ranks that share a CPU's cores compute proportionally slower. Not modelled: the optimizer's own update,
-    the data loader, kernel launch gaps.
+    ranks that share a CPU's cores compute proportionally slower. A profile with measured layer rates (Note
+    [Layer rates]: the CPU's calibration) prices the linear layers at the rate of their own shapes and adds the
+    loss's and AdamW's update's measured costs. Not modelled: the data loader, kernel launch gaps (on GPU, the
+    optimizer's update).
 
 Note [Saved tensors]
     What one layer keeps for backward per token, in activation elements (``ModelSpec.saved_per_token``): the
@@ -462,10 +464,97 @@ _EXTRA_PRESETS = {
 }
 
 
+# Note [Layer rates]
+#     On a CPU the layer's non-attention work does not run at one matmul rate and one per-element cost measured on
+#     other shapes: a ``[T, C] x [C, k C]`` product at C = 64..256 runs far below the rate of a large one, a norm or an
+#     activation over ``[T, ffn]`` costs a few nanoseconds per element (not an in-place add's tenth of one), and the
+#     loss and AdamW's update have their own costs. ``LayerRates`` carries what micro-benchmarks of exactly these
+#     pieces measured (``experiments/planner/run.py --calibrate-layer``, none of the validated training steps):
+#       matmul_table  ``(tokens, width, FLOP/s)``: a layer's linear layers (C -> 3C, C -> C, C -> 4C, 4C -> C, with
+#                     biases) forward + backward at ``T`` tokens and width ``C``; log-log interpolated, clamped outside.
+#                     The layer's and the output head's FLOPs run at the rate of ``(T, C)``.
+#       elementwise_s seconds per element per pass of a layer's norms, activation and residual adds (forward +
+#                     backward of LayerNorm, GELU, add over ``[T, C]`` and ``[T, 4C]``, divided by 3 passes of their
+#                     outputs); applied to ``saved_per_token`` elements, 3 passes (4 with checkpointing)
+#       loss_s        seconds per logit of the cross-entropy's forward + backward
+#       optimizer_s   seconds per parameter of one AdamW step (PyTorch's default on CPU), on the rank's share of the
+#                     parameters (FSDP: ``1 / (dp sp)``)
+#     A profile carries them as ``PlannerProfile.layer_rates`` (``with_layer_rates``; a profile file's ``"layer_rates"``
+#     key); without them ``step_time`` uses ``matmul_flops`` and ``elementwise_s`` as before (the GPU presets).
+
+
+@dataclass(kw_only=True, frozen=True)
+class LayerRates:
+    """Measured costs of a layer's non-attention work on one rank (Note [Layer rates])."""
+
+    matmul_table: tuple[tuple[int, int, float], ...]
+    """``(tokens, width, FLOP/s)`` of a layer's linear layers forward + backward."""
+    elementwise_s: float
+    """Seconds per element per pass of the norms, activations and residual adds."""
+    loss_s: float
+    """Seconds per logit of the cross-entropy's forward + backward."""
+    optimizer_s: float
+    """Seconds per parameter of one AdamW step."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.matmul_table or any(t < 1 or c < 1 or r <= 0 for t, c, r in self.matmul_table):
+            raise ValueError(f"LayerRates.matmul_table needs (tokens >= 1, width >= 1, FLOP/s > 0) points, got "
+                             f"{self.matmul_table}")
+        for name in ("elementwise_s", "loss_s", "optimizer_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LayerRates.{name} must be >= 0, got {getattr(self, name)}")
+
+    def matmul_rate(self, tokens: float, width: float) -> float:
+        """FLOP/s of the linear layers at ``tokens`` per rank and model width ``width``: bilinear in log tokens and
+        log width over the table's grid, clamped outside it."""
+        ts = sorted({t for t, _, _ in self.matmul_table})
+        cs = sorted({c for _, c, _ in self.matmul_table})
+        rate = {(t, c): r for t, c, r in self.matmul_table}
+        if len(rate) != len(ts) * len(cs):
+            raise ValueError("LayerRates.matmul_table must be a full grid of tokens x widths")
+
+        def bracket(grid: list[int], x: float) -> tuple[int, int, float]:
+            x = min(max(x, grid[0]), grid[-1])
+            for a, b in zip(grid, grid[1:]):
+                if a <= x <= b:
+                    return a, b, math.log(x / a) / math.log(b / a)
+            return grid[0], grid[0], 0.0  # a one-point grid
+
+        t0, t1, wt = bracket(ts, tokens)
+        c0, c1, wc = bracket(cs, width)
+        log = lambda t, c: math.log(rate[(t, c)])  # noqa: E731
+        return math.exp((1 - wt) * ((1 - wc) * log(t0, c0) + wc * log(t0, c1))
+                        + wt * ((1 - wc) * log(t1, c0) + wc * log(t1, c1)))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LayerRates":
+        return cls(matmul_table=tuple((int(t), int(c), float(r)) for t, c, r in d["matmul_table"]),
+                   elementwise_s=float(d["elementwise_s"]), loss_s=float(d["loss_s"]),
+                   optimizer_s=float(d["optimizer_s"]), source=str(d.get("source", "")))
+
+
+@dataclass(kw_only=True, frozen=True)
+class PlannerProfile(cost_model.HardwareProfile):
+    """A hardware profile with the measured costs of a layer's non-attention work (Note [Layer rates])."""
+
+    layer_rates: LayerRates | None = None
+
+
+def with_layer_rates(hw: cost_model.HardwareProfile, rates: LayerRates | dict) -> PlannerProfile:
+    """``hw`` with ``rates`` (a ``LayerRates`` or its dict, as ``run.py --calibrate-layer`` writes) for the layer's
+    non-attention work (Note [Layer rates])."""
+    from dataclasses import fields
+
+    rates = rates if isinstance(rates, LayerRates) else LayerRates.from_dict(rates)
+    base = {f.name: getattr(hw, f.name) for f in fields(cost_model.HardwareProfile)}
+    return PlannerProfile(**base, layer_rates=rates)
+
+
 def hardware_profile(name_or_path: str | Path) -> cost_model.HardwareProfile:
     """A preset by name (``cpu``, ``a100``, ``h100``, ``h800``, ``h200``, ``b200`` or the cost model's full
     names) or a calibrated profile file (the JSON of ``HardwareProfile.to_dict``, as the cost-model
-    calibration writes; a top-level ``"profile"`` key is accepted)."""
+    calibration writes; a top-level ``"profile"`` key is accepted, and a ``"layer_rates"`` key, Note [Layer rates])."""
     key = str(name_or_path)
     key = HARDWARE_ALIASES.get(key, key)
     if key in _EXTRA_PRESETS:
@@ -475,7 +564,10 @@ def hardware_profile(name_or_path: str | Path) -> cost_model.HardwareProfile:
     path = Path(name_or_path)
     if path.is_file():
         data = json.loads(path.read_text())
-        return cost_model.HardwareProfile.from_dict(data.get("profile", data))
+        profile = dict(data.get("profile", data))
+        rates = profile.pop("layer_rates", None) or data.get("layer_rates")
+        hw = cost_model.HardwareProfile.from_dict(profile)
+        return with_layer_rates(hw, rates) if rates else hw
     names = sorted(set(HARDWARE_ALIASES) | set(cost_model.PRESETS) | set(_EXTRA_PRESETS))
     raise ValueError(f"unknown hardware {name_or_path!r}: a preset ({', '.join(names)}) or a calibrated profile file")
 
@@ -677,11 +769,18 @@ def step_time(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision
         mlp_params = m.layer_params(active=True) - m.num_layers * m.attention_params()
         linear_flops += 2.0 * tokens * mlp_params / tp
     head_flops = 2.0 * tokens * m.hidden * m.vocab / tp * (4 if c.tiled_loss else 3)
-    rest = (linear_flops + head_flops) / hw.matmul_flops
-    # elementwise work (norms, activations, residuals, rotary) at the profile's per-element cost (0 on the GPU
-    # presets): about one pass per saved element in forward and two in backward, one more forward to recompute
+    rates: LayerRates | None = getattr(hw, "layer_rates", None)  # Note [Layer rates]
+    # elementwise work (norms, activations, residuals, rotary): about one pass per saved element in forward and two
+    # in backward, one more forward to recompute
     saved = sum(m.saved_per_token(tp=tp, act_bytes=act, mlp_tiled=0 < c.mlp_chunk_tokens < tokens))
-    rest += hw.elementwise_s[1] * m.num_layers * tokens * saved * (3 + recompute)
+    passes = m.num_layers * tokens * saved * (3 + recompute)
+    if rates is None:  # the profile's matmul rate and per-element cost (0 on the GPU presets)
+        rest = (linear_flops + head_flops) / hw.matmul_flops + hw.elementwise_s[1] * passes
+    else:  # measured at the layer's own shapes, with the loss and AdamW's update
+        rest = (linear_flops + head_flops) / rates.matmul_rate(tokens, m.hidden) + rates.elementwise_s * passes
+        rest += rates.loss_s * tokens * m.vocab / tp
+        shard_over = dp * sp if data_parallel == "fsdp" else 1
+        rest += rates.optimizer_s * (m.layer_params() + m.embedding_params()) / tp / shard_over
     rest *= hw.compute_stretch(sp * dp * tp)  # ranks sharing a CPU's cores
     if tp > 1:  # Megatron-SP: all-gather before and reduce-scatter after attention and MLP, fwd and bwd
         bw, lat = hw.link(tp)

@@ -279,18 +279,24 @@ def time_validation(data, path) -> str:
     """Measured against predicted step times (CPU gloo ranks), and the planner's pick against the measured
     fastest of its candidates (``run.py --time`` / ``--recommend``)."""
     out = [f"Measured {data['date'][:10]} on {data['hardware']['device']}, float32, gloo, `{data['command']}`; "
-           f"predicted with the fixed time per step of `{path.parent}/cpu_step_overhead.json` (calibrated on tiny "
-           "encoders, none of these rows)."]
+           f"predicted with the layer rates of `{path.parent}/cpu_layer_rates.json` (micro-benchmarks: the linear "
+           "layers at their shapes, norms and activations, the loss, AdamW; Note [Layer rates]) and the fixed time "
+           f"per step of `{path.parent}/cpu_step_overhead.json` (calibrated on tiny encoders), none of them on "
+           "these rows."]
+    if "repredicted" in data:
+        out[0] += f" Predictions recomputed by `{data['repredicted']['command']}` ({data['repredicted']['date'][:10]})."
     if "summary" in data:
         s = data["summary"]
         out += ["", f"{s['rows']} rows: step time mean error **{100 * s['mean_abs_error']:.1f}%**, worst "
                     f"{100 * s['max_abs_error']:.1f}%.", "",
                 "| model | P | backend | data parallel | checkpointing | N | measured step s | predicted step s | "
-                "of which fixed | error |", "|---|---|---|---|---|---|---|---|---|---|"]
+                "of which attention | of which other compute | of which fixed | error |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in data["rows"]:
             out.append(f"| {r['model']} | {r['world']} | `{r['backend']}` | {r['data_parallel']} | "
                        f"{'on' if r['activation_checkpointing'] else 'off'} | {r['seq_len']} | "
                        f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
+                       f"{r['predicted_time']['attention_compute_s']:.3f} | {r['predicted_time']['other_compute_s']:.3f} | "
                        f"{r['predicted_time'].get('fixed_s', 0.0):.3f} | {100 * r['error']:+.1f}% |")
     for setup, rec in data.get("recommendations", {}).items():
         pick = rec["planner_pick"]

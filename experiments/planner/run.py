@@ -5,8 +5,10 @@ steps (forward, backward, optimizer step) under ``SequenceParallelStrategy``, on
     OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only --publish --worlds 2   # the committed peaks,
     OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only --publish --worlds 4   # in two parts
     OMP_NUM_THREADS=1 python -m experiments.planner.run --repredict --publish   # after a change to the planner
+    OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --calibrate-layer
     OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --calibrate-overhead
     OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --time   # (--recommend 0, 1)
+    OMP_NUM_THREADS=1 python -m experiments.planner.run --publish --time --repredict   # (--recommend 0, 1)
     OMP_NUM_THREADS=1 python -m experiments.planner.run --smoke         # two rows, a few seconds
 
 Measured peak: PyTorch's CPU allocator peak (``AllocatorPeak``) over building the model and two optimizer
@@ -16,8 +18,10 @@ activations and every temporary the allocator served; not gloo's own buffers nor
 step time: the median over steps 3-8 of a separate, unprofiled fit (``on_train_batch_start`` to
 ``on_train_batch_end``, the optimizer step included), max over ranks. Predicted: ``lightning_sp.planner``'s
 ``memory_bytes`` / ``step_time`` for the same layout, ``32-true``, the committed CPU calibration of the cost
-model, and for step times the training loop's fixed time per step calibrated on tiny encoders
-(``CALIBRATION_MODELS``). Nothing in the planner is fitted to these rows.
+model, and for step times the layer's non-attention costs measured by micro-benchmarks (``--calibrate-layer``:
+matmul rates at the layers' shapes, norms and activations, the loss, AdamW; Note [Layer rates]) and the training
+loop's fixed time per step calibrated on tiny encoders (``CALIBRATION_MODELS``). Nothing in the planner is fitted
+to these rows.
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ TIMED_STEPS = 8
 """Steps of the timed fit; the measured step time is the median of steps 3 to 8."""
 OVERHEAD = HERE / "results" / "cpu_step_overhead.json"
 TIME_RESULTS = HERE / "results" / "planner_time_validation.json"
+LAYER_RATES = HERE / "results" / "cpu_layer_rates.json"
+"""The layer's non-attention costs on this CPU (Note [Layer rates]), from ``--calibrate-layer``'s micro-benchmarks."""
+LAYER_TOKENS = (64, 256, 1024, 4096)
+LAYER_WIDTHS = (32, 64, 128, 256)
 RECOMMEND_SETUPS = (("protein_encoder", 4, 4096, "ddp"), ("llama_gqa", 4, 4096, "ddp"))
 """(model, P, N, data parallel): every backend x checkpointing at sp = P, measured and predicted."""
 
@@ -247,6 +255,112 @@ def _worker(rank: int, world: int, rows: list[dict], timed: bool, memory: bool =
     return out
 
 
+def cpu_profile():
+    """The committed CPU calibration of the cost model, with the layer rates of ``--calibrate-layer`` when
+    present (Note [Layer rates])."""
+    from lightning_sp.planner import hardware_profile, with_layer_rates
+
+    hw = hardware_profile(CPU_PROFILE)
+    if LAYER_RATES.is_file():
+        hw = with_layer_rates(hw, json.loads(LAYER_RATES.read_text())["layer_rates"])
+    return hw
+
+
+def cpu_predict_step_s(row: dict, overhead: dict) -> float:
+    """The planner's step time of a row on the committed CPU calibrations (``cpu_profile``, ``overhead``)."""
+    return predict(row, cpu_profile(), overhead)["step_s"]
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()
+    fn()  # warm: allocator, first-call dispatch, AdamW's state
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate_layer() -> dict:
+    """Micro-benchmarks of a layer's non-attention pieces on one thread, float32 (Note [Layer rates]); no model,
+    no training step, none of the validated rows."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    def fwd_bwd(outs_fn, inputs, params):
+        def run():
+            for t in (*inputs, *params):
+                t.grad = None
+            outs = outs_fn()
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        return run
+
+    matmul = []
+    for tokens in LAYER_TOKENS:
+        for width in LAYER_WIDTHS:
+            # a layer's linear layers: q/k/v in one, the output projection, the MLP's two (with biases)
+            lins = [torch.nn.Linear(width, k * width) for k in (3, 1, 4)] + [torch.nn.Linear(4 * width, width)]
+            x = torch.randn(tokens, width, requires_grad=True)
+            h = torch.randn(tokens, 4 * width, requires_grad=True)
+            run = fwd_bwd(lambda: [lin(x) for lin in lins[:3]] + [lins[3](h)], (x, h),
+                          [p for lin in lins for p in lin.parameters()])
+            flops = 3 * 2.0 * tokens * 12 * width * width  # forward + the two backward products
+            t = _median_time(run, reps=max(3, min(30, int(2e9 / flops))))
+            matmul.append((tokens, width, flops / t))
+
+    def elementwise_time(tokens: int, width: int) -> float:
+        # a layer without its matmuls and attention: two residual adds, two norms, the activation over [T, 4C]
+        ln1, ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        x = torch.randn(tokens, width, requires_grad=True)
+        h = torch.randn(tokens, 4 * width, requires_grad=True)
+
+        def outs():
+            y = x + ln1(x)
+            return [y + ln2(y), F.gelu(h)]
+        return _median_time(fwd_bwd(outs, (x, h), [*ln1.parameters(), *ln2.parameters()]), reps=20)
+
+    # per element per pass, the planner's count (Note [Saved tensors]): the norms' inputs and outputs (4 C) and the
+    # activation's (2 x 4C), three passes; the slope between 256 and 1024 tokens (the per-call part is the fixed
+    # time per step's, --calibrate-overhead)
+    elementwise = {}
+    for width in (64, 128, 256):
+        slope = (elementwise_time(1024, width) - elementwise_time(256, width)) / (1024 - 256)
+        elementwise[width] = slope / (3 * 12 * width)
+
+    from lightning_sp.loss import sequence_parallel_cross_entropy
+
+    def loss_time(tokens: int, vocab: int) -> float:  # the models' loss, on one rank (no group)
+        logits = torch.randn(1, tokens, vocab, requires_grad=True)
+        labels = torch.randint(0, vocab, (1, tokens))
+        return _median_time(fwd_bwd(lambda: [sequence_parallel_cross_entropy(logits, labels)], (logits,), []), reps=10)
+
+    loss = {vocab: (loss_time(1024, vocab) - loss_time(256, vocab)) / (768 * vocab) for vocab in (1024, 4096)}
+
+    def adamw_time(width: int) -> tuple[int, float]:
+        # AdamW as the models build it (two groups, PyTorch's CPU default), on four layers' worth of tensors
+        mats = [torch.randn(a, b) for _ in range(4) for a, b in ((3 * width, width), (width, width),
+                                                                  (4 * width, width), (width, 4 * width))]
+        vecs = [torch.randn(n) for _ in range(4) for n in (3 * width, width, 4 * width, width, width, width)]
+        params = [torch.nn.Parameter(t) for t in mats + vecs]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW([{"params": params[:len(mats)], "weight_decay": 0.01},
+                                 {"params": params[len(mats):], "weight_decay": 0.0}], lr=1e-4)
+        return sum(p.numel() for p in params), _median_time(opt.step, reps=10)
+
+    # per parameter: the slope between two sizes with the same tensors (the per-tensor part is the fixed time's)
+    (n0, t0), (n1, t1) = adamw_time(128), adamw_time(256)
+    rates = {"matmul_table": matmul, "elementwise_s": statistics.mean(elementwise.values()),
+             "loss_s": statistics.mean(loss.values()), "optimizer_s": (t1 - t0) / (n1 - n0)}
+    return {"layer_rates": rates,
+            "points": {"elementwise_s_by_width": elementwise, "loss_s_by_vocab": loss,
+                       "adamw": [[n0, t0], [n1, t1]]}}
+
+
 def _key(row: dict) -> tuple:
     return tuple(row[k] for k in ("model", "world", "backend", "data_parallel", "activation_checkpointing", "seq_len"))
 
@@ -275,7 +389,6 @@ def predict(row: dict, hw, overhead: dict | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from experiments.common.launch import run_on_ranks
     from experiments.common.results import RUNS, run_metadata
-    from lightning_sp.planner import hardware_profile
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true")
@@ -287,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure only the rows of these world sizes; the other rows are kept from the results file "
                          "(a long grid in parts)")
     timing = ap.add_mutually_exclusive_group()
+    timing.add_argument("--calibrate-layer", action="store_true",
+                        help=f"micro-benchmark a layer's non-attention pieces (matmul rates at the layers' shapes, "
+                             f"norms and activations, the loss, AdamW) into {LAYER_RATES.name}; run under both CPU "
+                             "slots, before --calibrate-overhead")
     timing.add_argument("--calibrate-overhead", action="store_true",
                         help=f"measure the training loop's fixed time per step on tiny models ({OVERHEAD.name}); run "
                              "under both CPU slots")
@@ -302,11 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-only", action="store_true",
                     help="measure the peaks only (they do not depend on the machine's load; step times do)")
     args = ap.parse_args(argv)
-    if args.calibrate_overhead or args.time or args.recommend is not None:
+    if args.calibrate_layer or args.calibrate_overhead or args.time or args.recommend is not None:
         return _timing(args, argv)
     args.out = args.out or (RESULTS if args.publish else RUNS / "planner" / RESULTS.name)
     rows = grid(args.smoke)
-    hw = hardware_profile(CPU_PROFILE)
+    hw = cpu_profile()
     kept: dict[tuple, dict] = {}
     if args.repredict:
         previous = json.loads(args.out.read_text())
@@ -375,15 +492,41 @@ def _measure_times(rows: list[dict]) -> list[float]:
     return [out[i] for i in range(len(rows))]
 
 
+def _kept_times(kept: list[dict], rows: list[dict]) -> list[float]:
+    """``--repredict``: the committed measured step time of each row (the same rows, in order)."""
+    fields = ("backend", "activation_checkpointing") + (("model", "world", "data_parallel", "seq_len") if kept and "model" in kept[0] else ())
+    if len(kept) != len(rows) or any(any(k[f] != r[f] for f in fields) for k, r in zip(kept, rows)):
+        raise SystemExit("the results file's measured rows are not this grid's: measure them (drop --repredict)")
+    return [k["measured_step_s"] for k in kept]
+
+
 def _timing(args, argv) -> int:
     """``--calibrate-overhead``, ``--time``, ``--recommend``: step times (Note [Step model]'s fixed part and its
     validation)."""
     from experiments.common.results import RUNS, run_metadata
-    from lightning_sp.planner import hardware_profile
 
-    hw = hardware_profile(CPU_PROFILE)
     meta = run_metadata(__file__, argv)
     where = (lambda p: p) if args.publish else (lambda p: args.out or RUNS / "planner" / p.name)
+    if args.calibrate_layer:
+        got = calibrate_layer()
+        got["layer_rates"]["source"] = (f"measured: {LAYER_RATES.name} ({meta['date']}), micro-benchmarks on one "
+                                        "thread, float32; none of the validated training steps")
+        doc = {**meta, "method": "micro-benchmarks on one thread, float32, torch's CPU kernels (Note [Layer rates] in "
+               "lightning_sp/planner.py); the median of repeated calls after two warm-up calls. matmul_table: a "
+               "layer's linear layers (C->3C, C->C, C->4C, 4C->C with biases) forward + backward at T tokens and "
+               "width C, FLOP/s; elementwise_s: two residual adds, two LayerNorms over [T, C] and GELU over [T, 4C], "
+               "forward + backward, per element of their saved inputs and outputs (12 C per token) per pass (3), "
+               "the slope between T=256 and T=1024, averaged over C=64, 128, 256; loss_s: lightning_sp.loss.sequence_parallel_cross_entropy (the models' loss) forward + "
+               "backward per logit, the slope between T=256 and 1024, averaged over V=1024, 4096; optimizer_s: one "
+               "torch.optim.AdamW step (two groups), the slope per parameter between four layers' tensors at C=128 "
+               "and C=256. Calibrated on these micro-benchmarks only, none of the validated training steps "
+               f"({TIME_RESULTS.name})", **got}
+        path = where(LAYER_RATES)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(json.dumps(doc["layer_rates"], indent=1))
+        return 0
+    hw = cpu_profile()
     if args.calibrate_overhead:
         rows = calibration_rows()
         times = _measure_times(rows)
@@ -408,7 +551,9 @@ def _timing(args, argv) -> int:
         overhead = json.loads(OVERHEAD.read_text())
         path = where(TIME_RESULTS)
         doc = json.loads(path.read_text()) if path.is_file() else {}
-        if args.time or "command" not in doc:  # the file's provenance is the --time run's
+        if args.repredict:  # the measurements' provenance stays the runs'
+            doc["repredicted"] = {"command": meta["command"], "date": meta["date"], "git_commit": meta.get("git_commit")}
+        elif args.time or "command" not in doc:  # the file's provenance is the --time run's
             doc.update(meta)
         doc.update(method="measured: median of steps 3-8 of a Trainer.fit (on_train_batch_start to on_train_batch_end, "
                           "the optimizer step included), max over ranks, both CPU slots held; predicted: "
@@ -416,7 +561,7 @@ def _timing(args, argv) -> int:
                           f"{OVERHEAD.name} (calibrated on tiny models, none of these rows)")
         if args.time:
             rows = time_rows()
-            times = _measure_times(rows)
+            times = _kept_times(doc.get("rows", []), rows) if args.repredict else _measure_times(rows)
             out = []
             for row, t in zip(rows, times):
                 pred = predict(row, hw, overhead)
@@ -428,15 +573,21 @@ def _timing(args, argv) -> int:
         else:
             setup = RECOMMEND_SETUPS[args.recommend]
             rows = recommend_rows(setup)
-            times = _measure_times(rows)
+            key = f"{setup[0]} P={setup[1]} N={setup[2]} {setup[3]}"
+            if args.repredict:
+                kept = [{**row, **c} for row, c in zip(rows, doc["recommendations"][key]["candidates"])]
+                times = _kept_times(kept, rows)
+            else:
+                times = _measure_times(rows)
             cands = []
             for row, t in zip(rows, times):
                 cands.append({"backend": row["backend"], "activation_checkpointing": row["activation_checkpointing"],
                               "measured_step_s": t, "predicted_step_s": predict(row, hw, overhead)["step_s"]})
             picked = min(cands, key=lambda c: c["predicted_step_s"])
             fastest = min(c["measured_step_s"] for c in cands)
-            doc.setdefault("recommendations", {})[f"{setup[0]} P={setup[1]} N={setup[2]} {setup[3]}"] = {
-                "command": meta["command"], "date": meta["date"],
+            previous = doc.get("recommendations", {}).get(key, {}) if args.repredict else meta
+            doc.setdefault("recommendations", {})[key] = {
+                "command": previous["command"], "date": previous["date"],
                 "candidates": cands, "planner_pick": {k: picked[k] for k in ("backend", "activation_checkpointing")},
                 "pick_over_fastest": picked["measured_step_s"] / fastest - 1}
     path.parent.mkdir(parents=True, exist_ok=True)

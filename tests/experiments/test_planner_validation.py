@@ -68,15 +68,30 @@ def test_committed_step_times_are_consistent_and_not_calibrated_on_their_rows():
     calibration = {r["model"] for r in overhead["rows"]}
     timed = {r["model"] for r in data["rows"]} | {k.split()[0] for k in data["recommendations"]}
     assert calibration and not calibration & timed
+    from experiments.planner.run import cpu_predict_step_s
+
+    layer = json.loads((results / "cpu_layer_rates.json").read_text())
+    assert layer["kind"] == "measured" and "none of the validated training steps" in layer["method"]
     errors = []
     for r in data["rows"]:
         assert r["predicted_step_s"] == pytest.approx(sum(r["predicted_time"].values()))
+        # the current planner's prediction, with the committed calibrations (a change must re-predict)
+        assert r["predicted_step_s"] == pytest.approx(cpu_predict_step_s(r, overhead)), (r["model"], r["backend"])
         assert r["error"] == pytest.approx(r["predicted_step_s"] / r["measured_step_s"] - 1)
         assert r["predicted_time"]["fixed_s"] > 0
         errors.append(abs(r["error"]))
     assert data["summary"]["rows"] == len(errors) >= 12
     assert data["summary"]["mean_abs_error"] == pytest.approx(sum(errors) / len(errors))
     assert len(data["recommendations"]) >= 2
+    from experiments.planner.run import RECOMMEND_SETUPS, recommend_rows
+
+    for setup in RECOMMEND_SETUPS:
+        cands = data["recommendations"][f"{setup[0]} P={setup[1]} N={setup[2]} {setup[3]}"]["candidates"]
+        rows = recommend_rows(setup)
+        assert [(r["backend"], r["activation_checkpointing"]) for r in rows] == [
+            (c["backend"], c["activation_checkpointing"]) for c in cands]
+        for row, c in zip(rows, cands):
+            assert c["predicted_step_s"] == pytest.approx(cpu_predict_step_s(row, overhead)), setup
     for rec in data["recommendations"].values():
         cands = rec["candidates"]
         picked = min(cands, key=lambda c: c["predicted_step_s"])

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from lightning_sp.planner import (Candidate, ModelSpec, hardware_profile, main, memory_bytes, memory_phases, plan,
-                                  step_time)
+from lightning_sp.planner import (Candidate, LayerRates, ModelSpec, PlannerProfile, hardware_profile, main,
+                                  memory_bytes, memory_phases, plan, step_time, with_layer_rates)
 
 ESM2_650M = {"architectures": ["EsmForMaskedLM"], "model_type": "esm", "hidden_size": 1280, "num_hidden_layers": 33,
              "num_attention_heads": 20, "intermediate_size": 5120, "vocab_size": 33, "hidden_act": "gelu",
@@ -234,6 +234,60 @@ def test_a_calibrated_profile_file_is_a_hardware(tmp_path):
     path.write_text(json.dumps({"profile": profile}))
     assert hardware_profile(path).name == "h100-80gb"
     assert plan(ESM2_650M, seq_len=4096, devices=2, hardware=path).recommended.fits
+
+
+RATES = dict(matmul_table=[[64, 32, 1e9], [64, 128, 4e9], [1024, 32, 2e9], [1024, 128, 8e9]],
+             elementwise_s=2e-9, loss_s=5e-9, optimizer_s=3e-9)
+
+
+def test_layer_rates_interpolate_on_the_measured_grid():
+    """Note [Layer rates]: the measured points exactly, log-log bilinear between them, clamped outside; a partial
+    grid or a negative cost is refused."""
+    rates = LayerRates.from_dict(RATES)
+    for t, c, r in RATES["matmul_table"]:
+        assert rates.matmul_rate(t, c) == pytest.approx(r)
+    assert rates.matmul_rate(256, 64) == pytest.approx((1e9 * 4e9 * 2e9 * 8e9) ** 0.25)  # the log-midpoint of both
+    assert rates.matmul_rate(1 << 20, 1) == pytest.approx(2e9)  # clamped: the most tokens, the narrowest width
+    assert rates.matmul_rate(1, 1 << 20) == pytest.approx(4e9)
+    with pytest.raises(ValueError, match="full grid"):
+        LayerRates.from_dict({**RATES, "matmul_table": RATES["matmul_table"][:3]}).matmul_rate(100, 100)
+    with pytest.raises(ValueError, match="optimizer_s must be >= 0"):
+        LayerRates.from_dict({**RATES, "optimizer_s": -1.0})
+    with pytest.raises(ValueError, match="matmul_table"):
+        LayerRates.from_dict({**RATES, "matmul_table": []})
+
+
+def test_layer_rates_price_the_layers_loss_and_optimizer(tmp_path):
+    """A profile with layer rates (a file's ``"layer_rates"`` key) prices the non-attention work from them: the
+    linear FLOPs at the table's rate, the elementwise passes, the loss per logit, AdamW per parameter (FSDP: the
+    rank's shard); without them, the profile's matmul rate as before. Attention and communication do not move."""
+    base = hardware_profile("cpu")
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"profile": base.to_dict(), "layer_rates": RATES}))
+    hw = hardware_profile(path)
+    assert isinstance(hw, PlannerProfile) and hw.layer_rates == LayerRates.from_dict(RATES)
+    assert with_layer_rates(base, RATES) == hw and hw.matmul_flops == base.matmul_flops
+    spec = ModelSpec(num_layers=2, hidden=64, num_heads=4, vocab=1000)
+    c = Candidate(backend="ring", sequence_parallel_size=2, data_parallel_size=1, tensor_parallel_size=1,
+                  ulysses_degree=None, kv_pieces=1, activation_checkpointing=False, tiled_loss=False)
+    kw = dict(seq_len=2048, batch=1, precision="32-true")
+    tokens, params = 1024, spec.layer_params() + spec.embedding_params()
+    saved = sum(spec.saved_per_token(tp=1, act_bytes=4))
+    flops = 2.0 * tokens * spec.layer_params() * 3 + 2.0 * tokens * 64 * 1000 * 3
+    rate = LayerRates.from_dict(RATES).matmul_rate(tokens, 64)
+    expected = flops / rate + 2e-9 * 2 * tokens * saved * 3 + 5e-9 * tokens * 1000
+    stretch = hw.compute_stretch(2)
+    ddp = step_time(spec, c, data_parallel="ddp", hw=hw, **kw)
+    fsdp = step_time(spec, c, data_parallel="fsdp", hw=hw, **kw)
+    assert ddp["other_compute_s"] == pytest.approx((expected + 3e-9 * params) * stretch)
+    assert fsdp["other_compute_s"] == pytest.approx((expected + 3e-9 * params / 2) * stretch)
+    plain = step_time(spec, c, data_parallel="ddp", hw=base, **kw)
+    assert plain["other_compute_s"] == pytest.approx(
+        (flops / base.matmul_flops + base.elementwise_s[1] * 2 * tokens * saved * 3) * stretch)
+    assert plain["attention_compute_s"] == ddp["attention_compute_s"]
+    # the rates are a time model only: the memory is the profile's
+    assert memory_bytes(spec, c, data_parallel="ddp", hw=hw, **kw) == memory_bytes(spec, c, data_parallel="ddp",
+                                                                                    hw=base, **kw)
 
 
 def test_the_loss_chunk_is_the_loss_modules():
