@@ -10,6 +10,18 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 
+def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 @dataclass(kw_only=True)
 class Timing:
     """Per-rep times of one implementation on this rank (seconds)."""

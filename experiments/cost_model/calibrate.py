@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from experiments.common.launch import run_on_ranks
+from experiments.common.timing import median_seconds
 
 if TYPE_CHECKING:
     from lightning_sp.cost_model import HardwareProfile
@@ -54,18 +55,6 @@ shrinks), so holding the time per element constant beyond 2048 over-predicts it.
 KERNEL_DIMS = (32, 64, 128)
 KERNEL_HEADS = 4
 LINK_SIZES = tuple(1 << k for k in range(12, 23, 2))  # 4 KiB .. 4 MiB
-
-
-def median_seconds(fn, reps: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def fit_line(xs, ys, *, relative: bool = False) -> tuple[float, float]:

@@ -272,14 +272,9 @@ def cpu_predict_step_s(row: dict, overhead: dict) -> float:
 
 
 def _median_time(fn, reps: int) -> float:
-    fn()
-    fn()  # warm: allocator, first-call dispatch, AdamW's state
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    from experiments.common.timing import median_seconds  # here: the module loads torch.distributed
+
+    return median_seconds(fn, reps, warmup=2)  # warm: allocator, first-call dispatch, AdamW's state
 
 
 def calibrate_layer() -> dict:
