@@ -169,8 +169,9 @@ def test_full_or_read_only_checkpoint_directory_fails_on_every_rank(tmp_path):
             assert r["error"] is not None, (name, rank)
             assert "CheckpointSaveError" in r["error"] and directory in r["error"], (name, rank, r["error"])
             assert "Connection closed" not in r["error"] and "another rank died" not in r["error"], (name, rank, r["error"])
-            if kind == "full":
-                assert "No space left on device" in r["error"], (name, rank, r["error"])
+            if kind == "full":  # the OS's words, or torch's zip writer finding its write cut short by the full disk
+                assert ("No space left on device" in r["error"] or "unexpected pos" in r["error"]) and (
+                    f"Free space in {directory}" in r["error"]), (name, rank, r["error"])
                 assert r["listing"] == [], (name, rank, r["listing"])  # nothing under a final name, no staging
                 assert r["step"] == 2, (name, rank, r["step"])  # the first epoch's save (2 steps) failed
             else:  # found at setup: no training time spent
