@@ -117,3 +117,15 @@ def test_sources_compile_without_warnings():
             pass
         else:
             raise AssertionError("an invalid escape sequence compiled without a warning")
+
+
+def test_bench_gpu_old_address_serves_the_outside_check():
+    """The ready GPU check loads ``scripts/bench_gpu.py`` by path (not as a module) and calls these names."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name in ("Results", "parse_args", "_meta", "kernels_section", "schedule_section", "main"):
+        assert callable(getattr(mod, name)), name
+    assert mod.parse_args(["--smoke"]).kernel_causal == [True]
