@@ -196,8 +196,8 @@ def test_planner_prices_each_layers_window():
     masked = planner.plan(full, mask=AttentionMask(window=(511, 0)), **kw)
     assert masked.model.sliding_windows == windowed.sliding_windows
     assert [x.step_time_s for x in masked.candidates] == [x.step_time_s for x in planner.plan(windowed, **kw).candidates]
-    with pytest.raises(ValueError, match="chunks, spans and mask_mod are not planned"):
-        planner.plan(full, mask=AttentionMask(chunk_size=1024), **kw)
+    with pytest.raises(ValueError, match="spans, key padding, mask_mod and score_mod callables are not planned"):
+        planner.plan(full, mask=AttentionMask(bidirectional_spans=((0, 64),)), **kw)
     with pytest.raises(ValueError, match="one per layer"):
         attention_per_layer(replace(windowed, sliding_windows=((511, 0),)), c, *args)
 
@@ -218,7 +218,8 @@ def test_plan_command_takes_a_sliding_window(capsys, tmp_path):
              for p in (plain, windowed)]
     assert all(times[1][k] < times[0][k] for k in times[0])
     assert planner.main(base[:-1] + ["--sliding-window", "512"]) == 0
-    assert "attention: window (511, 0) on 4 of 4 layers" in capsys.readouterr().out
+    assert "attention per layer (priced per layer): layers 0-3 (4 of 4): window (511, 0), plain kernel" in \
+        capsys.readouterr().out
     assert planner.main(base + ["--sliding-window", "0"]) == 2
     assert "--sliding-window must be >= 1" in capsys.readouterr().err
 
