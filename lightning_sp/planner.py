@@ -586,6 +586,15 @@ def with_layer_rates(hw: cost_model.HardwareProfile, rates: LayerRates | dict) -
     return PlannerProfile(**base, layer_rates=rates)
 
 
+# calls with score modifiers and sinks on these GPUs: the cost model's assumption (Note [Cost model of score modifiers]);
+# datasheets: fp32 (CUDA cores) FLOP/s and HBM bytes/s (H200: H100's compute, 4.8 TB/s HBM3e; B200: 8 TB/s HBM3e,
+# ~75 TFLOP/s fp32 assumed)
+for _name, (_fp32, _hbm) in {"h200-141gb": (67e12, 4.8e12), "h200-measured": (67e12, 4.8e12),
+                             "b200-180gb": (75e12, 8e12)}.items():
+    _EXTRA_PRESETS[_name] = cost_model.with_assumed_cuda_score_mods(_EXTRA_PRESETS[_name], fp32_flops=_fp32,
+                                                                     memory_bandwidth=_hbm)
+
+
 def hardware_profile(name_or_path: str | Path) -> cost_model.HardwareProfile:
     """A preset by name (``cpu``, ``a100``, ``h100``, ``h800``, ``h200``, ``b200`` or the cost model's full
     names) or a calibrated profile file (the JSON of ``HardwareProfile.to_dict``, as the cost-model

@@ -340,8 +340,19 @@ def test_calibrated_factor_prices_a_layer_above_the_plain_one():
     assert with_sinks.total_s - plain.total_s == pytest.approx(hw.sinks_time(512 * 4 * 32), rel=1e-9)
     assert with_sinks.kernel_path == "plain + sinks" and hw.sinks_time(512 * 4 * 32) > 0
     assert cm.predict_attention("zigzag_ring", shape, 1, replace(hw, sinks_s=()), sinks=True).total_s == plain.total_s
-    # a profile round-trips its factors and sinks
+    # a profile round-trips its factors and sinks, and the calibration step adds them to a calibrated profile
     assert cm.HardwareProfile.from_dict(hw.to_dict()) == hw
+    from experiments.cost_model.score_mods import with_score_mods
+
+    calibrated = with_score_mods(replace(hw, score_mod_factors=(), sinks_s=()), data)
+    assert [r[:4] for r in calibrated.score_mod_factors] == [r[:4] for r in hw.score_mod_factors]
+    assert calibrated.sinks_time(512 * 4 * 32) == pytest.approx(hw.sinks_time(512 * 4 * 32), rel=0.01)
+    # every GPU preset the planner knows prices them (an assumption, named in its source)
+    from lightning_sp.planner import hardware_profile
+
+    for name in ("a100", "h100", "h800", "h200", "b200", "h200-measured"):
+        gpu = hardware_profile(name)
+        assert gpu.score_mod_factors and gpu.sinks_s and "score modifiers: assumption" in gpu.source, name
 
 
 def test_auto_prices_score_modifiers():
