@@ -65,8 +65,9 @@ Note [Cost model under a mask]
 Note [Cost model of score modifiers]
     A call whose mask has score modifiers (``AttentionMask.score_mods()``: softcap, ALiBi, a relative-position bias,
     ``score_mod``, ``mask_mod``) runs ``ops.kernels.ScoreModKernel``, the pure-PyTorch blockwise path, not the plain
-    kernel (FlexAttention only under ``kernel="flex"``, opt-in, not modelled). Its pairs and bytes are the plain
-    call's (the same plan); its time is the plain call's times a factor per call, forward and backward apart:
+    kernel (FlexAttention only under ``kernel="flex"``, opt-in, not modelled). Its calls, pairs and bytes are those
+    of the same mask without modifiers (one plan: any mask plans on global ranges); each call's time is the plain
+    call's times a factor, forward and backward apart:
 
         factor(mods) = f_blockwise + sum over mods of max(0, f_mod - f_blockwise)
 
