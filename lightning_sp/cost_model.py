@@ -57,9 +57,33 @@ Note [Cost model under a mask]
     the mask (rings, ``allgather_kv`` and ``usp``'s ring with whole K/V blocks: a window's rows, nothing for a
     document inside one shard), never for Ulysses' all-to-alls, K/V in pieces or the all-gather. So under a
     window ``W << N`` ``backend="auto"`` prefers a ring that sends ``~W`` rows per neighbour over all-to-alls that
-    move every row. Score modifiers (softcap, ALiBi, ``score_mod``, ``mask_mod``) are priced as the plain kernel.
+    move every row. Chunks (Llama 4's chunked layers, ``chunk_size``) are documents cut at every multiple of the
+    chunk: pairs and bytes exact as for documents. Score modifiers and sinks: Note [Cost model of score modifiers].
     ``comm_bytes`` is counted the same way with or without a mask (``rank_counts``: dK/dV sums in the accumulation
     dtype), so the two compare.
+
+Note [Cost model of score modifiers]
+    A call whose mask has score modifiers (``AttentionMask.score_mods()``: softcap, ALiBi, a relative-position bias,
+    ``score_mod``, ``mask_mod``) runs ``ops.kernels.ScoreModKernel``, the pure-PyTorch blockwise path, not the plain
+    kernel (FlexAttention only under ``kernel="flex"``, opt-in, not modelled). Its calls, pairs and bytes are those
+    of the same mask without modifiers (one plan: any mask plans on global ranges); each call's time is the plain
+    call's times a factor, forward and backward apart:
+
+        factor(mods) = f_blockwise + sum over mods of max(0, f_mod - f_blockwise)
+
+    ``f_*``: ``HardwareProfile.score_mod_factors`` rows ``(modifier, kind, D, side, fwd, bwd)``, interpolated
+    log-linearly in the call's side ``sqrt(q_len k_len)`` and in D (clamped outside; a DENSE tile and a missing
+    kind read the FULL rows; a modifier without rows adds nothing). ``blockwise`` is the path with no modifier set,
+    the others each modifier alone; ``relative_bias`` with a learned table (its backward accumulates the table's
+    gradient). ``score_mod``/``mask_mod`` callables are priced as the path alone (their own work is the caller's).
+    CPU: measured, ``experiments/cost_model/score_mods.py`` (each kernel timed in turn with the plain one, so the
+    ratio carries to a profile measured on another day). GPU presets: an assumption, no measurement
+    (``assumed_cuda_score_mod_factors``: the tiles' fp32 matmuls on CUDA cores and their score passes at HBM
+    bandwidth over the preset's flash-style rate), labelled in the preset's ``source``. No rows: the plain price.
+    Sinks (gpt-oss) add one logit per row after every key block (``ops.ring_attention.absorb_sinks`` and, in
+    backward, ``sink_grad``): ``sinks_s``, seconds per output element at the rank's ``E = B x N/P x H x D``
+    (measured at several ``E``: per element it grows ~5x once the output leaves the caches), work on every rank at
+    the forward's end; no pairs, no bytes.
 
 Note [Per-call terms]
     What a calibrated profile (``experiments/cost_model/calibrate.py``) adds to FLOPs / rate; every
@@ -133,6 +157,21 @@ FWD_BWD_FACTOR = 3.5
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
+SCORE_MOD_ROWS = ("blockwise", "softcap", "alibi", "relative_bias")
+"""``HardwareProfile.score_mod_factors``' modifiers: the score-modifying path alone, then each modifier alone
+(Note [Cost model of score modifiers])."""
+
+
+def score_mod_names(mask: "AttentionMask | None") -> tuple[str, ...]:
+    """The score modifiers a call under ``mask`` runs with, by name (``AttentionMask.score_mods``, the kernel's
+    choice): ``()`` when its calls run the plain kernel."""
+    mods = None if mask is None else mask.score_mods()
+    if mods is None:
+        return ()
+    fields = (("softcap", mods.softcap), ("alibi", mods.alibi_slopes), ("relative_bias", mods.relative_bias),
+              ("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod))
+    return tuple(name for name, value in fields if value is not None)
+
 
 @dataclass(kw_only=True, frozen=True)
 class HardwareProfile:
@@ -202,6 +241,13 @@ class HardwareProfile:
     synchronisation that ends a stretch of compute (measured: ``calibrate.measure_sync_delay``; Note [Per-call
     terms]); added once per such synchronisation on the layer's path. Empty: none."""
 
+    score_mod_factors: tuple[tuple[str, str, int, int, float, float], ...] = ()
+    """``(modifier, kind, head_dim, side, fwd factor, bwd factor)``: a call with score modifiers over the plain call
+    (Note [Cost model of score modifiers]); ``modifier`` one of ``SCORE_MOD_ROWS``. Empty: priced as the plain call."""
+    sinks_s: tuple[tuple[int, float], ...] = ()
+    """``(output elements, seconds)``: attention sinks fwd+bwd on one rank over that many output elements
+    (``absorb_sinks`` + ``sink_grad``); per element log-linear in between, constant outside. Empty: not priced."""
+
     def __post_init__(self) -> None:
         if not self.attention_curve:
             raise ValueError("attention_curve needs at least one (block tokens, FLOP/s) point")
@@ -263,7 +309,46 @@ class HardwareProfile:
         d["collective_busy_s"] = tuple((str(o), int(g), float(t)) for o, g, t in d.get("collective_busy_s", ()))
         d["layer_latency_s"] = tuple((str(b), int(w), float(t)) for b, w, t in d.get("layer_latency_s", ()))
         d["sync_delay_s"] = tuple((int(w), float(t)) for w, t in d.get("sync_delay_s", ()))
+        d["score_mod_factors"] = tuple((str(m), str(k), int(dd), int(sd), float(f), float(b))
+                                       for m, k, dd, sd, f, b in d.get("score_mod_factors", ()))
+        d["sinks_s"] = tuple((int(e), float(t)) for e, t in d.get("sinks_s", ()))
         return cls(**d)
+
+    def score_mod_factor(self, mods: tuple[str, ...], kind: str, head_dim: int, q_len: int, k_len: int,
+                         backward: bool) -> float:
+        """How much longer a ``kind`` call of ``q_len x k_len`` runs with the score modifiers ``mods``
+        (``score_mod_names``) than without (Note [Cost model of score modifiers]); 1 without ``mods`` or rows."""
+        if not mods or not self.score_mod_factors:
+            return 1.0
+        side = (q_len * k_len) ** 0.5
+        base = self._score_mod_row(SCORE_MOD_ROWS[0], kind, head_dim, side, backward) or 1.0
+        extra = 0.0
+        for m in dict.fromkeys(mods):
+            f = self._score_mod_row(m, kind, head_dim, side, backward) if m in SCORE_MOD_ROWS[1:] else None
+            extra += 0.0 if f is None else max(0.0, f - base)
+        return base + extra
+
+    def _score_mod_row(self, modifier: str, kind: str, head_dim: int, side: float, backward: bool) -> float | None:
+        """``modifier``'s factor at ``side`` and ``head_dim`` from ``score_mod_factors`` (``None``: no rows)."""
+        rows = [r for r in self.score_mod_factors if r[0] == modifier]
+        kind = "causal" if kind == "causal" else "full"
+        rows = [r for r in rows if r[1] == kind] or [r for r in rows if r[1] == "full"] or rows
+        if not rows:
+            return None
+        col = 5 if backward else 4
+        dims = sorted({r[2] for r in rows})
+        per_dim = []
+        for dd in dims:
+            pts = sorted((r[3], r[col]) for r in rows if r[2] == dd)
+            per_dim.append(_interp(side, [x for x, _ in pts], [y for _, y in pts]))
+        return _interp(head_dim, dims, per_dim)
+
+    def sinks_time(self, elements: float) -> float:
+        """Seconds fwd+bwd of attention sinks over ``elements`` output elements on one rank (``sinks_s``)."""
+        if not self.sinks_s or elements <= 0:
+            return 0.0
+        pts = sorted(self.sinks_s)
+        return _interp(elements, [e for e, _ in pts], [t / e for e, t in pts]) * elements
 
     def kernel_time(self, call, head_dim: int) -> float:
         """Seconds of one kernel call (``ops.schedule.KernelCall``) on one rank, unshared."""
@@ -412,6 +497,79 @@ PRESETS: dict[str, HardwareProfile] = {
 }
 
 
+def assumed_cuda_score_mod_factors(hw: HardwareProfile, *, fp32_flops: float, memory_bandwidth: float,
+                                   dims=(64, 128), sides=(1024, 8192)) -> tuple:
+    """``score_mod_factors`` for a GPU where none was measured (an assumption, Note [Cost model of score modifiers]):
+    ``ScoreModKernel`` on CUDA runs ``128 x 512`` tiles in the accumulation dtype (fp32): its matmuls (4 D FLOPs per
+    pair forward, 10 D backward) at half the datasheet's fp32 CUDA-core rate ``fp32_flops`` (not the tensor cores),
+    its score passes (about 40 bytes per pair forward, 80 backward: scale, exp, log-sum-exp, the modifiers, the
+    gradient's passes) at ``memory_bandwidth``; over the plain call at the preset's flash-style rate. One
+    ``blockwise`` row per (D, side): every modifier is priced as the path alone (their passes are in the 40/80 bytes)."""
+    rows = []
+    for d in dims:
+        for side in sides:
+            rate = hw.attention_rate(side)  # plain fwd+bwd FLOP/s: 4 D FLOPs a pair forward, 10 D backward
+            fwd = (4 * d / (0.5 * fp32_flops) + 40 / memory_bandwidth) / (4 * d / rate)
+            bwd = (10 * d / (0.5 * fp32_flops) + 80 / memory_bandwidth) / (10 * d / rate)
+            rows.append(("blockwise", "full", d, side, fwd, bwd))
+    return tuple(rows)
+
+
+def with_assumed_cuda_score_mods(hw: HardwareProfile, *, fp32_flops: float, memory_bandwidth: float) -> HardwareProfile:
+    """``hw`` with ``assumed_cuda_score_mod_factors`` and sinks at four fp32 passes over the output (32 bytes per
+    element) at ``memory_bandwidth``, the assumption named in its ``source``."""
+    return replace(hw, score_mod_factors=assumed_cuda_score_mod_factors(hw, fp32_flops=fp32_flops,
+                                                                        memory_bandwidth=memory_bandwidth),
+                   sinks_s=((1 << 20, (1 << 20) * 32 / memory_bandwidth),),
+                   source=hw.source + (f"; score modifiers: assumption (ScoreModKernel's fp32 tiles at half of "
+                                       f"{fp32_flops / 1e12:g} TFLOP/s fp32 and {memory_bandwidth / 1e12:g} TB/s; "
+                                       f"not measured)"))
+
+
+_CUDA_FP32 = {  # datasheets: fp32 (CUDA cores) FLOP/s and HBM bytes/s
+    "a100-80gb": (19.5e12, 2.039e12),  # A100 SXM 80 GB
+    "h100-80gb": (67e12, 3.35e12),  # H100 SXM
+    "h800-80gb": (67e12, 3.35e12),  # H800 SXM: H100 SXM compute and memory
+}
+for _name, (_fp32, _hbm) in _CUDA_FP32.items():
+    PRESETS[_name] = with_assumed_cuda_score_mods(PRESETS[_name], fp32_flops=_fp32, memory_bandwidth=_hbm)
+
+# measured on the development VM (``experiments/cost_model/score_mods.py --part calibrate``, 2026-11-28,
+# ``results/score_mods_calibration.json``): the uncalibrated CPU profile borrows them
+_CPU_SCORE_MOD_FACTORS = (
+    # (modifier, kind, D, side, fwd, bwd) rounded to 2 digits
+    ("blockwise", "full", 32, 128, 3.27, 2.44), ("softcap", "full", 32, 128, 4.38, 3.34),
+    ("alibi", "full", 32, 128, 3.92, 2.84), ("relative_bias", "full", 32, 128, 7.49, 5.47),
+    ("blockwise", "causal", 32, 128, 4.66, 2.95), ("softcap", "causal", 32, 128, 5.78, 3.84),
+    ("alibi", "causal", 32, 128, 5.35, 3.59), ("relative_bias", "causal", 32, 128, 8.54, 5.82),
+    ("blockwise", "full", 32, 512, 2.70, 1.88), ("softcap", "full", 32, 512, 4.42, 3.18),
+    ("alibi", "full", 32, 512, 3.28, 2.48), ("relative_bias", "full", 32, 512, 7.72, 5.23),
+    ("blockwise", "causal", 32, 512, 4.79, 2.45), ("softcap", "causal", 32, 512, 6.56, 3.74),
+    ("alibi", "causal", 32, 512, 5.23, 2.71), ("relative_bias", "causal", 32, 512, 10.12, 6.95),
+    ("blockwise", "full", 32, 2048, 3.17, 2.39), ("softcap", "full", 32, 2048, 5.91, 2.95),
+    ("alibi", "full", 32, 2048, 3.39, 2.47), ("relative_bias", "full", 32, 2048, 7.57, 6.40),
+    ("blockwise", "causal", 32, 2048, 4.65, 2.31), ("softcap", "causal", 32, 2048, 6.11, 3.25),
+    ("alibi", "causal", 32, 2048, 5.01, 2.95), ("relative_bias", "causal", 32, 2048, 9.80, 5.69),
+    ("blockwise", "full", 128, 128, 1.90, 1.61), ("softcap", "full", 128, 128, 2.54, 1.94),
+    ("alibi", "full", 128, 128, 2.21, 1.80), ("relative_bias", "full", 128, 128, 3.54, 2.58),
+    ("blockwise", "causal", 128, 128, 2.45, 1.78), ("softcap", "causal", 128, 128, 3.08, 2.18),
+    ("alibi", "causal", 128, 128, 2.84, 1.92), ("relative_bias", "causal", 128, 128, 4.26, 2.97),
+    ("blockwise", "full", 128, 512, 1.71, 1.48), ("softcap", "full", 128, 512, 2.13, 1.83),
+    ("alibi", "full", 128, 512, 2.06, 1.67), ("relative_bias", "full", 128, 512, 3.17, 2.50),
+    ("blockwise", "causal", 128, 512, 2.15, 1.56), ("softcap", "causal", 128, 512, 2.64, 1.90),
+    ("alibi", "causal", 128, 512, 2.36, 1.66), ("relative_bias", "causal", 128, 512, 3.71, 2.45),
+    ("blockwise", "full", 128, 2048, 1.74, 1.42), ("softcap", "full", 128, 2048, 2.29, 1.80),
+    ("alibi", "full", 128, 2048, 2.13, 1.69), ("relative_bias", "full", 128, 2048, 3.36, 2.58),
+    ("blockwise", "causal", 128, 2048, 2.21, 1.66), ("softcap", "causal", 128, 2048, 2.74, 2.19),
+    ("alibi", "causal", 128, 2048, 2.34, 1.82), ("relative_bias", "causal", 128, 2048, 3.92, 2.68),
+)
+PRESETS["cpu-default"] = replace(
+    PRESETS["cpu-default"], score_mod_factors=_CPU_SCORE_MOD_FACTORS,
+    sinks_s=((32768, 8.41e-05), (262144, 0.000199), (524288, 0.000401), (1048576, 0.000881), (8388608, 0.0412)),
+    source=PRESETS["cpu-default"].source + "; score modifiers and sinks: measured on the development VM "
+    "(experiments/cost_model/results/score_mods_calibration.json, 2026-11-28)")
+
+
 def preset(name: str) -> HardwareProfile:
     if name not in PRESETS:
         raise ValueError(f"unknown hardware preset {name!r}; choose one of {sorted(PRESETS)} or build a HardwareProfile")
@@ -476,6 +634,17 @@ class Prediction:
     attention_pairs: float = 0.0
     """Query-key pairs the forward's kernel calls compute on the most loaded modelled rank, over its query heads
     and the batch (``RankCounts.pairs``); 0 where not counted (``colossal``: every score)."""
+    score_mods: tuple[str, ...] = ()
+    """The score modifiers its kernel calls ran with (``score_mod_names``): ``()``, the plain kernel; else the
+    score-modifying kernel (Note [Cost model of score modifiers])."""
+    sinks: bool = False
+    """Whether the sinks' per-row term was priced."""
+
+    @property
+    def kernel_path(self) -> str:
+        """``"plain"`` or ``"score_mods(softcap+alibi)"``, ``" + sinks"`` with sinks: what the calls run."""
+        path = f"score_mods({'+'.join(self.score_mods)})" if self.score_mods else "plain"
+        return path + (" + sinks" if self.sinks else "")
 
     @property
     def label(self) -> str:
@@ -543,12 +712,13 @@ def attention_transient_bytes(backend: str, shape: AttentionShape, world: int, *
 
 def predict_attention(backend: str, shape: AttentionShape, world: int, hw: HardwareProfile, *,
                       ulysses_degree: int | None = None, kv_pieces: int = 1, mask: "AttentionMask | None" = None,
-                      cu_seqlens=None) -> Prediction:
+                      cu_seqlens=None, sinks: bool = False) -> Prediction:
     """Model fwd+bwd time of one attention layer on one of ``world`` ranks (Note [Cost model of one
     attention layer]). ``ulysses_degree``: ``usp``'s inner degree (required for ``usp``);
     ``kv_pieces``: as ``SequenceParallelAttention(kv_pieces=)``, resolved to an int. ``mask`` (an
     ``AttentionMask``) and ``cu_seqlens`` (packed documents' global bounds ``[0, ..., seq_len]``): priced as the
-    backends run them (Note [Cost model under a mask])."""
+    backends run them (Note [Cost model under a mask]); its score modifiers and ``sinks`` (gpt-oss's per-head sink
+    logits) as Note [Cost model of score modifiers]."""
     if backend not in MODEL_BACKENDS:
         raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {backend!r}")
     if world < 1:
@@ -558,12 +728,13 @@ def predict_attention(backend: str, shape: AttentionShape, world: int, hw: Hardw
     u = None
     notes = ""
     masking = dict(mask=mask, cu_seqlens=None if cu_seqlens is None else tuple(int(b) for b in cu_seqlens))
+    path = dict(score_mods=score_mod_names(mask), sinks=bool(sinks))
     if p == 1:
-        total, compute, comm = _schedule_time("local", shape, 1, hw, None, kv_pieces, **masking)
+        total, compute, comm = _schedule_time("local", shape, 1, hw, None, kv_pieces, sinks=sinks, **masking)
         pairs = max(c.pairs for c in rank_counts("local", shape, 1, **masking))
         return Prediction(backend=backend, world=1, ulysses_degree=None, compute_s=compute, comm_s=0.0, exposed_comm_s=0.0,
                           total_s=total, comm_bytes=0.0, activation_bytes=activation_bytes_per_layer(shape, backend, 1),
-                          attention_pairs=pairs)
+                          attention_pairs=pairs, **path)
     if backend in ("ulysses", "megatron_sp") and h % p:
         what = "world" if backend == "ulysses" else "the TP degree"
         raise ValueError(f"{backend} needs num_heads ({h}) divisible by {what} ({p})")
@@ -576,14 +747,14 @@ def predict_attention(backend: str, shape: AttentionShape, world: int, hw: Hardw
         notes = f"U={u} x R={p // u}"
     pairs = 0.0
     if backend != "megatron_sp":
-        total, compute, comm = _schedule_time(backend, shape, p, hw, u, kv_pieces, **masking)
+        total, compute, comm = _schedule_time(backend, shape, p, hw, u, kv_pieces, sinks=sinks, **masking)
         exposed = total - compute
         counts = rank_counts(backend, shape, p, ulysses_degree=u, kv_pieces=kv_pieces, **masking)
         comm_bytes = max(sum(c.bytes_by_op.values()) for c in counts)  # counted (Note [Cost model under a mask])
         pairs = 0.0 if backend == "colossal" else max(c.pairs for c in counts)  # colossal: every score
     else:  # megatron_sp: TP+SP over the same ranks, attention half of the layer
         local = replace(shape, num_heads=h // p, num_kv_heads=max(1, hkv // p))
-        compute, _, _ = _schedule_time("local", local, 1, hw, None, 1, **masking)
+        compute, _, _ = _schedule_time("local", local, 1, hw, None, 1, sinks=sinks, **masking)
         pairs = max(c.pairs for c in rank_counts("local", local, 1, **masking))
         compute *= hw.compute_stretch(p)
         hidden = h * d
@@ -596,7 +767,7 @@ def predict_attention(backend: str, shape: AttentionShape, world: int, hw: Hardw
     act = activation_bytes_per_layer(shape, backend, p) + attention_transient_bytes(backend, shape, p, ulysses_degree=u)
     return Prediction(backend=backend, world=p, ulysses_degree=u, compute_s=compute, comm_s=comm,
                       exposed_comm_s=max(exposed, 0.0), total_s=total, comm_bytes=comm_bytes,
-                      activation_bytes=act, notes=notes, attention_pairs=pairs)
+                      activation_bytes=act, notes=notes, attention_pairs=pairs, **path)
 
 
 @dataclass(frozen=True)
@@ -612,14 +783,19 @@ class RankCounts:
     """Bytes this rank sends, fwd+bwd, by ``CommStats`` operation: ``ring_send`` (K/V, input dtype),
     ``ring_send_grad`` (dK/dV sums and contributions, accumulation dtype), ``all_to_all`` (send buffers),
     ``all_gather`` (``P - 1`` copies of the rank's input)."""
+    score_mod_pairs: float = 0.0
+    """Of ``pairs``, those the score-modifying kernel computes (all of them when the mask has score modifiers,
+    Note [Cost model of score modifiers])."""
 
 
 def rank_counts(backend: str, shape: AttentionShape, world: int, *, ulysses_degree: int | None = None,
                 kv_pieces: int = 1, mask=None, cu_seqlens=None, ranks=None) -> list[RankCounts]:
     """Pairs computed and bytes sent per rank (``ranks``; default ``_modelled_ranks``), counted from each rank's
-    schedule under ``mask`` / ``cu_seqlens`` (Note [Cost model under a mask])."""
+    schedule under ``mask`` / ``cu_seqlens`` (Note [Cost model under a mask]), and which of the pairs run the
+    score-modifying kernel (Note [Cost model of score modifiers])."""
     from lightning_sp.ops.schedule import rank_schedule  # here, not at import: ops loads torch
 
+    modified = bool(score_mod_names(mask))
     eb = shape.dtype_bytes * shape.batch
     acc_b = max(shape.dtype_bytes, 4) * shape.batch
     out = []
@@ -637,7 +813,8 @@ def rank_counts(backend: str, shape: AttentionShape, world: int, *, ulysses_degr
             if st.collective is not None:
                 op, elems, group = st.collective
                 sent[op] += elems * eb * (group - 1 if op == "all_gather" else 1)
-        out.append(RankCounts(rank=r, pairs=pairs, bytes_by_op={k: v for k, v in sent.items() if v}))
+        out.append(RankCounts(rank=r, pairs=pairs, bytes_by_op={k: v for k, v in sent.items() if v},
+                              score_mod_pairs=pairs if modified else 0.0))
     return out
 
 
@@ -647,8 +824,9 @@ def _modelled_ranks(world: int) -> list[int]:
 
 
 def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: HardwareProfile, u: int | None,
-                   kv_pieces: int, mask=None, cu_seqlens=None) -> tuple[float, float, float]:
-    """``(total, compute, link busy)`` seconds from the ranks' ``ops.schedule`` steps (Note [Per-call terms])."""
+                   kv_pieces: int, mask=None, cu_seqlens=None, sinks: bool = False) -> tuple[float, float, float]:
+    """``(total, compute, link busy)`` seconds from the ranks' ``ops.schedule`` steps (Note [Per-call terms]); the
+    calls under ``mask``'s score modifiers and the ``sinks`` priced as Note [Cost model of score modifiers]."""
     from lightning_sp.ops.schedule import rank_schedule  # here, not at import: ops loads torch (a light import)
 
     d, batch = shape.head_dim, shape.batch
@@ -667,10 +845,16 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
                             kv_pieces=kv_pieces, mask=mask, doc_bounds=cu_seqlens) for r in _modelled_ranks(world)]
     ew_call, ew_elem = hw.elementwise_s
     mg_call, mg_elem = hw.merge_s
+    mods = score_mod_names(mask)  # every call of the layer runs the score-modifying kernel (or none does)
+    # the sinks: each rank's output rows once, at the forward's end (Note [Cost model of score modifiers])
+    sink_work = hw.sinks_time(batch * shape.seq_len / world * shape.num_heads * d) if sinks else 0.0
+
+    def call_time(c) -> float:
+        t = hw.kernel_call_s[c.backward] + batch * (hw.kernel_time(c, d) - hw.kernel_call_s[c.backward])
+        return t * hw.score_mod_factor(mods, c.kind, d, c.q_len, c.k_len, c.backward) if mods else t
 
     def cpu(step) -> float:
-        t = sum(hw.kernel_call_s[c.backward] + batch * (hw.kernel_time(c, d) - hw.kernel_call_s[c.backward])
-                for c in step.calls)
+        t = sum(call_time(c) for c in step.calls)
         t += sum(mg_call + mg_elem * e * batch for e in step.merges)
         t += sum(ew_call + ew_elem * e * batch for e in step.accumulates)
         t += ew_elem * step.copies * batch + (ew_call if step.copies else 0.0)
@@ -689,8 +873,9 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
     # the delay a synchronisation meets after a stretch of compute, once per such synchronisation (Note [Per-call terms])
     delay, computed = hw.sync_delay(world), False
     for phase in ("forward", "backward"):
-        for steps in zip(*(getattr(s, phase) for s in scheds)):
-            work = [cpu(st) for st in steps]
+        last = len(getattr(scheds[0], phase)) - 1
+        for i, steps in enumerate(zip(*(getattr(s, phase) for s in scheds))):
+            work = [cpu(st) + (sink_work if phase == "forward" and i == last else 0.0) for st in steps]
             computed = computed or any(st.calls or st.scores for st in steps)
             if computed and (steps[0].collective is not None or any(st.messages for st in steps)):
                 total += delay  # this step ends in a wait for other ranks, after compute
@@ -777,16 +962,17 @@ class AutoChoice:
 
 
 def choose_backend(shape: AttentionShape, world: int, hw: HardwareProfile, *, usp_allowed: bool = True,
-                   mask: "AttentionMask | None" = None, cu_seqlens=None) -> AutoChoice:
+                   mask: "AttentionMask | None" = None, cu_seqlens=None, sinks: bool = False) -> AutoChoice:
     """The fastest backend by the model among those exact on ``auto``'s zigzag layout: ``ulysses``
     (heads divisible by ``world``), ``zigzag_ring``, ``allgather_kv`` and ``usp`` for every inner
     degree ``1 < U < world`` dividing ``world`` and the heads (``usp_allowed=False`` when its
     sub-groups cannot be built). Ties go to the earlier of ``AUTO_LAYOUT_BACKENDS``. ``mask``,
-    ``cu_seqlens``: every candidate priced under them (Note [Cost model under a mask])."""
+    ``cu_seqlens``: every candidate priced under them (Note [Cost model under a mask]), score modifiers and
+    ``sinks`` too (Note [Cost model of score modifiers])."""
     if world < 2:
         raise ValueError(f"choose_backend needs a group of >= 2 ranks, got {world}")
     preds, excluded = [], {}
-    masking = dict(mask=mask, cu_seqlens=cu_seqlens)
+    masking = dict(mask=mask, cu_seqlens=cu_seqlens, sinks=sinks)
     if shape.num_heads % world == 0:
         preds.append(predict_attention("ulysses", shape, world, hw, **masking))
     else:

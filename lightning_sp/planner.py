@@ -97,6 +97,7 @@ HARDWARE_ALIASES = {"cpu": "cpu-default", "a100": "a100-80gb", "h100": "h100-80g
 
 _GATED_ACTIVATIONS = ("silu", "swiglu", "swish")
 _ENCODER_TYPES = ("esm", "bert", "roberta", "modernbert", "deberta", "deberta-v2", "distilbert", "electra")
+_T5_TYPES = ("t5", "mt5", "umt5")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -123,6 +124,17 @@ class ModelSpec:
     """Per layer, its attention's window ``(left, right)`` (flash-attn's convention, ``-1``: unbounded; Hugging Face's
     ``sliding_window=W`` is ``(W - 1, 0)``) or ``None`` (full attention); empty: every layer full. Priced per layer
     (``attention_per_layer``)."""
+    chunk_sizes: tuple = ()
+    """Per layer, its attention's chunk (Llama 4's ``chunked_attention`` layers: a query sees only the keys of its own
+    ``attention_chunk_size`` chunk) or ``None``; empty: no chunked layer."""
+    attention_softcap: float | None = None
+    """Soft-capping of every layer's attention scores (Gemma-2's ``attn_logit_softcapping``)."""
+    attention_alibi: bool = False
+    """ALiBi biases on every layer's scores."""
+    relative_bias: bool = False
+    """A learned relative-position bias on every layer's scores (T5's buckets; its table gets a gradient)."""
+    attention_sinks: bool = False
+    """One learned sink logit per head on every layer (gpt-oss)."""
     num_experts: int = 0
     """MoE: routed experts per layer (0: dense)."""
     experts_per_token: int = 0
@@ -161,6 +173,18 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
 
     # ---- derived sizes
+    def layer_attention(self) -> tuple["LayerAttention", ...]:
+        """How each layer attends (Note [Attention under per-layer masks])."""
+        for name in ("sliding_windows", "chunk_sizes"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
+                raise ValueError(f"ModelSpec.{name} has {len(getattr(self, name))} entries for {self.num_layers} "
+                                 "layers: one per layer ((left, right) or None for a window, an int or None for a chunk)")
+        windows = self.sliding_windows or (None,) * self.num_layers
+        chunks = self.chunk_sizes or (None,) * self.num_layers
+        return tuple(LayerAttention(window=None if w is None else tuple(w), chunk_size=c, softcap=self.attention_softcap,
+                                    alibi=self.attention_alibi, relative_bias=self.relative_bias,
+                                    sinks=self.attention_sinks) for w, c in zip(windows, chunks))
+
     @property
     def kv_heads(self) -> int:
         return self.num_heads if self.kv_lora_rank else (self.num_kv_heads or self.num_heads)
@@ -256,13 +280,19 @@ class ModelSpec:
         encoders, Mixtral/Qwen-MoE/DeepSeek MoE and MLA."""
         if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrappers: plan the language model
             cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+        t5 = str(cfg.get("model_type", "")) in _T5_TYPES  # the encoder (what sequence parallelism runs), T5's names
+        if t5:
+            cfg = {"hidden_size": cfg.get("d_model"), "num_hidden_layers": cfg.get("num_layers"),
+                   "head_dim": cfg.get("d_kv"), "intermediate_size": cfg.get("d_ff"), **cfg,
+                   "num_attention_heads": cfg.get("num_heads"), "tie_word_embeddings": False,
+                   "hidden_act": "silu" if str(cfg.get("feed_forward_proj", "")).startswith("gated") else "relu"}
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in cfg]
         if missing:
             raise ValueError(f"the config has no {missing}: pass a transformers config.json of a transformer model, "
                              "or the sizes explicitly (--layers/--hidden/--heads)")
         model_type = str(cfg.get("model_type", ""))
         archs = " ".join(cfg.get("architectures") or [])
-        encoder = model_type in _ENCODER_TYPES or "MaskedLM" in archs or cfg.get("is_decoder") is False and not archs
+        encoder = t5 or model_type in _ENCODER_TYPES or "MaskedLM" in archs or cfg.get("is_decoder") is False and not archs
         act = str(cfg.get("hidden_act", cfg.get("hidden_activation", "")))
         experts = int(cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
         return cls(
@@ -278,6 +308,9 @@ class ModelSpec:
             tied_embeddings=bool(cfg.get("tie_word_embeddings", encoder)),
             causal=not encoder,
             sliding_windows=hf_sliding_windows(cfg, int(cfg["num_hidden_layers"]), model_type),
+            chunk_sizes=hf_chunk_sizes(cfg, int(cfg["num_hidden_layers"])),
+            attention_softcap=(float(cfg["attn_logit_softcapping"]) if cfg.get("attn_logit_softcapping") else None),
+            relative_bias=t5, attention_sinks=model_type == "gpt_oss",
             num_experts=experts,
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             moe_ffn_hidden=cfg.get("moe_intermediate_size"),
@@ -285,7 +318,7 @@ class ModelSpec:
             dense_layers=int(cfg.get("first_k_dense_replace") or 0),
             kv_lora_rank=int(cfg.get("kv_lora_rank") or 0), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
             qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0), v_head_dim=cfg.get("v_head_dim"),
-            biases=encoder, lm_head_transform=encoder,
+            biases=encoder and not t5, lm_head_transform=encoder and not t5,
             implementation="hf",
             qk_norm=model_type.startswith("qwen3"),
             python_gelu=model_type == "esm",
@@ -395,6 +428,7 @@ class Plan:
                 "peak_bytes_per_rank": rec.peak_bytes_per_rank, "step_time_s": rec.step_time_s,
                 "tokens_per_s_per_device": rec.tokens_per_s_per_device, "max_seq_len": rec.max_seq_len,
             },
+            "attention_layers": attention_layers(self.model),
             "reason": self.reason,
             "cheapest_change": self.cheapest_change,
             "candidates": [c.to_dict() for c in self.candidates],
@@ -412,10 +446,11 @@ class Plan:
             "",
             f"{'layout':<78} {'GiB/rank':>9} {'fits':>4} {'step s':>8} {'tok/s/dev':>10} {'max N':>9}",
         ]
-        if m.sliding_windows:  # Note [Attention under per-layer masks]
-            local = [w for w in m.sliding_windows if w is not None]
-            kinds = ", ".join(f"window {tuple(w)} on {local.count(w)}" for w in sorted(set(local), key=repr))
-            lines.insert(2, f"attention: {kinds} of {m.num_layers} layers (priced per layer), full on the rest")
+        groups = attention_layers(m)  # Note [Attention under per-layer masks]
+        if len(groups) > 1 or groups[0]["attention"] != LayerAttention().describe():
+            per = "; ".join(f"layer{'s' if len(g['layers']) > 1 else ''} {_layer_ranges(g['layers'])} "
+                            f"({len(g['layers'])} of {m.num_layers}): {g['attention']}" for g in groups)
+            lines.insert(2, f"attention per layer (priced per layer): {per}")
         for c in self.candidates[:top]:
             lines.append(f"{c.label:<78} {c.peak_bytes_per_rank / gib:9.2f} {'yes' if c.fits else 'no':>4} "
                          f"{c.step_time_s:8.3f} {c.tokens_per_s_per_device:10.0f} {c.max_seq_len:9d}")
@@ -551,6 +586,15 @@ def with_layer_rates(hw: cost_model.HardwareProfile, rates: LayerRates | dict) -
     return PlannerProfile(**base, layer_rates=rates)
 
 
+# calls with score modifiers and sinks on these GPUs: the cost model's assumption (Note [Cost model of score modifiers]);
+# datasheets: fp32 (CUDA cores) FLOP/s and HBM bytes/s (H200: H100's compute, 4.8 TB/s HBM3e; B200: 8 TB/s HBM3e,
+# ~75 TFLOP/s fp32 assumed)
+for _name, (_fp32, _hbm) in {"h200-141gb": (67e12, 4.8e12), "h200-measured": (67e12, 4.8e12),
+                             "b200-180gb": (75e12, 8e12)}.items():
+    _EXTRA_PRESETS[_name] = cost_model.with_assumed_cuda_score_mods(_EXTRA_PRESETS[_name], fp32_flops=_fp32,
+                                                                     memory_bandwidth=_hbm)
+
+
 def hardware_profile(name_or_path: str | Path) -> cost_model.HardwareProfile:
     """A preset by name (``cpu``, ``a100``, ``h100``, ``h800``, ``h200``, ``b200`` or the cost model's full
     names) or a calibrated profile file (the JSON of ``HardwareProfile.to_dict``, as the cost-model
@@ -591,8 +635,78 @@ def _attention_shape(m: ModelSpec, seq_len: int, batch: int, tp: int, act_bytes:
 #     (Note [Cost model under a mask]: the visible blocks' calls; the rings' K/V rows follow the window, Ulysses'
 #     all-to-alls do not) and returns the mean over the layers, so a step is ``L x`` that mean, as without windows.
 #     ``plan(mask=AttentionMask(window=...))`` and ``lightning-sp plan --sliding-window W`` put one window on every layer.
-#     Not modelled: Llama 4's chunked layers (``chunked_attention``: priced as full attention) and a window's effect
-#     on memory (the rings hold whole K/V blocks either way).
+#     Llama 4's chunked layers (``layer_types``' ``chunked_attention``, else its ``no_rope_layers`` rule;
+#     ``hf_chunk_sizes``) are priced as the Hugging Face integration runs them, documents cut at every multiple of
+#     ``attention_chunk_size`` (``cu_seqlens``): their pairs and the rings' rows exact, as for documents. Score
+#     modifiers on every layer (Gemma-2's ``attn_logit_softcapping``, T5's learned relative bias) and gpt-oss's sinks
+#     are priced as Note [Cost model of score modifiers] in ``cost_model.py`` (the score-modifying kernel's factor,
+#     the sinks' per-row term). ``ModelSpec.layer_attention`` is each layer's ``LayerAttention``; each distinct one is
+#     priced once, and the plan's summary and ``to_dict()["attention_layers"]`` say which layers run which kernel.
+#     Not modelled: a window's effect on memory (the rings hold whole K/V blocks either way).
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends, as the planner prices it (Note [Attention under per-layer masks])."""
+
+    window: tuple[int, int] | None = None
+    chunk_size: int | None = None
+    softcap: float | None = None
+    alibi: bool = False
+    relative_bias: bool = False
+    sinks: bool = False
+
+    def mask(self, num_heads: int):
+        """The ``AttentionMask`` of the layer's window and score modifiers (``None``: none), for ``num_heads`` heads
+        (the ALiBi slopes and the relative bias's table are stand-ins: only their presence is priced)."""
+        from lightning_sp.masks import AttentionMask, RelativePositionBias
+
+        kw = {}
+        if self.window is not None:
+            kw["window"] = tuple(self.window)
+        if self.softcap is not None:
+            kw["softcap"] = float(self.softcap)
+        if self.alibi:
+            kw["alibi_slopes"] = (1.0,) * num_heads
+        if self.relative_bias:
+            import torch
+
+            kw["relative_bias"] = RelativePositionBias(torch.zeros(32, num_heads, requires_grad=True))
+        return AttentionMask(**kw) if kw else None
+
+    def cu_seqlens(self, seq_len: int) -> tuple[int, ...] | None:
+        """A chunked layer's documents as the Hugging Face integration cuts them (``[0, C, 2C, ..., N]``)."""
+        if self.chunk_size is None:
+            return None
+        return tuple(range(0, seq_len, self.chunk_size)) + (seq_len,)
+
+    def describe(self) -> str:
+        """``"window (511, 0), score-modifying kernel (softcap) + sinks"``: what the layer attends to and runs."""
+        what = (f"window {tuple(self.window)}" if self.window is not None else "")
+        what += (", " if what and self.chunk_size else "") + (f"chunks of {self.chunk_size}" if self.chunk_size else "")
+        mods = [m for m, on in (("softcap", self.softcap is not None), ("alibi", self.alibi),
+                                ("relative_bias", self.relative_bias)) if on]
+        kernel = f"score-modifying kernel ({'+'.join(mods)})" if mods else "plain kernel"
+        return f"{what or 'full'}, {kernel}" + (" + sinks" if self.sinks else "")
+
+
+def hf_chunk_sizes(cfg: dict, layers: int) -> tuple:
+    """``ModelSpec.chunk_sizes`` from a transformers config (Llama 4, Note [Attention under per-layer masks]): its
+    ``layer_types``' ``chunked_attention`` layers when listed, else the ``no_rope_layers`` (the NoPE-less layers are
+    chunked), else every layer but each ``no_rope_layer_interval``-th, as ``Llama4TextConfig`` derives them."""
+    chunk = cfg.get("attention_chunk_size")
+    if not chunk:
+        return ()
+    if cfg.get("layer_types"):
+        kinds = list(cfg["layer_types"])[:layers]
+    elif "no_rope_layers" in cfg or "no_rope_layer_interval" in cfg:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        no_rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+        kinds = ["chunked_attention" if r else "full_attention" for r in list(no_rope)[:layers]]
+    else:
+        return ()
+    got = tuple(int(chunk) if kind == "chunked_attention" else None for kind in kinds)
+    return got if any(got) else ()
 
 
 def hf_sliding_windows(cfg: dict, layers: int, model_type: str) -> tuple:
@@ -612,7 +726,7 @@ def hf_sliding_windows(cfg: dict, layers: int, model_type: str) -> tuple:
         if model_type.startswith("qwen"):  # the layers from max_window_layers on
             rule = ["sliding_attention" if i >= int(cfg.get("max_window_layers", 0)) else "full_attention"
                     for i in range(layers)]
-        elif model_type == "gemma2":  # local, global, local, ...
+        elif model_type in ("gemma2", "gpt_oss"):  # local, global, local, ...
             rule = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         elif cfg.get("sliding_window_pattern"):  # Gemma-3, Cohere2: every pattern-th layer global
             pattern = int(cfg["sliding_window_pattern"])
@@ -626,31 +740,45 @@ def hf_sliding_windows(cfg: dict, layers: int, model_type: str) -> tuple:
 def attention_per_layer(m: ModelSpec, c: "Candidate", seq_len: int, batch: int, act_bytes: int,
                         hw: cost_model.HardwareProfile) -> tuple[float, float]:
     """``(compute, exposed communication)`` seconds of one attention layer fwd+bwd, the mean over the model's layers
-    and their windows (Note [Attention under per-layer masks])."""
-    windows = m.sliding_windows or (None,)
-    if m.sliding_windows and len(windows) != m.num_layers:
-        raise ValueError(f"ModelSpec.sliding_windows has {len(windows)} entries for {m.num_layers} layers: one per "
-                         "layer ((left, right) or None)")
+    and how each attends: window, chunks, score modifiers, sinks (Note [Attention under per-layer masks])."""
+    layers = m.layer_attention()
     shape = _attention_shape(m, seq_len, batch, c.tensor_parallel_size, act_bytes)
     compute = exposed = 0.0
-    for window in sorted(set(windows), key=repr):
-        share = windows.count(window) / len(windows)
+    for kind in sorted(set(layers), key=repr):
+        share = layers.count(kind) / len(layers)
         layer = _predicted_attention(c.backend, shape, c.sequence_parallel_size, hw, c.ulysses_degree, c.kv_pieces,
-                                     None if window is None else tuple(window))
+                                     kind)
         compute, exposed = compute + share * layer[0], exposed + share * layer[1]
     return compute, exposed
 
 
 @lru_cache(maxsize=4096)
-def _predicted_attention(backend, shape, sp, hw, ulysses_degree, kv_pieces, window) -> tuple[float, float]:
-    from lightning_sp.masks import AttentionMask
-
-    mask = None if window is None else AttentionMask(window=window)
+def _predicted_attention(backend, shape, sp, hw, ulysses_degree, kv_pieces, layer: LayerAttention) -> tuple[float, float]:
+    masking = dict(mask=layer.mask(shape.num_heads), cu_seqlens=layer.cu_seqlens(shape.seq_len), sinks=layer.sinks)
     if sp > 1:
         pred = cost_model.predict_attention(backend, shape, sp, hw, ulysses_degree=ulysses_degree, kv_pieces=kv_pieces,
-                                            mask=mask)
+                                            **masking)
         return pred.compute_s, pred.exposed_comm_s
-    return cost_model.predict_attention("ring", shape, 1, hw, mask=mask).total_s, 0.0
+    return cost_model.predict_attention("ring", shape, 1, hw, **masking).total_s, 0.0
+
+
+def attention_layers(m: ModelSpec) -> list[dict]:
+    """Which layers attend how and run which kernel (Note [Attention under per-layer masks]): one entry per distinct
+    ``LayerAttention``, in the order of its first layer: ``{"layers": [...], "attention": describe()}``."""
+    groups: dict[LayerAttention, list[int]] = {}
+    for i, kind in enumerate(m.layer_attention()):
+        groups.setdefault(kind, []).append(i)
+    return [{"layers": idx, "attention": kind.describe()} for kind, idx in groups.items()]
+
+
+def _layer_ranges(idx: list[int]) -> str:
+    """``[0, 1, 2, 5, 7]`` -> ``"0-2, 5, 7"``."""
+    out, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ", ".join(out)
 
 
 def attention_temporary_bytes(m: ModelSpec, c: Candidate, seq_len: int, batch: int, act_bytes: int,
@@ -854,8 +982,9 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
     """Predict every candidate layout for ``model`` on ``nodes x devices`` and recommend one (Note [Step model]).
 
     ``model``: a ``ModelSpec``, a transformers config dict, or a path (``config.json`` or a lightning-sp YAML).
-    ``mask``: an ``AttentionMask`` whose ``window`` every layer uses (``None``: the config's per-layer windows; Note
-    [Attention under per-layer masks]).
+    ``mask``: an ``AttentionMask`` every layer uses: its ``window`` replaces the config's per-layer windows, its
+    ``chunk_size`` (when set) the config's chunks, its score modifiers (softcap, ALiBi, relative bias) join the
+    config's (``None``: the config's; Note [Attention under per-layer masks]).
     ``devices``: devices per node. ``hardware``: a preset name or a calibrated profile file
     (``hardware_profile``). ``tensor_parallel`` / ``sequence_parallel``: fix a degree (``None``: every divisor).
     ``memory_budget_bytes``: per device (default: the preset's memory x ``USABLE_MEMORY_SHARE``; needed for a
@@ -865,8 +994,8 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
         model = ModelSpec.from_hf_config(model)
     elif not isinstance(model, ModelSpec):
         model = ModelSpec.from_file(model)
-    if mask is not None:  # one window on every layer (Note [Attention under per-layer masks])
-        model = replace(model, sliding_windows=_every_layer(mask, model.num_layers))
+    if mask is not None:  # one mask on every layer (Note [Attention under per-layer masks])
+        model = _every_layer(model, mask)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if data_parallel not in DATA_PARALLEL:
@@ -922,15 +1051,23 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
                 cheapest_change=_cheapest_change(model, rec, memory_budget_bytes, data_parallel, kw) if rec else "")
 
 
-def _every_layer(mask, layers: int) -> tuple:
+def _every_layer(model: ModelSpec, mask) -> ModelSpec:
+    """``model`` with ``mask`` on every layer: its window replaces the model's windows (none: no window), its chunk
+    the model's chunks (when set), its score modifiers join the model's."""
     from lightning_sp.masks import AttentionMask
 
     if not isinstance(mask, AttentionMask):
         raise ValueError(f"mask must be a lightning_sp.AttentionMask, got {type(mask).__name__}")
-    if mask.chunk_size is not None or mask.bidirectional_spans or mask.mask_mod is not None:
-        raise ValueError("the planner prices a sliding window (mask=AttentionMask(window=(left, right))); chunks, "
-                         "spans and mask_mod are not planned: leave them out (score modifiers do not change the price)")
-    return () if mask.window is None else (tuple(mask.window),) * layers
+    if mask.bidirectional_spans or mask.mask_mod is not None or mask.score_mod is not None or mask.key_padding:
+        raise ValueError("the planner prices a sliding window, chunks and softcap/ALiBi/relative-bias score modifiers "
+                         "(mask=AttentionMask(window=(left, right), chunk_size=C, softcap=...)); spans, key padding, "
+                         "mask_mod and score_mod callables are not planned: leave them out")
+    layers = model.num_layers
+    return replace(model, sliding_windows=() if mask.window is None else (tuple(mask.window),) * layers,
+                   chunk_sizes=model.chunk_sizes if mask.chunk_size is None else (mask.chunk_size,) * layers,
+                   attention_softcap=model.attention_softcap if mask.softcap is None else float(mask.softcap),
+                   attention_alibi=model.attention_alibi or mask.alibi_slopes is not None,
+                   relative_bias=model.relative_bias or mask.relative_bias is not None)
 
 
 def _cheapest_change(m: ModelSpec, rec: Candidate, budget: float, data_parallel: str, kw: dict) -> str:

@@ -10,10 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_sp import cost_model as cm
 from lightning_sp.attention import _doc_bounds, _mask_fields, auto_choice
-from lightning_sp.masks import AttentionMask
+from lightning_sp.masks import AttentionMask, RelativePositionBias
 from lightning_sp.ops.schedule import resolve_masking
 
 H100 = cm.preset("h100-80gb")
@@ -196,8 +197,8 @@ def test_planner_prices_each_layers_window():
     masked = planner.plan(full, mask=AttentionMask(window=(511, 0)), **kw)
     assert masked.model.sliding_windows == windowed.sliding_windows
     assert [x.step_time_s for x in masked.candidates] == [x.step_time_s for x in planner.plan(windowed, **kw).candidates]
-    with pytest.raises(ValueError, match="chunks, spans and mask_mod are not planned"):
-        planner.plan(full, mask=AttentionMask(chunk_size=1024), **kw)
+    with pytest.raises(ValueError, match="spans, key padding, mask_mod and score_mod callables are not planned"):
+        planner.plan(full, mask=AttentionMask(bidirectional_spans=((0, 64),)), **kw)
     with pytest.raises(ValueError, match="one per layer"):
         attention_per_layer(replace(windowed, sliding_windows=((511, 0),)), c, *args)
 
@@ -218,7 +219,8 @@ def test_plan_command_takes_a_sliding_window(capsys, tmp_path):
              for p in (plain, windowed)]
     assert all(times[1][k] < times[0][k] for k in times[0])
     assert planner.main(base[:-1] + ["--sliding-window", "512"]) == 0
-    assert "attention: window (511, 0) on 4 of 4 layers" in capsys.readouterr().out
+    assert "attention per layer (priced per layer): layers 0-3 (4 of 4): window (511, 0), plain kernel" in \
+        capsys.readouterr().out
     assert planner.main(base + ["--sliding-window", "0"]) == 2
     assert "--sliding-window must be >= 1" in capsys.readouterr().err
 
@@ -232,3 +234,194 @@ def test_masks_docs_example_runs_and_shows_auto_following_the_window(capsys):
     out = capsys.readouterr().out
     assert re.findall(r"auto would run: (\w+)", out) == ["ulysses", "zigzag_ring"], out
     assert re.search(r"zigzag_ring .* sends +16 MiB", out) and re.search(r"zigzag_ring .* sends +1792 MiB", out), out
+
+
+# ------------------------------------------------------------------------ chunked layers, score modifiers, sinks
+
+CHUNK_SHAPE = cm.AttentionShape(seq_len=1536, num_heads=4, num_kv_heads=2, head_dim=16, dtype_bytes=4)
+CHUNK_BACKENDS = (("zigzag_ring", None), ("ring", None), ("ulysses", None), ("allgather_kv", None), ("usp", 2))
+
+
+@pytest.mark.parametrize("chunk", [384, 200])
+def test_chunked_layer_is_counted_as_the_library_plans_it(chunk):
+    """Llama-4's chunked layers as the Hugging Face integration runs them (documents cut at every multiple of the
+    chunk, ``_chunk_boundaries``) and as the planner prices them (``LayerAttention.cu_seqlens``) count per rank the
+    pairs and bytes of ``AttentionMask(chunk_size=)`` (checked on real ranks in ``test_cost_model_counts.py``)."""
+    import torch
+
+    from lightning_sp.integrations.transformers import _chunk_boundaries
+    from lightning_sp.planner import LayerAttention
+
+    n, h = CHUNK_SHAPE.seq_len, CHUNK_SHAPE.num_heads
+    bounds = tuple(int(b) for b in _chunk_boundaries(None, n, torch.arange(n)[None], chunk))
+    assert LayerAttention(chunk_size=chunk).cu_seqlens(n) == bounds
+    for backend, u in CHUNK_BACKENDS:
+        for world in (2, 4):
+            if backend == "usp" and world == 2:
+                continue
+            by_mask = cm.rank_counts(backend, CHUNK_SHAPE, world, ulysses_degree=u, mask=AttentionMask(chunk_size=chunk))
+            by_docs = cm.rank_counts(backend, CHUNK_SHAPE, world, ulysses_degree=u, cu_seqlens=bounds)
+            full = cm.rank_counts(backend, CHUNK_SHAPE, world, ulysses_degree=u)
+            assert [(c.pairs, c.bytes_by_op) for c in by_mask] == [(c.pairs, c.bytes_by_op) for c in by_docs], backend
+            # negative control: the layer priced as full attention computes more on some rank
+            assert max(c.pairs for c in by_mask) < max(c.pairs for c in full), (backend, world)
+            if chunk % 128 == 0:  # chunks on MASK_TILE bounds: no partial tile, every rank's pairs add up to the
+                lengths = [b - a for a, b in zip(bounds, bounds[1:])]  # causal squares of the chunks
+                assert sum(c.pairs for c in by_mask) == h * sum(c * (c + 1) / 2 for c in lengths), (backend, world)
+    one = cm.rank_counts("local", CHUNK_SHAPE, 1, cu_seqlens=bounds)[0].pairs
+    assert one == h * sum((b - a) * (b - a + 1) / 2 for a, b in zip(bounds, bounds[1:]))
+    # priced exactly as documents: the same prediction either way, below the full layer's
+    by = [cm.predict_attention("zigzag_ring", CHUNK_SHAPE, 4, H100, **m).total_s
+          for m in (dict(mask=AttentionMask(chunk_size=chunk)), dict(cu_seqlens=bounds), {})]
+    assert by[0] == by[1] < by[2]
+
+
+def _constant_factors(**factors):
+    """A profile whose score-modifier factors are constants (one row each: interpolation clamps to it)."""
+    rows = tuple((m, "full", 64, 1024, f, f) for m, f in factors.items())
+    return replace(H100, score_mod_factors=rows, sinks_s=())
+
+
+SOFTCAP, ALIBI = AttentionMask(softcap=30.0), AttentionMask(softcap=30.0, alibi_slopes=(0.5,) * 32)
+
+
+def test_score_modified_calls_are_priced_at_the_factor_on_every_backend():
+    hw = _constant_factors(blockwise=3.0, softcap=4.0, alibi=3.5)
+    shape = cm.AttentionShape(seq_len=16384, num_heads=32, num_kv_heads=8, head_dim=128)
+    for backend, u in (("zigzag_ring", None), ("ulysses", None), ("usp", 2), ("allgather_kv", None)):
+        plain = cm.predict_attention(backend, shape, 4, hw, ulysses_degree=u)
+        window = AttentionMask(window=(1023, 0))
+        for mask, factor in ((SOFTCAP, 4.0), (ALIBI, 3.0 + 1.0 + 0.5)):  # the path, plus each modifier's extra
+            got = cm.predict_attention(backend, shape, 4, hw, ulysses_degree=u, mask=mask)
+            # control: the modifiers ignored (no factors) price the same calls (a mask plans on global ranges) plainly
+            blind = cm.predict_attention(backend, shape, 4, replace(hw, score_mod_factors=()), ulysses_degree=u,
+                                         mask=mask)
+            assert got.compute_s == pytest.approx(factor * blind.compute_s, rel=1e-9), backend  # every call's time
+            assert got.total_s > 2 * blind.total_s and blind.kernel_path == got.kernel_path  # (what runs is the same)
+            assert (got.attention_pairs, got.comm_bytes) == (plain.attention_pairs, plain.comm_bytes)  # the same pairs
+            assert got.kernel_path.startswith("score_mods(softcap") and plain.kernel_path == "plain"
+        # with a window: the window's calls, each at the factor
+        win = cm.predict_attention(backend, shape, 4, hw, ulysses_degree=u, mask=window)
+        both = cm.predict_attention(backend, shape, 4, hw, ulysses_degree=u,
+                                    mask=AttentionMask(window=(1023, 0), softcap=30.0))
+        assert both.compute_s == pytest.approx(4.0 * win.compute_s, rel=1e-9) and both.comm_bytes == win.comm_bytes
+        assert both.attention_pairs == win.attention_pairs < 0.2 * plain.attention_pairs
+    counts = cm.rank_counts("zigzag_ring", shape, 4, mask=SOFTCAP)
+    assert all(c.score_mod_pairs == c.pairs > 0 for c in counts)
+    assert all(c.score_mod_pairs == 0 for c in cm.rank_counts("zigzag_ring", shape, 4, mask=AttentionMask(window=(9, 0))))
+
+
+def test_calibrated_factor_prices_a_layer_above_the_plain_one():
+    """The uncalibrated CPU profile carries the measured factors (``score_mods_calibration.json``); a layer of one
+    CAUSAL call at a measured point (D = 32, side 512) costs its forward and backward times their factors."""
+    from lightning_sp.ops.schedule import KernelCall
+
+    data = json.loads((Path(__file__).resolve().parents[2]
+                       / "experiments/cost_model/results/score_mods_calibration.json").read_text())
+    measured = {(m, k, d, s): (f, b) for m, k, d, s, f, b in data["score_mod_factors"]}
+    hw = cm.preset("cpu-default")
+    assert {r[:4]: tuple(r[4:]) for r in hw.score_mod_factors} == {
+        k: (round(f, 2), round(b, 2)) for k, (f, b) in measured.items()}  # the preset is the measurement, rounded
+    shape = cm.AttentionShape(seq_len=512, num_heads=4, num_kv_heads=2, head_dim=32, dtype_bytes=4)
+    fwd, bwd = (hw.kernel_time(KernelCall(512, 512, "causal", 4, 2, backward), 32) for backward in (False, True))
+    plain = cm.predict_attention("zigzag_ring", shape, 1, hw)
+    assert plain.total_s == pytest.approx(fwd + bwd, rel=1e-12)
+    bias = AttentionMask(relative_bias=RelativePositionBias(torch.zeros(32, 4, requires_grad=True)))
+    for mask, name in ((SOFTCAP, "softcap"), (bias, "relative_bias")):
+        f, b = hw.score_mod_factors[[r[:4] for r in hw.score_mod_factors].index((name, "causal", 32, 512))][4:]
+        got = cm.predict_attention("zigzag_ring", shape, 1, hw, mask=mask)
+        assert got.total_s == pytest.approx(f * fwd + b * bwd, rel=1e-12), name
+        assert got.total_s > 2 * plain.total_s
+        # control: the same layer with the modifiers ignored (no factors) is the plain price, not the measured one
+        blind = cm.predict_attention("zigzag_ring", shape, 1, replace(hw, score_mod_factors=()), mask=mask)
+        assert blind.total_s == plain.total_s != got.total_s
+    # sinks: the per-row term, once per rank, on top of the plain or the modified layer
+    with_sinks = cm.predict_attention("zigzag_ring", shape, 1, hw, sinks=True)
+    assert with_sinks.total_s - plain.total_s == pytest.approx(hw.sinks_time(512 * 4 * 32), rel=1e-9)
+    assert with_sinks.kernel_path == "plain + sinks" and hw.sinks_time(512 * 4 * 32) > 0
+    assert cm.predict_attention("zigzag_ring", shape, 1, replace(hw, sinks_s=()), sinks=True).total_s == plain.total_s
+    # a profile round-trips its factors and sinks, and the calibration step adds them to a calibrated profile
+    assert cm.HardwareProfile.from_dict(hw.to_dict()) == hw
+    from experiments.cost_model.score_mods import with_score_mods
+
+    calibrated = with_score_mods(replace(hw, score_mod_factors=(), sinks_s=()), data)
+    assert [r[:4] for r in calibrated.score_mod_factors] == [r[:4] for r in hw.score_mod_factors]
+    assert calibrated.sinks_time(512 * 4 * 32) == pytest.approx(hw.sinks_time(512 * 4 * 32), rel=0.01)
+    # every GPU preset the planner knows prices them (an assumption, named in its source)
+    from lightning_sp.planner import hardware_profile
+
+    for name in ("a100", "h100", "h800", "h200", "b200", "h200-measured"):
+        gpu = hardware_profile(name)
+        assert gpu.score_mod_factors and gpu.sinks_s and "score modifiers: assumption" in gpu.source, name
+
+
+def test_auto_prices_score_modifiers():
+    shape = cm.AttentionShape(seq_len=65536, num_heads=32, num_kv_heads=8, head_dim=128)
+    hw = replace(H100, ranks_per_node=4)
+    plain = {p.label: p for p in cm.choose_backend(shape, 4, hw).predictions}
+    modded = cm.choose_backend(shape, 4, hw, mask=SOFTCAP, sinks=True)
+    for p in modded.predictions:  # every candidate at the score-modifying kernel's price (an assumption on GPUs)
+        assert p.compute_s > 5 * plain[p.label].compute_s and p.kernel_path == "score_mods(softcap) + sinks"
+    assert "assumption (ScoreModKernel" in H100.source
+    # the module's entry point passes the mask's modifiers on
+    got = auto_choice(32, 4, seq_len=65536, num_kv_heads=8, head_dim=128, hardware=hw, mask=SOFTCAP)
+    same = cm.choose_backend(shape, 4, hw, mask=SOFTCAP, usp_allowed=False)
+    assert [p.total_s for p in got.predictions] == [p.total_s for p in same.predictions]
+
+
+def _tiny_hf_configs():
+    """transformers' own configs of the families whose layers attend differently (tiny sizes)."""
+    tf = pytest.importorskip("transformers")
+    small = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512)
+    return {
+        "gemma2": tf.Gemma2Config(num_hidden_layers=4, sliding_window=512, **small),
+        "gpt_oss": tf.GptOssConfig(num_hidden_layers=4, num_local_experts=4, **small),
+        "llama4": tf.Llama4TextConfig(num_hidden_layers=8, attention_chunk_size=1024, **small),
+        "t5": tf.T5Config(num_layers=3, d_model=256, num_heads=4, d_kv=64, d_ff=512),
+    }
+
+
+def test_planner_reads_each_layers_attention_path_from_hf_configs(capsys):
+    from lightning_sp import planner
+    from lightning_sp.planner import ModelSpec, attention_layers, attention_per_layer
+
+    cfgs = _tiny_hf_configs()
+    want = {
+        "gemma2": [([0, 2], "window (511, 0), score-modifying kernel (softcap)"),
+                   ([1, 3], "full, score-modifying kernel (softcap)")],
+        "gpt_oss": [([0, 2], "window (127, 0), plain kernel + sinks"), ([1, 3], "full, plain kernel + sinks")],
+        "llama4": [([0, 1, 2, 4, 5, 6], "chunks of 1024, plain kernel"), ([3, 7], "full, plain kernel")],
+        "t5": [([0, 1, 2], "full, score-modifying kernel (relative_bias)")],
+    }
+    c = planner.Candidate(backend="zigzag_ring", sequence_parallel_size=4, data_parallel_size=1,
+                          tensor_parallel_size=1, ulysses_degree=None, kv_pieces=1, activation_checkpointing=False,
+                          tiled_loss=False)
+    args = (16384, 1, 2, H100)
+    for name, cfg in cfgs.items():
+        d = cfg.to_dict()
+        m = ModelSpec.from_hf_config(d)
+        assert [(g["layers"], g["attention"]) for g in attention_layers(m)] == want[name], name
+        if name in ("llama4", "gpt_oss"):  # transformers' rule without the listed layer_types
+            d.pop("layer_types")
+            assert attention_layers(ModelSpec.from_hf_config(d)) == attention_layers(m), name
+        # each path priced: the modifiers and sinks above the same layers without them, chunks below full
+        bare = replace(m, attention_softcap=None, relative_bias=False, attention_sinks=False, chunk_sizes=())
+        priced, control = attention_per_layer(m, c, *args)[0], attention_per_layer(bare, c, *args)[0]
+        # (the GPU preset's assumed score-modifier factor is ~20; sinks add a per-row term)
+        low, high = {"llama4": (0.0, 0.5), "gpt_oss": (1.0, 1.5)}.get(name, (3.0, 1e3))
+        assert low * control < priced < high * control, (name, priced / control)
+        plan = planner.plan(d, seq_len=16384, devices=4, hardware="h100", sequence_parallel=4, tensor_parallel=1)
+        assert plan.to_dict()["attention_layers"] == attention_layers(m)
+        assert "attention per layer (priced per layer): " + "; ".join(
+            f"layer{'s' if len(i) > 1 else ''} {planner._layer_ranges(i)} ({len(i)} of {m.num_layers}): {what}"
+            for i, what in want[name]) in plan.summary()
+    # T5: the encoder (what sequence parallelism runs), T5's sizes
+    t5 = ModelSpec.from_hf_config(cfgs["t5"].to_dict())
+    assert (t5.causal, t5.hidden, t5.num_heads, t5.qk_dim, t5.ffn, t5.num_layers, t5.biases) == (
+        False, 256, 4, 64, 512, 3, False)
+    # plan(mask=) adds a softcap and chunks to every layer
+    mistral = ModelSpec.from_hf_config({**MISTRAL, "sliding_window": None})
+    masked = planner.plan(mistral, mask=AttentionMask(softcap=30.0, chunk_size=4096), seq_len=16384, devices=4,
+                          hardware="h100", sequence_parallel=4, tensor_parallel=1)
+    assert attention_layers(masked.model) == [{"layers": [0, 1, 2, 3],
+                                               "attention": "chunks of 4096, score-modifying kernel (softcap)"}]
