@@ -43,8 +43,9 @@ Note [Step model]
     [Layer rates]: the CPU's calibration) prices the linear layers at the rate of their own shapes, the elementwise
     passes at the measured cost of the code that runs the layer (``ModelSpec.implementation``), and adds the loss's
     and AdamW's update's measured costs; its kernel table prices the attention's calls at their own head dim (Note
-    [Kernel table below the smallest head dim] in ``cost_model``). Not modelled: the data loader, kernel launch gaps (on GPU, the
-    optimizer's update).
+    [Kernel table below the smallest head dim] in ``cost_model``). Not modelled: the data loader, kernel launch gaps
+    (on GPU, the optimizer's update), and on CPU the pages glibc's allocator hands back to the system and faults in
+    again every step (3-17% of four of the validated steps; Note [Fresh pages] in ``experiments/cost_model/NOTES.md``).
 
 Note [Saved tensors]
     What one layer keeps for backward per token, in activation elements (``ModelSpec.saved_per_token``): the

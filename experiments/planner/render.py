@@ -285,6 +285,8 @@ def time_validation(data, path) -> str:
            "activations, transformers' decoder layer's small ops, the loss, AdamW; Note [Layer rates]) and the fixed "
            f"time per step of `{path.parent}/cpu_step_overhead.json` (calibrated on tiny encoders and tiny "
            "transformers Llamas), none of them on these rows."]
+    if "allocator" in data:
+        out[0] += f" Allocator: {data['allocator']} (Note [Fresh pages] in `experiments/cost_model/NOTES.md`)."
     if "repredicted" in data:
         out[0] += f" Predictions recomputed by `{data['repredicted']['command']}` ({data['repredicted']['date'][:10]})."
     if "summary" in data:
@@ -318,3 +320,12 @@ def time_validation(data, path) -> str:
             out.append(f"| `{c['backend']}` | {'on' if c['activation_checkpointing'] else 'off'} | "
                        f"{c['measured_step_s']:.3f} | {c['predicted_step_s']:.3f} |")
     return "\n".join(out)
+
+
+def time_summary(data, path) -> str:
+    """One line: a step-time run's command, date, allocator and errors (a repeat of ``time_validation``'s rows)."""
+    s = data["summary"]
+    allocator = "; glibc keeps freed memory" if "allocator" in data else ""
+    return (f"`{data['command']}` ({data['date'][:16].replace('T', ' ')} UTC{allocator}): {s['rows']} rows, step time "
+            f"mean error **{100 * s['mean_abs_error']:.1f}%**, worst {100 * s['max_abs_error']:.1f}%, every row "
+            + ("predicted short." if all(r["error"] < 0 for r in data["rows"]) else "not all predicted short."))

@@ -464,7 +464,9 @@ def step_overhead(row: dict, overhead: dict | None) -> float:
     """The calibrated fixed time per step for a row's world size, data parallelism and depth."""
     if not overhead:
         return 0.0
-    fixed, per_layer = overhead["fits"][_overhead_key(row["world"], row["data_parallel"], MODELS[row["model"]]["kind"])]
+    fits = overhead["fits"]
+    key = _overhead_key(row["world"], row["data_parallel"], MODELS[row["model"]]["kind"])
+    fixed, per_layer = fits.get(key) or fits[_overhead_key(row["world"], row["data_parallel"], "project")]
     return fixed + per_layer * planner_spec(row["model"]).num_layers
 
 
@@ -516,6 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     timing.add_argument("--recommend", type=int, choices=range(len(RECOMMEND_SETUPS)), default=None,
                         help="time every backend x checkpointing of one setup of RECOMMEND_SETUPS and compare the "
                              f"planner's pick with the measured fastest (into {TIME_RESULTS.name})")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="time the rows with glibc keeping freed memory for reuse (experiments.common.launch."
+                         "keep_freed_memory): by default it returns some to the system and every step faults those "
+                         "pages in again (Note [Fresh pages] in experiments/cost_model/NOTES.md); with --out")
     ap.add_argument("--repredict", action="store_true",
                     help="measure nothing: recompute the predictions of the results file's measured rows (after a "
                          "change to the planner)")
@@ -610,6 +616,15 @@ def _timing(args, argv) -> int:
 
     meta = run_metadata(__file__, argv)
     where = (lambda p: p) if args.publish else (lambda p: args.out or RUNS / "planner" / p.name)
+    if args.keep_freed_memory:
+        from experiments.common.launch import MALLOC_KEEP_FREED, keep_freed_memory
+
+        if args.publish or not (args.time or args.recommend is not None):
+            raise SystemExit("--keep-freed-memory times a variant of the rows: with --time or --recommend and --out")
+        if not args.repredict and not keep_freed_memory():
+            raise SystemExit("--keep-freed-memory needs Linux with glibc")
+        meta["allocator"] = ("glibc keeps freed memory for reuse in every rank (" + ", ".join(
+            f"{k}={v}" for k, v in MALLOC_KEEP_FREED.items()) + ")")
     if args.calibrate_kernel:
         got = calibrate_kernel()
         doc = {**meta, "method": "the cost model's kernel-table micro-benchmark (experiments/cost_model/calibrate.py: "
