@@ -341,9 +341,9 @@ def _interp(x: float, xs: list[float], ys: list[float]) -> float:
 #     D = 32, and D = 8 0.94-1.06 of it, not 0.5 and 0.25. A table measured at the model's D answers exactly (the
 #     planner's CPU calibration measures D = 8 and 16, ``experiments/planner/run.py --calibrate-kernel``). Below a
 #     table's smallest D the time per score element is the line in D through its two smallest dims (a per-score part
-#     plus a per-score-and-dim part: 0.61-0.64 of D = 32 at D = 16 from the cost model's 32/64 points), held between the old
-#     proportional charge (a lower bound) and the smallest D's own time per score (an upper bound: the line is an
-#     extrapolation, so a smaller D is never priced above a measured one).
+#     plus a per-score-and-dim part: 0.61-0.64 of D = 32 at D = 16 from the cost model's 32/64 points), held between
+#     the old proportional charge (a lower bound) and the smallest D's own time per score (an upper bound: the line is
+#     an extrapolation, so a smaller D is never priced above a measured one).
 
 
 def _table_lookup(table, kind: str, head_dim: int, q_len: int, k_len: int, backward: bool) -> float:
