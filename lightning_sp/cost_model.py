@@ -419,10 +419,23 @@ def _interp(x: float, xs: list[float], ys: list[float]) -> float:
     return ys[i - 1] + w * (ys[i] - ys[i - 1])
 
 
+# Note [Kernel table below the smallest head dim]
+#     A kernel call's time is not proportional to D at small D: the softmax's exp, max and rescale cost per score
+#     (query x key), the two products per score x D, and the CPU flash kernel vectorises D in fixed-width blocks.
+#     Measured on the 2-core VM (2026-11-28, 1024^2 and 2048^2 calls, full and causal): D = 16 costs 0.64-0.67 of
+#     D = 32, and D = 8 0.94-1.06 of it, not 0.5 and 0.25. A table measured at the model's D answers exactly (the
+#     planner's CPU calibration measures D = 8 and 16, ``experiments/planner/run.py --calibrate-kernel``). Below a
+#     table's smallest D the time per score element is the line in D through its two smallest dims (a per-score part
+#     plus a per-score-and-dim part: 0.61-0.64 of D = 32 at D = 16 from the cost model's 32/64 points), held between
+#     the old proportional charge (a lower bound) and the smallest D's own time per score (an upper bound: the line is
+#     an extrapolation, so a smaller D is never priced above a measured one).
+
+
 def _table_lookup(table, kind: str, head_dim: int, q_len: int, k_len: int, backward: bool) -> float:
     """Seconds per head of a ``kind`` call of ``q_len x k_len`` at ``head_dim`` from the calibrated
     table: seconds per (query x key x dim) element interpolated log-linearly in q, k and D, times the
-    call's elements. ``"dense"`` calls (never planned) count as ``"full"``."""
+    call's elements; below the table's smallest D, Note [Kernel table below the smallest head dim].
+    ``"dense"`` calls (never planned) count as ``"full"``."""
     kind = "causal" if kind == "causal" else "full"
     col = 5 if backward else 4
     rows = [r for r in table if r[0] == kind] or [r for r in table if r[0] == "full"]
@@ -436,6 +449,10 @@ def _table_lookup(table, kind: str, head_dim: int, q_len: int, k_len: int, backw
             continue
         qs, ks = sorted({q for q, _ in pts}), sorted({k for _, k in pts})
         per_dim.append(_interp(q_len, qs, [_interp(k_len, ks, [pts[(q, k)] for k in ks]) for q in qs]))
+    if head_dim < dims[0] and len(dims) > 1:  # Note [Kernel table below the smallest head dim]
+        per_score = [rate * dd for rate, dd in zip(per_dim[:2], dims[:2])]  # seconds per query x key element
+        line = per_score[0] - (per_score[1] - per_score[0]) / (dims[1] - dims[0]) * (dims[0] - head_dim)
+        return min(max(line, per_dim[0] * head_dim), per_score[0]) * q_len * k_len
     return _interp(head_dim, dims, per_dim) * q_len * k_len * head_dim
 
 

@@ -40,9 +40,12 @@ Note [Step model]
            0 unless given),
     with one more forward of every layer under activation checkpointing and of the MLP with the tiled MLP;
     ranks that share a CPU's cores compute proportionally slower. A profile with measured layer rates (Note
-    [Layer rates]: the CPU's calibration) prices the linear layers at the rate of their own shapes and adds the
-    loss's and AdamW's update's measured costs. Not modelled: the data loader, kernel launch gaps (on GPU, the
-    optimizer's update).
+    [Layer rates]: the CPU's calibration) prices the linear layers at the rate of their own shapes, the elementwise
+    passes at the measured cost of the code that runs the layer (``ModelSpec.implementation``), and adds the loss's
+    and AdamW's update's measured costs; its kernel table prices the attention's calls at their own head dim (Note
+    [Kernel table below the smallest head dim] in ``cost_model``). Not modelled: the data loader, kernel launch gaps
+    (on GPU, the optimizer's update), and on CPU the pages glibc's allocator hands back to the system and faults in
+    again every step (3-17% of four of the validated steps; Note [Fresh pages] in ``experiments/cost_model/NOTES.md``).
 
 Note [Saved tensors]
     What one layer keeps for backward per token, in activation elements (``ModelSpec.saved_per_token``): the
@@ -511,6 +514,12 @@ _EXTRA_PRESETS = {
 #       elementwise_s seconds per element per pass of a layer's norms, activation and residual adds (forward +
 #                     backward of LayerNorm, GELU, add over ``[T, C]`` and ``[T, 4C]``, divided by 3 passes of their
 #                     outputs); applied to ``saved_per_token`` elements, 3 passes (4 with checkpointing)
+#       implementation_elementwise_s  the same per element and pass for the code a ``ModelSpec.implementation`` runs,
+#                     where it was measured apart: ``"hf"``, a transformers ``LlamaDecoderLayer`` (RMSNorms with their
+#                     float32 casts, rotary, the head reshapes and transposes, SiLU(gate) x up, residual adds) forward +
+#                     backward with its attention stubbed, less its linear layers run alone, per ``saved_per_token``
+#                     element of that layer and pass, the slope between 256 and 1024 tokens (the per-call part is
+#                     Python's, priced with the fixed time per step); the other implementations pay ``elementwise_s``
 #       loss_s        seconds per logit of the cross-entropy's forward + backward
 #       optimizer_s   seconds per parameter of one AdamW step (PyTorch's default on CPU), on the rank's share of the
 #                     parameters (FSDP: ``1 / (dp sp)``)
@@ -530,6 +539,9 @@ class LayerRates:
     """Seconds per logit of the cross-entropy's forward + backward."""
     optimizer_s: float
     """Seconds per parameter of one AdamW step."""
+    implementation_elementwise_s: tuple[tuple[str, float], ...] = ()
+    """``(ModelSpec.implementation, seconds)``: ``elementwise_s`` of the code that runs the layer where it was measured
+    apart (``"hf"``: transformers' decoder layer's small ops); the others pay ``elementwise_s``."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -539,6 +551,14 @@ class LayerRates:
         for name in ("elementwise_s", "loss_s", "optimizer_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LayerRates.{name} must be >= 0, got {getattr(self, name)}")
+        for impl, seconds in self.implementation_elementwise_s:
+            if impl not in IMPLEMENTATIONS or seconds < 0:
+                raise ValueError(f"LayerRates.implementation_elementwise_s needs (one of {IMPLEMENTATIONS}, seconds >= 0) "
+                                 f"pairs, got {(impl, seconds)}")
+
+    def elementwise_for(self, implementation: str) -> float:
+        """Seconds per element per pass of the small ops of the layers ``implementation`` runs (Note [Layer rates])."""
+        return dict(self.implementation_elementwise_s).get(implementation, self.elementwise_s)
 
     def matmul_rate(self, tokens: float, width: float) -> float:
         """FLOP/s of the linear layers at ``tokens`` per rank and model width ``width``: bilinear in log tokens and
@@ -566,7 +586,8 @@ class LayerRates:
     def from_dict(cls, d: dict) -> "LayerRates":
         return cls(matmul_table=tuple((int(t), int(c), float(r)) for t, c, r in d["matmul_table"]),
                    elementwise_s=float(d["elementwise_s"]), loss_s=float(d["loss_s"]),
-                   optimizer_s=float(d["optimizer_s"]), source=str(d.get("source", "")))
+                   optimizer_s=float(d["optimizer_s"]), source=str(d.get("source", "")),
+                   implementation_elementwise_s=tuple((str(i), float(t)) for i, t in d.get("implementation_elementwise_s", ())))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -905,7 +926,8 @@ def step_time(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision
     if rates is None:  # the profile's matmul rate and per-element cost (0 on the GPU presets)
         rest = (linear_flops + head_flops) / hw.matmul_flops + hw.elementwise_s[1] * passes
     else:  # measured at the layer's own shapes, with the loss and AdamW's update
-        rest = (linear_flops + head_flops) / rates.matmul_rate(tokens, m.hidden) + rates.elementwise_s * passes
+        rest = (linear_flops + head_flops) / rates.matmul_rate(tokens, m.hidden)
+        rest += rates.elementwise_for(m.implementation) * passes
         rest += rates.loss_s * tokens * m.vocab / tp
         shard_over = dp * sp if data_parallel == "fsdp" else 1
         rest += rates.optimizer_s * (m.layer_params() + m.embedding_params()) / tp / shard_over

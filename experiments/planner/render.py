@@ -279,16 +279,26 @@ def time_validation(data, path) -> str:
     """Measured against predicted step times (CPU gloo ranks), and the planner's pick against the measured
     fastest of its candidates (``run.py --time`` / ``--recommend``)."""
     out = [f"Measured {data['date'][:10]} on {data['hardware']['device']}, float32, gloo, `{data['command']}`; "
-           f"predicted with the layer rates of `{path.parent}/cpu_layer_rates.json` (micro-benchmarks: the linear "
-           "layers at their shapes, norms and activations, the loss, AdamW; Note [Layer rates]) and the fixed time "
-           f"per step of `{path.parent}/cpu_step_overhead.json` (calibrated on tiny encoders), none of them on "
-           "these rows."]
+           f"predicted with the attention kernel's table of `{path.parent}/cpu_kernel_table.json` (re-measured just "
+           "before, head dims 8-128; Note [Kernel table below the smallest head dim]), the layer rates of "
+           f"`{path.parent}/cpu_layer_rates.json` (micro-benchmarks: the linear layers at their shapes, norms and "
+           "activations, transformers' decoder layer's small ops, the loss, AdamW; Note [Layer rates]) and the fixed "
+           f"time per step of `{path.parent}/cpu_step_overhead.json` (calibrated on tiny encoders and tiny "
+           "transformers Llamas), none of them on these rows."]
+    if "allocator" in data:
+        out[0] += f" Allocator: {data['allocator']} (Note [Fresh pages] in `experiments/cost_model/NOTES.md`)."
     if "repredicted" in data:
         out[0] += f" Predictions recomputed by `{data['repredicted']['command']}` ({data['repredicted']['date'][:10]})."
     if "summary" in data:
         s = data["summary"]
+        before = ""
+        if "previous" in data:
+            p = data["previous"]["summary"]
+            before = (f" The run before ({data['previous']['date'][:16].replace('T', ' ')}, commit "
+                      f"{data['previous'].get('git_commit', '?')}): mean {100 * p['mean_abs_error']:.1f}%, worst "
+                      f"{100 * p['max_abs_error']:.1f}%.")
         out += ["", f"{s['rows']} rows: step time mean error **{100 * s['mean_abs_error']:.1f}%**, worst "
-                    f"{100 * s['max_abs_error']:.1f}%.", "",
+                    f"{100 * s['max_abs_error']:.1f}%.{before}", "",
                 "| model | P | backend | data parallel | checkpointing | N | measured step s | predicted step s | "
                 "of which attention | of which other compute | of which fixed | error |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -310,3 +320,12 @@ def time_validation(data, path) -> str:
             out.append(f"| `{c['backend']}` | {'on' if c['activation_checkpointing'] else 'off'} | "
                        f"{c['measured_step_s']:.3f} | {c['predicted_step_s']:.3f} |")
     return "\n".join(out)
+
+
+def time_summary(data, path) -> str:
+    """One line: a step-time run's command, date, allocator and errors (a repeat of ``time_validation``'s rows)."""
+    s = data["summary"]
+    allocator = "; glibc keeps freed memory" if "allocator" in data else ""
+    return (f"`{data['command']}` ({data['date'][:16].replace('T', ' ')} UTC{allocator}): {s['rows']} rows, step time "
+            f"mean error **{100 * s['mean_abs_error']:.1f}%**, worst {100 * s['max_abs_error']:.1f}%, every row "
+            + ("predicted short." if all(r["error"] < 0 for r in data["rows"]) else "not all predicted short."))

@@ -5,6 +5,7 @@ steps (forward, backward, optimizer step) under ``SequenceParallelStrategy``, on
     OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only --publish --worlds 2   # the committed peaks,
     OMP_NUM_THREADS=1 python -m experiments.planner.run --memory-only --publish --worlds 4   # in two parts
     OMP_NUM_THREADS=1 python -m experiments.planner.run --repredict --publish   # after a change to the planner
+    OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --calibrate-kernel
     OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --calibrate-layer
     OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --calibrate-overhead
     OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --time   # (--recommend 0, 1)
@@ -18,10 +19,12 @@ activations and every temporary the allocator served; not gloo's own buffers nor
 step time: the median over steps 3-8 of a separate, unprofiled fit (``on_train_batch_start`` to
 ``on_train_batch_end``, the optimizer step included), max over ranks. Predicted: ``lightning_sp.planner``'s
 ``memory_bytes`` / ``step_time`` for the same layout, ``32-true``, the committed CPU calibration of the cost
-model, and for step times the layer's non-attention costs measured by micro-benchmarks (``--calibrate-layer``:
-matmul rates at the layers' shapes, norms and activations, the loss, AdamW; Note [Layer rates]) and the training
-loop's fixed time per step calibrated on tiny encoders (``CALIBRATION_MODELS``). Nothing in the planner is fitted
-to these rows.
+model, and for step times, measured just before the rows (this VM's speed drifts by tens of percent over hours):
+the attention kernel's table at head dims 8-128 (``--calibrate-kernel``), the layer's non-attention costs measured
+by micro-benchmarks (``--calibrate-layer``: matmul rates at the layers' shapes, norms and activations, transformers'
+decoder layer's small ops, the loss, AdamW; Note [Layer rates]) and the training loop's fixed time per step
+calibrated on tiny models (``CALIBRATION_MODELS``: the project's encoders, transformers' Llamas). Nothing in the
+planner is fitted to these rows.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -65,6 +69,14 @@ CALIBRATION_MODELS = {
     f"calibration_{layers}": dict(kind="project", cls="ProteinEncoder", init=dict(d_model=32, n_layers=layers, n_heads=2))
     for layers in (1, 3)
 }
+# and transformers' own modules (Python per module, the integration's checks per attention call) on tiny Llamas: the
+# fixed time of the models that ``ModelSpec.implementation == "hf"`` describes
+CALIBRATION_MODELS.update({
+    f"calibration_hf_{layers}": dict(kind="hf", model_type="llama", task="causal_lm",
+                                     config=dict(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                                                 num_key_value_heads=2, intermediate_size=64, vocab_size=64))
+    for layers in (2, 4)  # FSDP wraps the repeated blocks: two at least
+})
 MODELS.update(CALIBRATION_MODELS)
 
 BACKENDS = ("ring", "zigzag_ring", "allgather_kv", "ulysses", "usp")
@@ -74,6 +86,10 @@ OVERHEAD = HERE / "results" / "cpu_step_overhead.json"
 TIME_RESULTS = HERE / "results" / "planner_time_validation.json"
 LAYER_RATES = HERE / "results" / "cpu_layer_rates.json"
 """The layer's non-attention costs on this CPU (Note [Layer rates]), from ``--calibrate-layer``'s micro-benchmarks."""
+KERNEL_TABLE = HERE / "results" / "cpu_kernel_table.json"
+"""The attention kernel's table on this CPU re-measured with the step times (``--calibrate-kernel``), at head dims
+``KERNEL_DIMS`` (Note [Kernel table below the smallest head dim] in ``lightning_sp/cost_model.py``)."""
+KERNEL_DIMS = (8, 16, 32, 64, 128)
 LAYER_TOKENS = (64, 256, 1024, 4096)
 LAYER_WIDTHS = (32, 64, 128, 256)
 RECOMMEND_SETUPS = (("protein_encoder", 4, 4096, "ddp"), ("llama_gqa", 4, 4096, "ddp"))
@@ -256,11 +272,16 @@ def _worker(rank: int, world: int, rows: list[dict], timed: bool, memory: bool =
 
 
 def cpu_profile():
-    """The committed CPU calibration of the cost model, with the layer rates of ``--calibrate-layer`` when
-    present (Note [Layer rates])."""
+    """The committed CPU calibration of the cost model, with the kernel table of ``--calibrate-kernel`` and the layer
+    rates of ``--calibrate-layer`` when present (Note [Layer rates])."""
     from lightning_sp.planner import hardware_profile, with_layer_rates
 
     hw = hardware_profile(CPU_PROFILE)
+    if KERNEL_TABLE.is_file():  # re-measured with the step times, down to D = 8 (``--calibrate-kernel``)
+        kernel = json.loads(KERNEL_TABLE.read_text())
+        hw = replace(hw, kernel_table=tuple((str(k), int(d), int(q), int(kl), float(f), float(b))
+                                            for k, d, q, kl, f, b in kernel["kernel_table"]),
+                     kernel_call_s=tuple(float(t) for t in kernel["kernel_call_s"]))
     if LAYER_RATES.is_file():
         hw = with_layer_rates(hw, json.loads(LAYER_RATES.read_text())["layer_rates"])
     return hw
@@ -349,11 +370,90 @@ def calibrate_layer() -> dict:
 
     # per parameter: the slope between two sizes with the same tensors (the per-tensor part is the fixed time's)
     (n0, t0), (n1, t1) = adamw_time(128), adamw_time(256)
+    hf = {width: hf_small_ops_s(width) for width in (64, 128, 256)}
     rates = {"matmul_table": matmul, "elementwise_s": statistics.mean(elementwise.values()),
-             "loss_s": statistics.mean(loss.values()), "optimizer_s": (t1 - t0) / (n1 - n0)}
+             "loss_s": statistics.mean(loss.values()), "optimizer_s": (t1 - t0) / (n1 - n0),
+             "implementation_elementwise_s": [["hf", statistics.mean(hf.values())]]}
     return {"layer_rates": rates,
             "points": {"elementwise_s_by_width": elementwise, "loss_s_by_vocab": loss,
-                       "adamw": [[n0, t0], [n1, t1]]}}
+                       "adamw": [[n0, t0], [n1, t1]], "hf_elementwise_s_by_width": hf}}
+
+
+HF_STUB_ATTENTION = "planner_stub"
+
+
+def hf_small_ops_s(width: int) -> float:
+    """Seconds per element per pass of transformers' small ops in one decoder layer (Note [Layer rates]): a
+    ``LlamaDecoderLayer`` (RMSNorms with their float32 casts, rotary, the head reshapes and transposes, SiLU(gate) x
+    up, the residual adds; 4 heads, 2 K/V heads, MLP 2 x width) forward + backward with its attention stubbed (q
+    returned as the output) less its own linear layers run alone, the slope between 256 and 1024 tokens, per element
+    of the planner's ``saved_per_token`` count of that layer per pass (3). One thread, float32, no training step."""
+    import torch
+    from transformers import AttentionInterface, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from lightning_sp.planner import ModelSpec
+
+    AttentionInterface.register(HF_STUB_ATTENTION, lambda module, q, k, v, mask, **kw: (q.transpose(1, 2), None))
+    cfg = LlamaConfig(hidden_size=width, num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * width,
+                      num_hidden_layers=1, vocab_size=128)
+    cfg._attn_implementation = HF_STUB_ATTENTION
+    layer = LlamaDecoderLayer(cfg, 0)
+    linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+
+    def times(tokens: int) -> tuple[float, float]:
+        x = torch.randn(1, tokens, width, requires_grad=True)
+        pos = torch.arange(tokens)[None]
+        with torch.no_grad():
+            cos_sin = LlamaRotaryEmbedding(cfg)(x, pos)  # once per model forward, not per layer
+
+        def whole():
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            layer(x, position_ids=pos, position_embeddings=cos_sin).sum().backward()
+        inputs = [torch.randn(1, tokens, lin.in_features, requires_grad=True) for lin in linears]
+
+        def alone():
+            for t in inputs:
+                t.grad = None
+            layer.zero_grad(set_to_none=True)
+            torch.autograd.backward([lin(t).sum() for lin, t in zip(linears, inputs)])
+        return _median_time(whole, reps=31), _median_time(alone, reps=31)
+
+    (w0, l0), (w1, l1) = times(256), times(1024)
+    spec = ModelSpec.from_hf_config({"model_type": "llama", "hidden_size": width, "num_hidden_layers": 1,
+                                     "num_attention_heads": 4, "num_key_value_heads": 2,
+                                     "intermediate_size": 2 * width, "hidden_act": "silu"})
+    per_token = ((w1 - l1) - (w0 - l0)) / (1024 - 256)
+    return per_token / (3 * sum(spec.saved_per_token(tp=1, act_bytes=4)))
+
+
+def calibrate_kernel(rounds: int = 3, reps: int = 3) -> dict:
+    """The attention kernel's table (``HardwareProfile.kernel_table``) at ``KERNEL_DIMS``, measured as the cost
+    model's calibration measures it (``experiments/cost_model/calibrate.py``: one ``LocalKernel`` call per point,
+    ``KERNEL_HEADS`` heads, the tiny call's time removed, the median over rounds with the order rotated), with head
+    dims below 32 added. One thread, float32, no training step."""
+    import torch
+
+    from experiments.cost_model.calibrate import CAUSAL_EXTRA_SIDES, KERNEL_HEADS, KERNEL_SIDES, _kernel_pair, kernel_table_points, rotated
+    from lightning_sp.ops.kernels import make_kernel
+
+    torch.set_num_threads(1)
+    kernel = make_kernel("auto")
+    tiny = _kernel_pair(kernel, "full", 8, 8, 1, 8, reps * 20)
+    points = kernel_table_points(KERNEL_SIDES, KERNEL_DIMS, CAUSAL_EXTRA_SIDES)
+    per_round = {p: [] for p in points}
+    for r in range(rounds):
+        for kind, d, q_len, k_len in rotated(points, r, rounds):
+            long_call = kind == "causal" and q_len in CAUSAL_EXTRA_SIDES
+            n = 1 if long_call else (reps if q_len * k_len < 1 << 20 else max(2, reps - 1))
+            per_round[(kind, d, q_len, k_len)].append(_kernel_pair(kernel, kind, q_len, k_len, KERNEL_HEADS, d, n))
+    table = []
+    for (kind, d, q_len, k_len), got in per_round.items():
+        t_f, t_b = (statistics.median(t[i] for t in got) for i in (0, 1))
+        table.append([kind, d, q_len, k_len, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
+                      max(t_b - tiny[1], 1e-9) / KERNEL_HEADS])
+    return {"kernel_table": table, "kernel_call_s": list(tiny), "kernel_heads": KERNEL_HEADS}
 
 
 def _key(row: dict) -> tuple:
@@ -364,8 +464,15 @@ def step_overhead(row: dict, overhead: dict | None) -> float:
     """The calibrated fixed time per step for a row's world size, data parallelism and depth."""
     if not overhead:
         return 0.0
-    fixed, per_layer = overhead["fits"][f"{row['world']}/{row['data_parallel']}"]
+    fits = overhead["fits"]
+    key = _overhead_key(row["world"], row["data_parallel"], MODELS[row["model"]]["kind"])
+    fixed, per_layer = fits.get(key) or fits[_overhead_key(row["world"], row["data_parallel"], "project")]
     return fixed + per_layer * planner_spec(row["model"]).num_layers
+
+
+def _overhead_key(world: int, data_parallel: str, kind: str) -> str:
+    """The fit of the tiny models of ``kind`` (``"project"``: the project's models; ``"hf"``: transformers')."""
+    return f"{world}/{data_parallel}" + ("/hf" if kind == "hf" else "")
 
 
 def predict(row: dict, hw, overhead: dict | None = None) -> dict:
@@ -399,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"micro-benchmark a layer's non-attention pieces (matmul rates at the layers' shapes, "
                              f"norms and activations, the loss, AdamW) into {LAYER_RATES.name}; run under both CPU "
                              "slots, before --calibrate-overhead")
+    timing.add_argument("--calibrate-kernel", action="store_true",
+                        help=f"re-measure the attention kernel's table at head dims {KERNEL_DIMS} into "
+                             f"{KERNEL_TABLE.name}; run under both CPU slots, first")
     timing.add_argument("--calibrate-overhead", action="store_true",
                         help=f"measure the training loop's fixed time per step on tiny models ({OVERHEAD.name}); run "
                              "under both CPU slots")
@@ -408,13 +518,17 @@ def main(argv: list[str] | None = None) -> int:
     timing.add_argument("--recommend", type=int, choices=range(len(RECOMMEND_SETUPS)), default=None,
                         help="time every backend x checkpointing of one setup of RECOMMEND_SETUPS and compare the "
                              f"planner's pick with the measured fastest (into {TIME_RESULTS.name})")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="time the rows with glibc keeping freed memory for reuse (experiments.common.launch."
+                         "keep_freed_memory): by default it returns some to the system and every step faults those "
+                         "pages in again (Note [Fresh pages] in experiments/cost_model/NOTES.md); with --out")
     ap.add_argument("--repredict", action="store_true",
                     help="measure nothing: recompute the predictions of the results file's measured rows (after a "
                          "change to the planner)")
     ap.add_argument("--memory-only", action="store_true",
                     help="measure the peaks only (they do not depend on the machine's load; step times do)")
     args = ap.parse_args(argv)
-    if args.calibrate_layer or args.calibrate_overhead or args.time or args.recommend is not None:
+    if args.calibrate_kernel or args.calibrate_layer or args.calibrate_overhead or args.time or args.recommend is not None:
         return _timing(args, argv)
     args.out = args.out or (RESULTS if args.publish else RUNS / "planner" / RESULTS.name)
     rows = grid(args.smoke)
@@ -502,6 +616,29 @@ def _timing(args, argv) -> int:
 
     meta = run_metadata(__file__, argv)
     where = (lambda p: p) if args.publish else (lambda p: args.out or RUNS / "planner" / p.name)
+    if args.keep_freed_memory:
+        from experiments.common.launch import MALLOC_KEEP_FREED, keep_freed_memory
+
+        if args.publish or not (args.time or args.recommend is not None):
+            raise SystemExit("--keep-freed-memory times a variant of the rows: with --time or --recommend and --out")
+        if not args.repredict and not keep_freed_memory():
+            raise SystemExit("--keep-freed-memory needs Linux with glibc")
+        meta["allocator"] = ("glibc keeps freed memory for reuse in every rank (" + ", ".join(
+            f"{k}={v}" for k, v in MALLOC_KEEP_FREED.items()) + ")")
+    if args.calibrate_kernel:
+        got = calibrate_kernel()
+        doc = {**meta, "method": "the cost model's kernel-table micro-benchmark (experiments/cost_model/calibrate.py: "
+               "one LocalKernel call, SDPA's CPU flash op, forward and backward, per point of FULL rectangles and "
+               f"CAUSAL squares, {got['kernel_heads']} heads, the tiny call's time removed, the median over 3 rounds in "
+               f"rotated order) at head dims {list(KERNEL_DIMS)}, one thread, float32; re-measured with the step "
+               "times (the cost model's table was measured hours before, when this VM ran the kernel faster) and "
+               "below D = 32 (Note [Kernel table below the smallest head dim]). None of the validated training steps",
+               **got}
+        path = where(KERNEL_TABLE)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in doc.items() if k != "kernel_table"}, indent=1))
+        return 0
     if args.calibrate_layer:
         got = calibrate_layer()
         got["layer_rates"]["source"] = (f"measured: {LAYER_RATES.name} ({meta['date']}), micro-benchmarks on one "
@@ -514,7 +651,10 @@ def _timing(args, argv) -> int:
                "the slope between T=256 and T=1024, averaged over C=64, 128, 256; loss_s: lightning_sp.loss.sequence_parallel_cross_entropy (the models' loss) forward + "
                "backward per logit, the slope between T=256 and 1024, averaged over V=1024, 4096; optimizer_s: one "
                "torch.optim.AdamW step (two groups), the slope per parameter between four layers' tensors at C=128 "
-               "and C=256. Calibrated on these micro-benchmarks only, none of the validated training steps "
+               "and C=256; implementation_elementwise_s hf: transformers' LlamaDecoderLayer (4 heads, 2 K/V heads, MLP 2 C) "
+               "forward + backward with its attention stubbed, less its linear layers alone, per element of the "
+               "planner's saved_per_token of that layer per pass (3), the slope between T=256 and 1024, averaged over "
+               "C=64, 128, 256 (hf_small_ops_s). Calibrated on these micro-benchmarks only, none of the validated training steps "
                f"({TIME_RESULTS.name})", **got}
         path = where(LAYER_RATES)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -526,34 +666,38 @@ def _timing(args, argv) -> int:
         rows = calibration_rows()
         times = _measure_times(rows)
         fits, table = {}, []
-        for world in (2, 4):
-            for dp in ("ddp", "fsdp"):
-                pts = []
-                for row, t in zip(rows, times):
-                    if row["world"] == world and row["data_parallel"] == dp:
-                        compute = predict(row, hw)["step_s"]  # no overhead yet: the modelled compute
-                        layers = planner_spec(row["model"]).num_layers
-                        pts.append((layers, t - compute))
-                        table.append({**row, "step_s": t, "modelled_compute_s": compute})
-                (l0, o0), (l1, o1) = sorted(pts)
-                per_layer = (o1 - o0) / (l1 - l0)
-                fits[f"{world}/{dp}"] = (o0 - per_layer * l0, per_layer)
+        for world, dp, kind in ((w, d, k) for w in (2, 4) for d in ("ddp", "fsdp") for k in ("project", "hf")):
+            pts = []
+            for row, t in zip(rows, times):
+                if row["world"] == world and row["data_parallel"] == dp and MODELS[row["model"]]["kind"] == kind:
+                    compute = predict(row, hw)["step_s"]  # no overhead yet: the modelled compute
+                    layers = planner_spec(row["model"]).num_layers
+                    pts.append((layers, t - compute))
+                    table.append({**row, "step_s": t, "modelled_compute_s": compute})
+            (l0, o0), (l1, o1) = sorted(pts)
+            per_layer = (o1 - o0) / (l1 - l0)
+            fits[_overhead_key(world, dp, kind)] = (o0 - per_layer * l0, per_layer)
         doc = {**meta, "method": "median of steps 3-8 of a Trainer.fit (on_train_batch_start to on_train_batch_end), "
-               "max over ranks, minus the planner's modelled compute; fixed + per_layer x layers from 1 and 3 layers",
+               "max over ranks, minus the planner's modelled compute; fixed + per_layer x layers from two depths (1 and 3; 2 and 4 for the Llamas), "
+               "per world size, data parallelism and kind of model (the project's tiny encoders; transformers' tiny "
+               "Llamas for ModelSpec.implementation 'hf')",
                "fits": fits, "rows": table}
         path = where(OVERHEAD)
     else:
         overhead = json.loads(OVERHEAD.read_text())
         path = where(TIME_RESULTS)
         doc = json.loads(path.read_text()) if path.is_file() else {}
+        previous = {k: doc[k] for k in ("date", "git_commit", "summary") if k in doc}
         if args.repredict:  # the measurements' provenance stays the runs'
             doc["repredicted"] = {"command": meta["command"], "date": meta["date"], "git_commit": meta.get("git_commit")}
         elif args.time or "command" not in doc:  # the file's provenance is the --time run's
+            doc.pop("repredicted", None)
             doc.update(meta)
         doc.update(method="measured: median of steps 3-8 of a Trainer.fit (on_train_batch_start to on_train_batch_end, "
                           "the optimizer step included), max over ranks, both CPU slots held; predicted: "
-                          "planner.step_time with the cpu-calibrated profile and the fixed time per step of "
-                          f"{OVERHEAD.name} (calibrated on tiny models, none of these rows)")
+                          "planner.step_time with the cpu-calibrated profile, the kernel table of "
+                          f"{KERNEL_TABLE.name}, the layer rates of {LAYER_RATES.name} and the fixed time per step of "
+                          f"{OVERHEAD.name} (micro-benchmarks and tiny models measured just before, none of these rows)")
         if args.time:
             rows = time_rows()
             times = _kept_times(doc.get("rows", []), rows) if args.repredict else _measure_times(rows)
@@ -563,6 +707,8 @@ def _timing(args, argv) -> int:
                 out.append({**row, "measured_step_s": t, "predicted_step_s": pred["step_s"],
                             "predicted_time": pred["time"], "error": pred["step_s"] / t - 1})
             errs = [abs(r["error"]) for r in out]
+            if not args.repredict and "summary" in previous:  # the figures this run replaces, for the record
+                doc["previous"] = previous
             doc["rows"] = out
             doc["summary"] = {"rows": len(out), "mean_abs_error": statistics.mean(errs), "max_abs_error": max(errs)}
         else:

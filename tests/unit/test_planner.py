@@ -290,6 +290,124 @@ def test_layer_rates_price_the_layers_loss_and_optimizer(tmp_path):
                                                                                     hw=base, **kw)
 
 
+def _kernel_table(dims_and_scores):
+    """A kernel table of FULL rectangles whose time per (query x key) element at D is ``dims_and_scores[D]``
+    (forward) and twice that (backward), on a 2 x 2 grid of sides."""
+    return tuple(("full", d, q, k, per_score * q * k, 2 * per_score * q * k)
+                 for d, per_score in dims_and_scores.items() for q in (512, 2048) for k in (512, 2048))
+
+
+def test_kernel_table_below_its_smallest_head_dim_is_not_proportional_to_d():
+    """Note [Kernel table below the smallest head dim]: a table measured at D answers its points; below its smallest D
+    the time per score element follows the line through the two smallest dims, between the proportional charge
+    (lower bound) and the smallest D's own time (upper bound). The control: the proportional charge, what the lookup
+    answered before, is half of D = 32's at D = 16, well under the line."""
+    from lightning_sp.cost_model import _table_lookup
+
+    t32, t64 = 3.0e-9, 5.0e-9  # seconds per query x key element: 1e-9 per score + 6.25e-11 per score and dim
+    table = _kernel_table({32: t32, 64: t64})
+    at = lambda d, tab=table, backward=False: _table_lookup(tab, "full", d, 1024, 1024, backward)  # noqa: E731
+    assert at(32) == pytest.approx(t32 * 1024 ** 2) and at(64) == pytest.approx(t64 * 1024 ** 2)
+    line16 = t32 - (t64 - t32) / 32 * 16  # 2e-9: two thirds of D = 32, not one half
+    assert at(16) == pytest.approx(line16 * 1024 ** 2)
+    assert at(16, backward=True) == pytest.approx(2 * line16 * 1024 ** 2)
+    proportional = t32 * 16 / 32 * 1024 ** 2  # the control
+    assert at(16) > 1.3 * proportional
+    assert at(1) == pytest.approx(max(t32 - (t64 - t32) / 32 * 31, t32 / 32) * 1024 ** 2)  # held at the lower bound
+    # measured small dims answer exactly, and a smaller D never costs more than the smallest measured one's time
+    measured = _kernel_table({8: 3.1e-9, 16: 2.0e-9, 32: t32, 64: t64})
+    assert _table_lookup(measured, "full", 16, 1024, 1024, False) == pytest.approx(2.0e-9 * 1024 ** 2)
+    assert _table_lookup(measured, "full", 8, 2048, 2048, False) == pytest.approx(3.1e-9 * 2048 ** 2)
+    assert _table_lookup(measured, "full", 4, 1024, 1024, False) == pytest.approx(3.1e-9 * 1024 ** 2)
+    # one measured dim: the proportional charge, as before (no line to draw)
+    single = _kernel_table({32: t32})
+    assert _table_lookup(single, "full", 16, 1024, 1024, False) == pytest.approx(proportional)
+
+
+def test_committed_cpu_kernel_table_measures_small_head_dims():
+    """The planner's CPU kernel table (``run.py --calibrate-kernel``) has D = 8 and 16 rows, and on this CPU D = 16
+    costs well over half of D = 32 (the proportional charge's answer)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "experiments/planner/results/cpu_kernel_table.json"
+    table = [tuple(r) for r in json.loads(path.read_text())["kernel_table"]]
+    assert {r[1] for r in table} >= {8, 16, 32, 64}
+    from lightning_sp.cost_model import _table_lookup
+
+    for kind in ("full", "causal"):
+        ratio = (_table_lookup(table, kind, 16, 2048, 2048, True) / _table_lookup(table, kind, 32, 2048, 2048, True))
+        assert 0.55 < ratio < 0.9, (kind, ratio)
+
+
+def test_the_hf_small_op_charge_scales_with_tokens_and_layers():
+    """Note [Layer rates]: ``implementation="hf"`` pays its measured small-op charge per saved element and pass, the
+    others ``elementwise_s``; the difference grows with the tokens and the layers (x2 each), and checkpointing adds
+    one pass. The control: a ``project`` model of the same sizes pays ``elementwise_s``."""
+    rates = dict(RATES, implementation_elementwise_s=[["hf", 7e-9]])
+    hw = with_layer_rates(hardware_profile("cpu"), rates)
+    assert hw.layer_rates.elementwise_for("hf") == 7e-9 and hw.layer_rates.elementwise_for("project") == 2e-9
+    c = Candidate(backend="ring", sequence_parallel_size=2, data_parallel_size=1, tensor_parallel_size=1,
+                  ulysses_degree=None, kv_pieces=1, activation_checkpointing=False, tiled_loss=False)
+    kw = dict(batch=1, precision="32-true", data_parallel="ddp", hw=hw)
+
+    def extra(layers: int, seq_len: int, cand=c) -> float:
+        sizes = dict(num_layers=layers, hidden=64, num_heads=4, vocab=1000)
+        hf, project = ModelSpec(**sizes, implementation="hf"), ModelSpec(**sizes, implementation="project")
+        # the same saved elements in both (no qk norm, no python GELU, project's extra q + k counted apart)
+        saved_hf = sum(hf.saved_per_token(tp=1, act_bytes=4))
+        saved_project = sum(project.saved_per_token(tp=1, act_bytes=4))
+        got = (step_time(hf, cand, seq_len=seq_len, **kw)["other_compute_s"]
+               - step_time(project, cand, seq_len=seq_len, **kw)["other_compute_s"])
+        passes = 3 + cand.activation_checkpointing
+        tokens = seq_len // 2
+        assert got == pytest.approx(layers * tokens * passes * (7e-9 * saved_hf - 2e-9 * saved_project)
+                                    * hw.compute_stretch(2))
+        return got
+
+    one = extra(2, 2048)
+    assert extra(4, 2048) == pytest.approx(2 * one) and extra(2, 4096) == pytest.approx(2 * one)
+    from dataclasses import replace
+
+    assert extra(2, 2048, replace(c, activation_checkpointing=True)) > one
+    with pytest.raises(ValueError, match="implementation_elementwise_s"):
+        LayerRates.from_dict(dict(RATES, implementation_elementwise_s=[["flash", 1e-9]]))
+
+
+SMALL_LLAMA = LLAMA3_8B | {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 8,
+                           "num_key_value_heads": 2, "intermediate_size": 256, "vocab_size": 4096}
+
+
+def test_the_step_time_split_adds_up():
+    """A step is the sum of its parts, each >= 0, and ``other_compute_s`` is its terms' sum (Note [Layer rates]): the
+    linear FLOPs at the table's rate (one more forward with checkpointing), the HF small-op charge per saved element
+    and pass, the loss per logit and AdamW per parameter, stretched for ranks sharing the cores. The plan's candidates
+    carry the same split. The control: the project's ``elementwise_s`` in place of the HF charge misses it."""
+    from dataclasses import replace
+
+    hw = with_layer_rates(replace(hardware_profile("cpu"), kernel_table=_kernel_table({16: 2e-9, 32: 3e-9, 64: 5e-9})),
+                          dict(RATES, implementation_elementwise_s=[["hf", 7e-9]]))
+    spec = ModelSpec.from_hf_config(SMALL_LLAMA)
+    tokens, params = 1024, spec.layer_params() + spec.embedding_params()
+    saved = sum(spec.saved_per_token(tp=1, act_bytes=4))
+    for backend in ("zigzag_ring", "ulysses", "allgather_kv"):
+        for ckpt in (False, True):
+            c = Candidate(backend=backend, sequence_parallel_size=2, data_parallel_size=1, tensor_parallel_size=1,
+                          ulysses_degree=None, kv_pieces=1, activation_checkpointing=ckpt, tiled_loss=False)
+            t = step_time(spec, c, seq_len=2048, batch=1, precision="32-true", data_parallel="ddp", hw=hw,
+                          step_overhead_s=0.01)
+            assert set(t) == {"attention_compute_s", "exposed_comm_s", "other_compute_s", "fixed_s"}
+            assert min(t.values()) >= 0 and t["attention_compute_s"] > 0 and t["fixed_s"] == 0.01
+            flops = 2.0 * tokens * spec.layer_params(active=True) * (3 + ckpt) + 2.0 * tokens * 128 * 4096 * 3
+            terms = (flops / hw.layer_rates.matmul_rate(tokens, 128), 7e-9 * 2 * tokens * saved * (3 + ckpt),
+                     5e-9 * tokens * 4096, 3e-9 * params)
+            assert t["other_compute_s"] == pytest.approx(sum(terms) * hw.compute_stretch(2)), (backend, ckpt)
+            control = sum(terms) - terms[1] + 2e-9 * 2 * tokens * saved * (3 + ckpt)
+            assert t["other_compute_s"] != pytest.approx(control * hw.compute_stretch(2))
+    p = plan(SMALL_LLAMA, seq_len=2048, devices=2, hardware="cpu", memory_budget_bytes=2**34, step_overhead_s=0.01)
+    for cand in p.candidates:
+        assert cand.step_time_s == pytest.approx(sum(cand.time.values())) and min(cand.time.values()) >= 0
+
+
 def test_the_loss_chunk_is_the_loss_modules():
     from lightning_sp import loss, planner
 
