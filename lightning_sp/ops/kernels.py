@@ -730,11 +730,13 @@ class FlashAttnKernel(_CudaChainKernel):
         ``fallback`` (the exact ``ScoreModKernel`` of the call) for the blocks flash-attn cannot take. Under a
         soft-cap the efficient op is skipped (it has no soft-cap) and a non-CUDA tensor runs ``fallback``."""
         view = copy.copy(self)
-        view.band = band
+        view.band, view.softcap = band, float(softcap)
         if softcap:
             if fallback is None:
                 raise ValueError("a soft-capped flash-attn call needs the exact fallback kernel of the call")
-            view.softcap, view.ops, view._fallback = float(softcap), ("flash_attn",), fallback
+            view.ops, view._fallback = ("flash_attn",), fallback
+        elif self.softcap:  # a view of a soft-capped view: the plain chain again
+            view.ops, view._fallback = type(self).ops, TorchBlockwiseKernel()
         return view
 
     def _window(self, kind: MaskKind) -> tuple:
