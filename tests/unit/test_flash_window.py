@@ -24,7 +24,7 @@ from lightning_sp.ops import kernels as K
 from lightning_sp.ops.plan import BlockCall, MaskKind, masked_dense, plan_blocks
 from lightning_sp.ops.ring_attention import BlockAttentionSpec, block_attention
 from tests.reference import dense_attention
-from tests.stand_ins.cuda_sdpa import CudaSdpaStandIn
+from tests.stand_ins.cuda_sdpa import ContractError, CudaSdpaStandIn
 from tests.stand_ins.flash_attn import flash_visible, make_flash_attn
 
 H100 = (9, 0)
@@ -108,6 +108,57 @@ def test_refusal_reasons():
     assert K.flash_attn_window(spans, 120, 16, 120, 16) == (-1, 0)  # outside: causal too
     padded = AttentionMask(window=(30, 0), key_padding=((0, 70),)).structured(causal=True, doc_bounds=None, padded_len=N)
     assert "padding" in K.flash_attn_window(padded, 64, 16, 60, 16)
+
+
+def test_eligibility_reads_the_band():
+    """``why_not``: a DENSE block goes to flash-attn only with a band, and says why not otherwise; the other ops
+    ignore the band, and the other rules still apply to a banded block."""
+    block = dict(dtype=torch.float16, head_dim=64, kind=MaskKind.DENSE, capability=H100, batch=1, heads=8,
+                 seq_len_q=32, seq_len_k=32, deterministic=False)
+    assert K.why_not("flash_attn", **block, band=(7, 0)) is None
+    assert "no flash-attn window" in K.why_not("flash_attn", **block)
+    refused = K.why_not("flash_attn", **block, band="its band needs a left bound of -7 < 0")
+    assert "no flash-attn window" in refused and "left bound of -7" in refused
+    for op in ("flash", "cudnn"):
+        assert K.why_not(op, **block, band=(7, 0)) == "DENSE mask (needs FULL or CAUSAL)"
+    assert K.why_not("efficient", **block, band=(7, 0)) is None
+    assert "fp16 or bf16" in K.why_not("flash_attn", **{**block, "dtype": torch.float32}, band=(7, 0))
+    assert "<= 256" in K.why_not("flash_attn", **{**block, "head_dim": 264}, band=(7, 0))
+
+
+def _fa_forward(fa, *, window=(-1, -1), softcap=0.0, dropout=0.0, alibi=None, sq=8, sk=8):
+    q = torch.randn(1, sq, 2, 16).to(torch.float16)
+    k = torch.randn(1, sk, 2, 16).to(torch.float16)
+    win = [tuple(window)] if fa.__version__.startswith("2.6") else list(window)
+    return fa.flash_attn_interface._flash_attn_forward(q, k, k, dropout, 0.25, False, *win, softcap, alibi, False)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_stand_in_refuses_what_the_real_op_refuses(version):
+    """``mha_fwd``: a soft-cap with dropout is refused; a window size must be a C++ ``int``; and the stand-in,
+    stricter, refuses any dropout or ALiBi (not modelled). Controls: a window and a soft-cap pass, and compute
+    ``flash_visible``'s mask (a right bound >= S_k unbounded, then capped at S_k beside a left bound;
+    bottom-right alignment; rows that see no key: lse +inf)."""
+    fa = make_flash_attn(version)
+    with pytest.raises(ContractError, match="Softcapping does not support dropout"):
+        _fa_forward(fa, softcap=1.0, dropout=0.1)
+    with pytest.raises(ContractError, match="not modelled"):
+        _fa_forward(fa, dropout=0.1)
+    with pytest.raises(ContractError, match="C\\+\\+ int"):
+        _fa_forward(fa, window=(2**31, -1))
+    with pytest.raises(ContractError, match="alibi_slopes are not modelled"):
+        _fa_forward(fa, alibi=torch.ones(2))
+    res = _fa_forward(fa, window=(2, 20), softcap=1.5, sq=12, sk=6)
+    lse = res[5] if version.startswith("2.6") else res[1]
+    # right 20 >= S_k: unbounded, then capped at S_k beside the left bound: j <= i + (S_k - S_q) + S_k = i
+    i, j = torch.arange(12)[:, None], torch.arange(6)[None, :]
+    visible = flash_visible(12, 6, False, 2, 20, backward=False)
+    assert torch.equal(visible, (j >= i - 6 - 2) & (j <= i))
+    assert torch.equal(visible, flash_visible(12, 6, False, 2, 20, backward=True))
+    res = _fa_forward(fa, window=(-1, 1), softcap=1.5, sq=12, sk=6)  # j <= i - 5: rows 0-4 see no key
+    out, lse = res[0], res[5] if version.startswith("2.6") else res[1]
+    assert torch.equal(flash_visible(12, 6, False, -1, 1, backward=False), j <= i - 5)
+    assert torch.isposinf(lse[0, :, :5]).all() and torch.isfinite(lse[0, :, 5:]).all() and (out[0, :5] == 0).all()
 
 
 # -- block calls through the kernel -------------------------------------------------------------------
