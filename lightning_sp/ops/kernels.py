@@ -477,6 +477,9 @@ class _CudaChainKernel:
 
     name = ""
     ops: tuple[str, ...] = ()
+    band: "tuple[int, int] | str | None" = None
+    """A DENSE call's flash-attn window, or why it has none (``why_not``'s ``band``; set on ``FlashAttnKernel``'s
+    per-call views only)."""
 
     def __init__(self, *, device_type: str | None = None, capability: tuple[int, int] | None = None):
         self.device_type, self.capability = device_type, capability
@@ -487,10 +490,6 @@ class _CudaChainKernel:
 
     def _capability(self, q) -> tuple[int, int]:
         return self.capability or torch.cuda.get_device_capability(q.device)
-
-    band: "tuple[int, int] | str | None" = None
-    """A DENSE call's flash-attn window, or why it has none (``why_not``'s ``band``; set on ``FlashAttnKernel``'s
-    per-call views only)."""
 
     def _block(self, q, k, kind: MaskKind) -> dict:
         b, sq, h, d = q.shape
