@@ -20,7 +20,9 @@ Kernels (``KERNELS``):
 - ``cudnn`` (CUDA): ``aten._scaled_dot_product_cudnn_attention`` (what PyTorch's context parallel
   uses on Hopper), else the efficient op, else ``torch``.
 - ``flash_attn`` (CUDA): the flash-attn package 2.6 / 2.7 / 2.8 (pinned by ``__version__``;
-  imported lazily), else the efficient op, else ``torch``.
+  imported lazily), else the efficient op, else ``torch``. Natively, per call (``kernel_for_call``): a
+  sliding window's DENSE blocks whose mask is exactly a band (Note [flash-attn windows for DENSE blocks])
+  and a soft-cap that is the only score modifier (Note [flash-attn soft-capping]).
 - ``flex`` (``ops/flex.py``): FlexAttention (compiled) for every block on CUDA (fp16, bf16, fp32, head dims
   >= 16), else ``sdpa``; calls with score modifiers too (``score_mod_kernel``). Opt-in: not yet run on a GPU.
   Under every other kernel a call with score modifiers runs the pure-PyTorch ``ScoreModKernel``.
@@ -34,6 +36,8 @@ op             dtypes             head dim D                  arch      masks   
 =============  =================  ==========================  ========  ===========  ==========
 flash (SDPA)   fp16, bf16         D % 8 == 0, D <= 256 (*)    sm80+     FULL/CAUSAL  native
 flash-attn     fp16, bf16         D % 8 == 0, D <= 256        sm80+     FULL/CAUSAL  native
+                                                                        (+ DENSE
+                                                                        bands)
 cuDNN          fp16, bf16         D % 8 == 0, D <= 128        sm80-121  FULL/CAUSAL  native
 efficient      fp16, bf16, fp32   D % 8 (half) / 4 (fp32)     sm50+     all (DENSE   expanded
                                                                         as a bias)
@@ -70,6 +74,38 @@ and cuDNN backward reinterpret the memory silently), a contiguous fp32 lse, and 
 ``softmax_scale`` (flash-attn 2.7+ registers its functions as ``torch.library`` custom ops, whose
 schema checks every argument's type).
 
+Note [flash-attn windows for DENSE blocks]
+    flash-attn's ``window_size=(left, right)`` lets query row ``i`` see key rows ``j`` with
+    ``i + S_k - S_q - left <= j <= i + S_k - S_q + right`` (bottom-right aligned; negative: unbounded), after
+    ``mha_fwd``/``mha_bwd`` normalise it: a bound ``>= S_k`` becomes unbounded, ``causal`` sets ``right = 0``,
+    and ``set_params_fprop`` turns an unbounded side beside a bounded one into ``S_k``. A planned call under a
+    mask (Note [Plans under a mask] in ``ops/plan.py``) covers global queries ``[q0, q0 + S_q)`` and keys
+    ``[k0, k0 + S_k)``; when they lie in one document, the shared key padding does not cut the keys and no
+    bidirectional span boundary cuts either side, its visibility is ``low <= (k0 + j) - (q0 + i) <= high``
+    (``-window left``, ``min(window right, 0 if causal outside a common span)``), a band on local rows shifted by
+    ``k0 - q0``. ``flash_attn_window`` maps it to ``(left, right)`` and refuses, with the reason, a band whose
+    binding bound would have to be negative (a ring block far from the diagonal), a right bound ``> S_k`` (read
+    as unbounded), or an unbounded right side beside a left bound when ``S_q > S_k + 1`` (capped at ``S_k``, it
+    would hide keys from the first rows). Those blocks, and any DENSE block of another mask, keep the efficient
+    op (its additive bias) or ``torch``; ``why_not``'s ``band`` carries the reason. Rows the band leaves empty get
+    ``lse = +inf`` and ``out = 0`` from flash-attn, then our convention (``_empty_rows_to_convention``).
+    Checked exhaustively against the stand-in's model of the real normalisation (``tests/unit/
+    test_flash_window.py``): every window it returns reproduces ``StructuredMask.visible`` exactly, and for the
+    bands it refuses no ``(left, right)`` does.
+
+Note [flash-attn soft-capping]
+    flash-attn's ``softcap`` computes ``softcap * tanh(scale * q.k / softcap)`` (``set_params_fprop``: the
+    scores are multiplied by ``scale / softcap``, tanh-ed, then scaled by ``softcap`` in the softmax) and its
+    backward multiplies ``dS`` by ``1 - tanh^2``: exactly ``masks.ScoreMods``' soft-cap, applied first, and the lse
+    it returns (and reads back in the backward) is that of the capped scores, so the ring merges it as any
+    other. A call whose only score modifier is a soft-cap (``flash_attn_softcap``; attention sinks join the
+    merged result, not the scores) runs flash-attn with it on eligible blocks, FULL, CAUSAL or a band, and the
+    call's exact ``ScoreModKernel`` on the others (the efficient op has no soft-cap). ``mha_fwd`` refuses a
+    soft-cap with dropout; we never pass dropout. ALiBi is not passed: flash-attn's bias is
+    ``-slope * |i + S_k - S_q - j|`` on the block's local rows (our ``-slope * |q - k|`` on global positions only
+    when ``q0 + S_q == k0 + S_k``), and with ``causal`` it adds ``slope * j`` instead (softmax-invariant per
+    row, but the lse it returns then differs from the exact one the ring merges).
+
 Note [Calling the SDPA ops directly]: the backward ops are called with exactly what the forward
 op would have returned for a dense (not varlen), dropout-free call, because forward residuals are
 not kept: ``cum_seq_q = cum_seq_k = None`` (an *undefined* tensor; a 0-element tensor is
@@ -82,12 +118,15 @@ lse padded to a multiple of 32 along the sequence and the cuDNN op's lse as ``[B
 
 from __future__ import annotations
 
+import bisect
+import copy
 import functools
 import math
 from typing import Protocol
 
 import torch
 
+from lightning_sp.masks import StructuredMask
 from lightning_sp.ops.flex import FlexKernel
 from lightning_sp.ops.merge import accumulation_dtype, merge_into
 from lightning_sp.ops.plan import MaskKind
@@ -162,10 +201,13 @@ def why_not(
     seq_len_q: int,
     seq_len_k: int,
     deterministic: bool,
+    band: "tuple[int, int] | str | None" = None,
 ) -> str | None:
     """``None`` if the CUDA ``op`` can run this block (``q [batch, seq_len_q, heads, head_dim]``
     against ``seq_len_k`` keys), else the reason it cannot. ``deterministic``: strict deterministic
-    mode is on (``deterministic_required()``). Note [CUDA kernel eligibility]."""
+    mode is on (``deterministic_required()``). ``band``: for a DENSE block, the flash-attn window
+    ``(left, right)`` that is exactly its mask, or why there is none (``flash_attn_window``); only
+    ``flash_attn`` reads it. Note [CUDA kernel eligibility]."""
     if op not in CUDA_OPS:
         raise ValueError(f"op must be one of {CUDA_OPS}, got {op!r}")
     if min(batch, seq_len_q, seq_len_k) < 1:
@@ -184,8 +226,11 @@ def why_not(
         return None
     if dtype not in _HALF:
         return f"dtype {dtype} (needs fp16 or bf16)"
-    if kind is MaskKind.DENSE:
-        return "DENSE mask (needs FULL or CAUSAL)"
+    if kind is MaskKind.DENSE and not (op == "flash_attn" and isinstance(band, tuple)):
+        if op != "flash_attn":
+            return "DENSE mask (needs FULL or CAUSAL)"
+        why = f": {band}" if isinstance(band, str) else ""
+        return f"DENSE mask that no flash-attn window expresses exactly (needs FULL, CAUSAL or a band{why})"
     if head_dim % 8:
         return f"head dim {head_dim} (needs a multiple of 8)"
     if major < 8:
@@ -432,6 +477,9 @@ class _CudaChainKernel:
 
     name = ""
     ops: tuple[str, ...] = ()
+    band: "tuple[int, int] | str | None" = None
+    """A DENSE call's flash-attn window, or why it has none (``why_not``'s ``band``; set on ``FlashAttnKernel``'s
+    per-call views only)."""
 
     def __init__(self, *, device_type: str | None = None, capability: tuple[int, int] | None = None):
         self.device_type, self.capability = device_type, capability
@@ -443,17 +491,27 @@ class _CudaChainKernel:
     def _capability(self, q) -> tuple[int, int]:
         return self.capability or torch.cuda.get_device_capability(q.device)
 
+    def _block(self, q, k, kind: MaskKind) -> dict:
+        b, sq, h, d = q.shape
+        return dict(dtype=q.dtype, head_dim=d, kind=kind, capability=self._capability(q), batch=b, heads=h,
+                    seq_len_q=sq, seq_len_k=k.size(1), deterministic=deterministic_required(), band=self.band)
+
     def choose(self, q, k, kind: MaskKind) -> str:
         """The op this kernel runs a block ``q [B, Sq, H, D]``, ``k [B, Sk, H_kv, D]`` of mask ``kind``
         with (CUDA). Reads the deterministic mode at each call (the forward and the backward of a block
         may differ if it is switched in between; both are exact)."""
-        b, sq, h, d = q.shape
-        block = dict(dtype=q.dtype, head_dim=d, kind=kind, capability=self._capability(q), batch=b, heads=h,
-                     seq_len_q=sq, seq_len_k=k.size(1), deterministic=deterministic_required())
+        block = self._block(q, k, kind)
         for op in self._ops(q):
             if self._op_available(op) and why_not(op, **block) is None:
                 return op
         return "torch"
+
+    def reasons(self, q, k, kind: MaskKind) -> dict[str, str | None]:
+        """Each op this kernel tries for the block, in order -> why it does not run it (``None``: it can; ``choose``
+        picks the first such op, else ``torch``)."""
+        block = self._block(q, k, kind)
+        return {op: why_not(op, **block) if self._op_available(op) else f"{op} is not available in this build"
+                for op in self._ops(q)}
 
     def _ops(self, q) -> tuple[str, ...]:
         """The ops tried for a block of ``q``, first eligible wins."""
@@ -643,10 +701,17 @@ class FlashAttnKernel(_CudaChainKernel):
     backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, softmax_scale, causal, <window>,
     softcap, alibi_slopes, deterministic, rng_state) fills ``dq, dk, dv`` (``k``'s ``H_kv`` heads)
     and returns ``(dq, dk, dv, softmax_d)`` in 2.6, ``softmax_d`` in 2.7/2.8. ``deterministic`` is
-    ``torch.are_deterministic_algorithms_enabled()`` (flash-attn does not read PyTorch's flag)."""
+    ``torch.are_deterministic_algorithms_enabled()`` (flash-attn does not read PyTorch's flag).
+
+    The window is ``(-1, -1)`` and the soft-cap ``0.0`` except on the per-call views ``for_call`` makes
+    (``kernel_for_call``): a DENSE call whose mask is exactly a band gets its window (Note [flash-attn windows
+    for DENSE blocks]), a call whose only score modifier is a soft-cap gets ``softcap`` (Note [flash-attn
+    soft-capping])."""
 
     name = "flash_attn"
     ops = ("flash_attn", "efficient")
+    softcap = 0.0
+    """``softcap * tanh(s / softcap)`` on every score inside flash-attn (0: none)."""
 
     def __init__(self, *, device_type=None, capability=None, module=None):
         super().__init__(device_type=device_type, capability=capability)
@@ -658,15 +723,41 @@ class FlashAttnKernel(_CudaChainKernel):
         fai = module.flash_attn_interface
         self._fwd, self._bwd = fai._flash_attn_forward, fai._flash_attn_backward
 
-    def _window(self) -> tuple:
-        return ((-1, -1),) if self.version == "2.6" else (-1, -1)
+    def for_call(self, *, band: "tuple[int, int] | str | None" = None, softcap: float = 0.0,
+                 fallback: LocalKernel | None = None) -> "FlashAttnKernel":
+        """A view of this kernel for one call: ``band`` (``flash_attn_window``) for a DENSE call, ``softcap`` with
+        ``fallback`` (the exact ``ScoreModKernel`` of the call) for the blocks flash-attn cannot take. Under a
+        soft-cap the efficient op is skipped (it has no soft-cap) and a non-CUDA tensor runs ``fallback``."""
+        view = copy.copy(self)
+        view.band, view.softcap = band, float(softcap)
+        if softcap:
+            if fallback is None:
+                raise ValueError("a soft-capped flash-attn call needs the exact fallback kernel of the call")
+            view.ops, view._fallback = ("flash_attn",), fallback
+        elif self.softcap:  # a view of a soft-capped view: the plain chain again
+            view.ops, view._fallback = type(self).ops, TorchBlockwiseKernel()
+        return view
+
+    def _window(self, kind: MaskKind) -> tuple:
+        left, right = self.band if kind is MaskKind.DENSE else (-1, -1)
+        return ((left, right),) if self.version == "2.6" else (left, right)
+
+    def _cpu_forward(self, q, k, v, *, scale, kind, mask):
+        if self.softcap:  # the call's exact kernel runs anywhere, as without flash-attn
+            return self._fallback.forward(q, k, v, scale=scale, kind=kind, mask=mask)
+        return super()._cpu_forward(q, k, v, scale=scale, kind=kind, mask=mask)
+
+    def _cpu_backward(self, dout, q, k, v, out, lse, *, scale, kind, mask):
+        if self.softcap:
+            return self._fallback.backward(dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
+        return super()._cpu_backward(dout, q, k, v, out, lse, scale=scale, kind=kind, mask=mask)
 
     def _run_forward(self, op, q, k, v, *, scale, kind, mask):
         if op != "flash_attn":
             return super()._run_forward(op, q, k, v, scale=scale, kind=kind, mask=mask)
         res = self._fwd(
             _fused_input(q), _fused_input(k), _fused_input(v), 0.0, scale, kind is MaskKind.CAUSAL,
-            *self._window(), 0.0, None, False,
+            *self._window(kind), self.softcap, None, False,
         )
         lse = res[5] if self.version == "2.6" else res[1]  # [B, H, Sq] fp32
         return res[0], lse
@@ -680,9 +771,105 @@ class FlashAttnKernel(_CudaChainKernel):
         deterministic = torch.are_deterministic_algorithms_enabled()
         self._bwd(
             _fused_input(dout), q, k, v, _fused_input(out), _lse_for_backward(lse), dq, dk, dv,
-            0.0, scale, kind is MaskKind.CAUSAL, *self._window(), 0.0, None, deterministic, None,
+            0.0, scale, kind is MaskKind.CAUSAL, *self._window(kind), self.softcap, None, deterministic, None,
         )
         return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def flash_attn_window(mask: StructuredMask, q_global: int, q_len: int, k_global: int, k_len: int) -> tuple[int, int] | str:
+    """flash-attn's ``(window_size_left, window_size_right)`` whose visibility, after ``mha_fwd``/``mha_bwd``
+    normalise it, is exactly ``mask.visible`` on the queries ``[q_global, q_global + q_len)`` and keys ``[k_global,
+    k_global + k_len)`` (a call planned under ``mask``: both globally contiguous); else why there is none.
+    Note [flash-attn windows for DENSE blocks]. Pure and cached: the same blocks recur at every layer."""
+    sq, sk = q_len, k_len
+    if min(sq, sk) < 1:
+        return "empty block"
+    q1, k1 = q_global + sq, k_global + sk
+    bounds = mask.doc_bounds or ()
+    docs = {bisect.bisect_right(bounds, p) for p in (q_global, q1 - 1, k_global, k1 - 1)}
+    if len(docs) > 1:
+        return "its queries and keys are not all in one document"
+    if mask.keys is not None and not (mask.keys[0] <= k_global and k1 <= mask.keys[1]):
+        return "padding that every batch row has cuts its keys"
+    causal = mask.causal
+    if causal and mask.spans:
+        starts = [s for s, _ in mask.spans]
+        cuts = sorted({p for span in mask.spans for p in span})
+        for lo, hi in ((q_global, q1), (k_global, k1)):
+            i = bisect.bisect_right(cuts, lo)
+            if i < len(cuts) and cuts[i] < hi:
+                return "a bidirectional span's boundary cuts it"
+
+        def span_of(pos):
+            i = bisect.bisect_right(starts, pos) - 1
+            return i if i >= 0 and pos < mask.spans[i][1] else -1
+
+        span = span_of(q_global)
+        if span >= 0 and span == span_of(k_global):
+            causal = False  # queries and keys in one span see each other fully
+    # the band on global positions, key - query in [low, high] (None: unbounded), then on local rows j - i
+    low = None if mask.left is None else -mask.left
+    high = mask.right
+    if causal:
+        high = 0 if high is None else min(high, 0)
+    shift = k_global - q_global
+    low = None if low is None else low - shift
+    high = None if high is None else high - shift
+    if (low is not None and (low > sk - 1 or (high is not None and low > high))) or (high is not None and high < 1 - sq):
+        return "the mask leaves it empty"
+    low_binds = low is not None and low > 1 - sq  # some row i has i + low > 0
+    high_binds = high is not None and high < sk - 1  # row 0 has high < S_k - 1
+    offset = sk - sq  # flash-attn's bottom-right alignment: j - i in [offset - left, offset + right]
+    left = offset - low if low_binds else -1
+    right = high - offset if high_binds else -1
+    if low_binds and left < 0:
+        return f"its band needs a left bound of {left} < 0 (flash-attn reads a negative bound as unbounded)"
+    if high_binds and right < 0:
+        return f"its band needs a right bound of {right} < 0 (flash-attn reads a negative bound as unbounded)"
+    if high_binds and right == sk:  # an unbounded right side beside a left bound is capped at exactly S_k
+        return (left if low_binds else sk - 1), -1  # left = S_k - 1: a bound that cuts no row
+    if high_binds and right > sk:
+        return f"its band needs a right bound of {right} > S_k = {sk}, which mha_fwd turns into unbounded"
+    if low_binds and not high_binds and sq > sk + 1:
+        return (f"an unbounded right side with a left bound is capped at S_k by flash-attn, which hides keys from "
+                f"the first rows when S_q = {sq} > S_k + 1 = {sk + 1}")
+    return int(left), int(right)
+
+
+def flash_attn_softcap(mods) -> float | None:
+    """The soft-cap flash-attn applies for score modifiers ``mods`` (``masks.ScoreMods``): ``mods.softcap`` when it
+    is the only modifier (attention sinks are not one: they join the merged result, Note [Attention sinks]),
+    else ``None``. ALiBi stays with ``ScoreModKernel``: flash-attn anchors its bias at the block's bottom-right
+    corner (``-slope * |i + S_k - S_q - j|``) and, when causal, drops each row's constant (``+slope * j``), which
+    changes the log-sum-exp a ring merges (Note [flash-attn soft-capping])."""
+    if mods is None or mods.softcap is None:
+        return None
+    if (mods.alibi_slopes, mods.mask_mod, mods.score_mod, mods.relative_bias) != (None, None, None, None):
+        return None
+    return float(mods.softcap)
+
+
+def kernel_for_call(kernel: LocalKernel, mods, *, mask: StructuredMask | None, call, head_offset: int) -> LocalKernel:
+    """The kernel of one planned call (``plan.BlockCall``) under the local kernel ``kernel``, the call's structured
+    ``mask`` and score modifiers ``mods``: under ``FlashAttnKernel``, a view that passes flash-attn the call's
+    window (a DENSE call whose mask is exactly a band) and soft-cap (when it is the only modifier); else
+    ``score_mod_kernel`` with modifiers, ``kernel`` without."""
+    if isinstance(kernel, FlashAttnKernel):
+        softcap = flash_attn_softcap(mods)
+        if mods is None or softcap is not None:
+            band = None
+            if call.kind is MaskKind.DENSE:
+                band = ("no structured mask to read the band from" if mask is None else
+                        flash_attn_window(mask, call.q_global, call.q_len, call.k_global, call.k_len))
+            if softcap is None and band is None:
+                return kernel
+            fallback = None if mods is None else ScoreModKernel(
+                mods, q_global=call.q_global, k_global=call.k_global, head_offset=head_offset)
+            return kernel.for_call(band=band, softcap=softcap or 0.0, fallback=fallback)
+    if mods is None:
+        return kernel
+    return score_mod_kernel(kernel, mods, q_global=call.q_global, k_global=call.k_global, head_offset=head_offset)
 
 
 def flash_attn_available() -> bool:

@@ -89,7 +89,7 @@ from lightning_sp.comm.stats import CommStats
 from lightning_sp.layout import Run
 from lightning_sp.ops.precision import autocast_off
 from lightning_sp.masks import ScoreMods, StructuredMask
-from lightning_sp.ops.kernels import LocalKernel, prefers_heads_major, score_mod_kernel
+from lightning_sp.ops.kernels import LocalKernel, kernel_for_call, prefers_heads_major
 from lightning_sp.ops.merge import accumulation_dtype, merge_into
 from lightning_sp.ops.plan import MaskKind, masked_dense, plan_blocks
 
@@ -187,12 +187,12 @@ def _plan(spec: BlockAttentionSpec, q_runs, k_runs):
 
 
 def _kernel_for(spec: BlockAttentionSpec, call):
-    """The kernel of one call: ``spec.kernel``, or with score modifiers the one that knows the call's global
-    positions (``score_mod_kernel``: FlexAttention under ``kernel="flex"`` on CUDA, else ``ScoreModKernel``)."""
-    if spec.score_mods is None:
+    """The kernel of one call: ``spec.kernel``, or one that knows the call's global positions (``kernel_for_call``:
+    with score modifiers FlexAttention under ``kernel="flex"`` on CUDA, else ``ScoreModKernel``; under
+    ``flash_attn`` the call's window and soft-cap passed to flash-attn where they are exact)."""
+    if spec.score_mods is None and (call.kind is not MaskKind.DENSE or spec.mask is None):
         return spec.kernel
-    return score_mod_kernel(spec.kernel, spec.score_mods, q_global=call.q_global, k_global=call.k_global,
-                            head_offset=spec.head_offset)
+    return kernel_for_call(spec.kernel, spec.score_mods, mask=spec.mask, call=call, head_offset=spec.head_offset)
 
 
 def _call_forward(spec, call, q, k, v):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lightning_sp import SequenceParallelAttention
+from lightning_sp.masks import AttentionMask
 from lightning_sp.ops import kernels as K
 from lightning_sp.ops.plan import MaskKind
 
@@ -186,3 +187,97 @@ def test_deterministic_mode_is_bitwise_reproducible(kernel):
         torch.use_deterministic_algorithms(before)
     for a, b in zip(*runs):
         assert torch.equal(a, b), kernel
+
+
+# -- flash-attn's window and soft-cap (Note [flash-attn windows for DENSE blocks], Note [flash-attn soft-capping]) --
+
+
+def _flash_view(band=None, softcap=0.0):
+    """The real ``FlashAttnKernel`` as a per-call view with ``band`` / ``softcap`` (``kernel_for_call`` makes them)."""
+    kern = K.make_kernel("flash_attn")
+    fallback = K.ScoreModKernel(AttentionMask(softcap=softcap).score_mods(), q_global=0, k_global=0,
+                                head_offset=0) if softcap else None
+    return kern.for_call(band=band, softcap=softcap, fallback=fallback)
+
+
+def _block_reference(q, k, v, dout, *, scale, visible, softcap):
+    """float64 ``(out, lse, (dq, dk, dv))`` of one block; rows that see no key: out 0, lse -inf."""
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    g = q.size(2) // k.size(2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qd, kd.repeat_interleave(g, 2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible, -1e30)
+    p = torch.softmax(s, -1) * visible
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vd.repeat_interleave(g, 2))
+    lse = torch.logsumexp(s, -1).masked_fill(~visible.any(-1), -math.inf)
+    return out.detach(), lse.detach(), torch.autograd.grad(out, (qd, kd, vd), dout.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_attn_window_normalisation_matches_the_stand_in(dtype):
+    """The real flash-attn given raw windows (``mha_fwd``/``mha_bwd`` normalise them: a bound >= S_k unbounded, an
+    unbounded side beside a bounded one capped at S_k, bottom-right alignment) computes exactly the visibility
+    the stand-in models (``tests/stand_ins/flash_attn.py``, ``flash_visible``), which the CPU tests of
+    ``flash_attn_window`` rely on; with and without a soft-cap; out, lse, dQ/dK/dV vs float64."""
+    if not K.flash_attn_available():
+        pytest.skip("flash-attn 2.6-2.8 not installed")
+    from tests.stand_ins.flash_attn import flash_visible
+
+    tol, h, h_kv, d = TOL[dtype], 8, 2, 64
+    cases = [(64, 64, 5, 3), (40, 72, 9, -1), (72, 40, 6, -1), (72, 40, -1, 4), (48, 48, 100, 0), (64, 32, 3, 31),
+             (33, 65, 0, 40), (80, 20, 10, 50), (20, 80, 70, 1)]
+    for sq, sk, left, right in cases:
+        for softcap in (0.0, 1.5):
+            case = (dtype, sq, sk, left, right, softcap)
+            torch.manual_seed(sq + sk)
+            q = torch.randn(1, sq, h, d, device="cuda", dtype=dtype)
+            k, v = (torch.randn(1, sk, h_kv, d, device="cuda", dtype=dtype) for _ in range(2))
+            dout = torch.randn_like(q)
+            visible = flash_visible(sq, sk, False, left, right, backward=False).cuda()
+            assert torch.equal(visible.cpu(), flash_visible(sq, sk, False, left, right, backward=True)), case
+            view = _flash_view((left, right), softcap)
+            assert view.choose(q, k, MaskKind.DENSE) == "flash_attn", case
+            out, lse = view.forward(q, k, v, scale=d**-0.5, kind=MaskKind.DENSE, mask=visible)
+            grads = view.backward(dout, q, k, v, out, lse, scale=d**-0.5, kind=MaskKind.DENSE, mask=visible)
+            ref_out, ref_lse, ref_grads = _block_reference(q, k, v, dout, scale=d**-0.5, visible=visible, softcap=softcap)
+            assert _rel(out, ref_out) < tol, case
+            finite = torch.isfinite(ref_lse)
+            assert torch.equal(torch.isfinite(lse), finite), case
+            if finite.any():
+                assert (lse[finite].double() - ref_lse[finite]).abs().max() < 1e-3, case
+            for g, r in zip(grads, ref_grads):
+                assert torch.isfinite(g).all() and _rel(g, r) < tol, case
+            top_left = torch.ones(sq, sk, dtype=torch.bool, device="cuda").triu(-left if left >= 0 else -sq).tril(
+                right if right >= 0 else sk)  # control: the same window aligned top-left is another mask
+            if not torch.equal(top_left, visible):
+                wrong, _, _ = _block_reference(q, k, v, dout, scale=d**-0.5, visible=top_left, softcap=softcap)
+                assert _rel(out, wrong) > 10 * tol, case
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_flash_attn_sliding_window_end_to_end(dtype, softcap):
+    """``SequenceParallelAttention(kernel="flash_attn")`` on one GPU under HF's ``sliding_window=101`` (``window=(100,
+    0)``, causal) and optionally a soft-cap (Gemma-2): the plan's band tiles run flash-attn with their windows,
+    the rest the efficient op or ``ScoreModKernel``; out and dQ/dK/dV vs dense float64. Control: window ignored."""
+    if not K.flash_attn_available():
+        pytest.skip("flash-attn 2.6-2.8 not installed")
+    from tests.reference import dense_attention
+
+    tol, n, h, h_kv, d = TOL[dtype], 512, 8, 2, 64
+    mask = AttentionMask(window=(100, 0), softcap=softcap)
+    torch.manual_seed(1)
+    q = torch.randn(1, n, h, d, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, n, h_kv, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    out = SequenceParallelAttention(causal=True, kernel="flash_attn", mask=mask)(q, k, v)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qd, kd, vd = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    ref = dense_attention(qd, kd, vd, causal=True, mask=mask)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.cpu().double())
+    assert _rel(out.cpu(), ref) < tol
+    for g, r in zip(grads, ref_grads):
+        assert _rel(g.cpu(), r) < tol
+    control = dense_attention(qd, kd, vd, causal=True, mask=AttentionMask(softcap=softcap))
+    assert _rel(out.cpu(), control) > 10 * tol

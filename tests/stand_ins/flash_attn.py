@@ -26,10 +26,19 @@ in the backward; never on dq, dk, dv) and refuse what ``csrc/flash_attn/flash_ap
   dtype check), with no ``-inf`` (``exp(s - lse)`` overflows);
 - 16-byte aligned starts and strides of every tensor (128-bit loads: a misaligned address faults);
 - ``deterministic=True`` under ``torch.use_deterministic_algorithms(True)`` (``mha_bwd`` otherwise
-  accumulates dQ with atomics, in no fixed order).
+  accumulates dQ with atomics, in no fixed order);
+- ``softcap > 0`` with ``dropout_p > 0`` ("Softcapping does not support dropout for now"); window sizes
+  that do not fit the C++ ``int`` the extension takes; and, stricter than the real op, any dropout or
+  ``alibi_slopes`` at all (not modelled here).
 
-Results are computed in float64 (``cuda_sdpa._ref_*``; layout ``[B, S, H, D]``) and returned in
-that version's tuple shape; ``calls`` records each call's bound arguments.
+Results are computed in float64 (layout ``[B, S, H, D]``) exactly as the real kernels compute them
+(``flash_visible``, ``_flash_reference_forward/_backward``): the window is normalised as ``mha_fwd`` /
+``mha_bwd`` and ``set_params_fprop`` normalise it (a bound ``>= S_k`` becomes unbounded, ``causal`` sets the
+right bound to 0, and with one side bounded the other unbounded side becomes ``S_k``), both bounds and
+``causal`` are aligned bottom-right (query ``i`` sees keys ``[i + S_k - S_q - left, i + S_k - S_q + right]``),
+the soft-cap is ``softcap * tanh(scale * q.k / softcap)`` (its backward through ``1 - tanh^2``), and a row that
+sees no key gets ``out = 0``, ``lse = +inf``. Results are returned in that version's tuple shape; ``calls``
+records each call's bound arguments.
 """
 
 import inspect
@@ -40,7 +49,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from tests.stand_ins.cuda_sdpa import ContractError, _ref_backward, _ref_forward, check_aligned
+from tests.stand_ins.cuda_sdpa import ContractError, check_aligned
 
 _T = inspect.Parameter.POSITIONAL_OR_KEYWORD
 
@@ -77,13 +86,17 @@ def _maybe_contiguous(x):  # flash_attn_interface.maybe_contiguous
     return x.contiguous() if x is not None and x.stride(-1) != 1 else x
 
 
-def _window(a, minor) -> tuple:
-    return tuple(a["window_size"]) if minor == "2.6" else (a["window_size_left"], a["window_size_right"])
+_INT32 = (-(2**31), 2**31 - 1)
 
 
 def _check_common(a, op, minor):
-    _check(a["dropout_p"] == 0.0 and a["softcap"] == 0.0 and a["alibi_slopes"] is None, f"{op}: extras")
-    _check(_window(a, minor) == (-1, -1), f"{op}: window {_window(a, minor)}")
+    if a["softcap"] > 0:  # mha_fwd / mha_bwd
+        _check(a["dropout_p"] == 0.0, f"{op}: Softcapping does not support dropout for now")
+    _check(a["dropout_p"] == 0.0, f"{op}: dropout is not modelled by the stand-in")
+    _check(a["alibi_slopes"] is None, f"{op}: alibi_slopes are not modelled by the stand-in")
+    for w in _window_args(a):  # the extension's C++ ``int``
+        _check(isinstance(w, int) and not isinstance(w, bool) and _INT32[0] <= w <= _INT32[1],
+               f"{op}: window size {w!r} is not a C++ int")
     q, k, v = a["q"], a["k"], a["v"]
     for n in ("q", "k", "v"):
         t = a[n]
@@ -108,6 +121,85 @@ def _check_pybind_types_26(a, op):
     _check(len(w) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in w), f"{op}: window_size {w!r}")
 
 
+def flash_visible(sq: int, sk: int, causal: bool, left: int, right: int, *, backward: bool,
+                  has_alibi: bool = False) -> torch.Tensor:
+    """``[S_q, S_k]`` bool: what the real kernel computes for this call. The window is normalised line by line
+    as ``mha_fwd`` (clamp, then the one-query and causal rules) or ``mha_bwd`` (causal first, then clamp) and
+    ``set_params_fprop`` do (flash_api.cpp, v2.6.3 to v2.8.3), then masked as ``Mask::apply_mask`` (mask.h) does:
+    causal ``j < i + 1 + S_k - S_q``; local ``max(0, i + S_k - S_q - left) <= j < min(S_k, i + 1 + S_k - S_q +
+    right)``."""
+    if backward:
+        if causal:
+            right = 0
+        left, right = (-1 if left >= sk else left), (-1 if right >= sk else right)
+    else:
+        left, right = (-1 if left >= sk else left), (-1 if right >= sk else right)
+        if sq == 1 and not has_alibi:
+            causal = False  # "causal=true is the same as causal=false in this case"
+        if causal:
+            right = 0
+    is_causal = left < 0 and right == 0  # set_params_fprop
+    if left < 0 and right >= 0:
+        left = sk
+    if left >= 0 and right < 0:
+        right = sk
+    is_local = (left >= 0 or right >= 0) and not is_causal
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(sk)[None, :]
+    if is_causal:
+        return (j < i + 1 + sk - sq).expand(sq, sk)
+    if is_local:
+        return (j >= (i + sk - sq - left).clamp(min=0)) & (j < (i + 1 + sk - sq + right).clamp(max=sk))
+    return torch.ones(sq, sk, dtype=torch.bool)
+
+
+def _scores(a, backward):
+    """float64 ``(s [B, H, Sq, Sk], dtanh or None)``: scaled, soft-capped, masked scores of the call ``a``."""
+    q, k = a["q"].double().transpose(1, 2), a["k"].double().transpose(1, 2)  # [B, H, S, D]
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+    s = q @ k.transpose(-1, -2) * a["softmax_scale"]
+    dtanh = None
+    if a["softcap"] > 0:  # set_params_fprop: tanh(q.k * scale / softcap), then scaled by softcap
+        t = torch.tanh(s / a["softcap"])
+        s, dtanh = a["softcap"] * t, 1 - t * t
+    visible = flash_visible(q.size(2), k.size(2), a["causal"], *_window_args(a), backward=backward)
+    return s.masked_fill(~visible, -math.inf), dtanh
+
+
+def _window_args(a):
+    return tuple(a["window_size"]) if "window_size" in a else (a["window_size_left"], a["window_size_right"])
+
+
+def _flash_reference_forward(a):
+    s, _ = _scores(a, backward=False)
+    lse = torch.logsumexp(s, -1)  # [B, H, Sq]; -inf where no key
+    p = torch.exp(s - lse[..., None]).nan_to_num(nan=0.0)
+    v = a["v"].double().transpose(1, 2)
+    out = p @ v.repeat_interleave(s.size(1) // v.size(1), dim=1)  # [B, H, Sq, D]; 0 where no key
+    return out.transpose(1, 2), lse.masked_fill(torch.isneginf(lse), math.inf)  # flash-attn: +inf for no key
+
+
+def _flash_reference_backward(a):
+    s, dtanh = _scores(a, backward=True)
+    q, k, v = (a[n].double().transpose(1, 2) for n in ("q", "k", "v"))
+    g = q.size(1) // k.size(1)
+    do, out = a["dout"].double().transpose(1, 2), a["out"].double().transpose(1, 2)
+    p = torch.exp(s - a["softmax_lse"].double()[..., None])  # +inf lse -> 0
+    vv, kk = v.repeat_interleave(g, dim=1), k.repeat_interleave(g, dim=1)
+    dv = p.transpose(-1, -2) @ do
+    ds = p * (do @ vv.transpose(-1, -2) - (do * out).sum(-1, keepdim=True))
+    if dtanh is not None:
+        ds = ds * dtanh  # d(softcap * tanh(x / softcap)) / dx
+    scale = a["softmax_scale"]
+    dq, dk = ds @ kk * scale, ds.transpose(-1, -2) @ q * scale
+
+    def fold(x):  # [B, H, Sk, D] -> [B, Sk, H_kv, D]
+        b, h, sk, d = x.shape
+        return x.view(b, h // g, g, sk, d).sum(2).transpose(1, 2)
+
+    return dq.transpose(1, 2), fold(dk), fold(dv)
+
+
 def _forward_impl(a, minor, calls):
     op = "_flash_attn_forward"
     calls.append(("forward", a))
@@ -120,9 +212,8 @@ def _forward_impl(a, minor, calls):
         out, lse = torch.empty_like(q), torch.empty(b, h, sq, device="meta")
         rng, s_dmask = torch.empty(2, dtype=torch.int64, device="meta"), torch.empty(0, dtype=q.dtype, device="meta")
     else:
-        out, lse = _ref_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, a["causal"], a["softmax_scale"])
-        out = out.transpose(1, 2).to(q.dtype).contiguous()
-        lse = lse.masked_fill(torch.isneginf(lse), math.inf).float()  # flash-attn: +inf for no key
+        out, lse = _flash_reference_forward(a)
+        out, lse = out.to(q.dtype).contiguous(), lse.float()
         rng, s_dmask = torch.zeros(2, dtype=torch.int64), torch.empty(0, dtype=q.dtype)
     if minor == "2.6":
         return out, q, k, v, out, lse, s_dmask, rng
@@ -155,9 +246,8 @@ def _backward_impl(a, minor, calls):
         softmax_d = torch.empty(b, h, sq, device="meta")
     else:
         _check(not torch.isneginf(lse).any(), f"{op}: -inf lse overflows exp(s - lse)")
-        grads = _ref_backward(*(a[n].transpose(1, 2) for n in ("dout", "q", "k", "v", "out")), lse, None, a["causal"], a["softmax_scale"])
-        for n, g in zip(("dq", "dk", "dv"), grads):
-            a[n].copy_(g.transpose(1, 2))
+        for n, g in zip(("dq", "dk", "dv"), _flash_reference_backward(a)):
+            a[n].copy_(g)
         softmax_d = torch.zeros(b, h, sq, dtype=torch.float32)
     if minor == "2.6":
         return a["dq"], a["dk"], a["dv"], softmax_d
