@@ -387,12 +387,13 @@ class StructuredMask:
             return BlockClass.EMPTY
         parts = []
         span = self._span(q0)
-        if self.causal and not (span >= 0 and span == self._span(k0)):
+        causal_cuts = self.causal and not (span >= 0 and span == self._span(k0))
+        if causal_cuts:
             parts.append(BlockClass.EMPTY if k0 > q1 - 1 else BlockClass.FULL if k1 - 1 <= q0 else BlockClass.CAUSAL)
         if self.left is not None:  # q - k <= left
             parts.append(BlockClass.EMPTY if q0 - (k1 - 1) > self.left else
                          BlockClass.FULL if q1 - 1 - k0 <= self.left else BlockClass.PARTIAL)
-        if self.right is not None:  # k - q <= right
+        if self.right is not None and not (causal_cuts and self.right >= 0):  # k - q <= right (causality implies it)
             parts.append(BlockClass.EMPTY if k0 - (q1 - 1) > self.right else
                          BlockClass.FULL if k1 - 1 - q0 <= self.right else BlockClass.PARTIAL)
         if self.keys is not None:  # lo <= k < hi
@@ -416,7 +417,7 @@ class StructuredMask:
             return False
         if self.left is not None and q1 - 1 - k0 > self.left:
             return False
-        if self.right is not None and k1 - 1 - q0 > self.right:
+        if self.right is not None and not (self.causal and self.right >= 0) and k1 - 1 - q0 > self.right:  # causality implies right >= 0
             return False
         if self.keys is not None and (k0 < self.keys[0] or k1 > self.keys[1]):
             return False

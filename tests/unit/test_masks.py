@@ -96,6 +96,24 @@ def test_plans_cover_every_visible_pair_once(spec, causal, layout, world, monkey
         assert not torch.equal(got, plain)
 
 
+@pytest.mark.parametrize("layout,world", [("contiguous", 2), ("zigzag", 2)])
+def test_a_causal_window_with_right_zero_plans_as_the_causal_window(layout, world):
+    """Hugging Face passes a causal sliding window as ``(W - 1, 0)``; under causality the right bound says nothing
+    more, so the plan must equal that of ``(W - 1, -1)``: CAUSAL diagonal tiles, not DENSE ones with a bias."""
+    n, lay = 2048, SequenceLayout(layout)
+    q_runs = runs_for_ranks(lay, world, n, (0,))
+
+    def plan_of(window, causal=True):
+        mask = AttentionMask(window=window).structured(causal=causal, doc_bounds=None, padded_len=n)
+        return plan_blocks(q_runs, q_runs, causal=causal, mask=mask)
+
+    zero, unbounded = plan_of((511, 0)), plan_of((511, -1))
+    assert zero == unbounded
+    assert sum(c.kind is MaskKind.CAUSAL for c in zero) >= 1
+    # control: without causality the right bound 0 is the whole constraint and plans differently
+    assert plan_of((511, 0), causal=False) != plan_of((511, -1), causal=False)
+
+
 def test_classify_agrees_with_the_dense_mask_on_random_blocks():
     rng = random.Random(0)
     n = 60
