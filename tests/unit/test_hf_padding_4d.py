@@ -1,5 +1,6 @@
-"""4-D attention masks recognised as structured masks (or not), and their exactness on the unsharded model
-against HF's eager attention given the same mask (float64). The sharded runs: tests/distributed/test_hf_masks.py."""
+"""4-D attention masks recognised as structured masks (or not), block-diagonal ones (packed sequences) as documents,
+and their exactness on the unsharded model against HF's eager attention given the same mask (float64). The sharded
+runs: tests/distributed/test_hf_masks.py."""
 
 from __future__ import annotations
 
@@ -21,19 +22,53 @@ def _batched(visible):
     return visible.expand(2, 1, N, N) if visible.dim() == 2 else visible
 
 
-# name -> (visible [B, 1, N, N] or [N, N], expected (causal, window, padded) or None: not recognised)
+def _same_document(doc_ids) -> torch.Tensor:
+    """``doc_ids [N]`` (-1 = padding) -> ``[N, N]``: query and key in one document (padding in none)."""
+    ids = torch.tensor(doc_ids)
+    return (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
+
+
+# row 0: 3 padding tokens, documents of 3 and 5; row 1: documents of 2, 3 and 4, then 2 padding tokens
+DOCS_0 = [-1] * 3 + [0] * 3 + [1] * 5
+DOCS_1 = [0] * 2 + [1] * 3 + [2] * 4 + [-1] * 2
+PACKED = torch.stack([_same_document(DOCS_0), _same_document(DOCS_1)])[:, None]  # [2, 1, N, N]
+TWO_DOCS = (Q < 5) == (K < 5)  # documents [0, 5) and [5, 11)
+SPLIT = ((0, 5, N), (0, 5, N))
+
+
+def _flipped(visible, q, k):
+    out = visible.clone()
+    out[..., q, k] = ~out[..., q, k]
+    return out
+
+
+# name -> (visible [B, 1 or H, N, N] or [N, N], expected (causal, window, padded, documents) or None: not recognised)
 PATTERNS = {
-    "causal": (CAUSAL, (True, None, False)),
-    "bidirectional": (torch.ones(N, N, dtype=torch.bool), (False, None, False)),
-    "causal_window_4": (CAUSAL & (Q - K < 4), (True, (3, 0), False)),
-    "bidirectional_window": ((Q - K).abs() <= 2, (False, (2, 2), False)),
-    "causal_padding": (CAUSAL[None, None] & REAL[:, None, None, :], (True, None, True)),
-    "causal_padding_window": ((CAUSAL & (Q - K < 3))[None, None] & REAL[:, None, None, :], (True, (2, 0), True)),
-    "bidirectional_padding": (REAL[:, None, :, None] & REAL[:, None, None, :], (False, None, True)),
-    "documents": ((CAUSAL & ((Q < 5) == (K < 5))), None),
+    "causal": (CAUSAL, (True, None, False, None)),
+    "bidirectional": (torch.ones(N, N, dtype=torch.bool), (False, None, False, None)),
+    "causal_window_4": (CAUSAL & (Q - K < 4), (True, (3, 0), False, None)),
+    "bidirectional_window": ((Q - K).abs() <= 2, (False, (2, 2), False, None)),
+    "causal_padding": (CAUSAL[None, None] & REAL[:, None, None, :], (True, None, True, None)),
+    "causal_padding_window": ((CAUSAL & (Q - K < 3))[None, None] & REAL[:, None, None, :], (True, (2, 0), True, None)),
+    "bidirectional_padding": (REAL[:, None, :, None] & REAL[:, None, None, :], (False, None, True, None)),
+    # block-diagonal (packed sequences): documents
+    "documents": (CAUSAL & TWO_DOCS, (True, None, False, SPLIT)),
+    "documents_bidirectional": (TWO_DOCS, (False, None, False, SPLIT)),
+    "documents_per_row_with_padding": (CAUSAL & PACKED, (True, None, True, ((0, 3, 8), (0, 2, 5, 9)))),
+    "documents_bidirectional_per_row_with_padding": (PACKED, (False, None, True, ((0, 3, 8), (0, 2, 5, 9)))),
+    "documents_per_head_copies": ((CAUSAL & PACKED).expand(2, 4, N, N), (True, None, True, ((0, 3, 8), (0, 2, 5, 9)))),
+    "documents_window": (CAUSAL & TWO_DOCS & (Q - K < 3), (True, (2, 0), False, SPLIT)),
+    "documents_of_one_token": (Q == K, (True, (0, 0), False, None)),  # read as the fewer parts: a window of 1
+    # not recognised: rows
     "strided": (CAUSAL & ((Q - K) % 2 == 0), None),
     "heads_differ": (torch.stack([CAUSAL, torch.ones(N, N, dtype=torch.bool)])[None].expand(2, 2, N, N), None),
     "hole_in_padding": (CAUSAL[None, None] & torch.tensor([1] * 4 + [0] + [1] * 6).bool()[None, None, None, :], None),
+    "documents_one_entry_hidden": (_flipped(CAUSAL & TWO_DOCS, 7, 6), None),
+    "documents_one_entry_across": (_flipped(CAUSAL & TWO_DOCS, 8, 2), None),
+    "documents_bidirectional_one_entry_across": (_flipped(TWO_DOCS, 2, 8), None),
+    "document_sees_the_previous_ones_last_token": (CAUSAL & (TWO_DOCS | (K == 4)), None),
+    "document_not_contiguous": (_same_document([0, 0, 1, 1, 0, 0, 2, 2, 2, 2, 2]), None),  # {0, 1, 4, 5} and {2, 3}
+    "documents_heads_differ": (torch.stack([CAUSAL & TWO_DOCS, CAUSAL])[None].expand(2, 2, N, N), None),
 }
 
 
@@ -44,8 +79,15 @@ def test_patterns_recognised_or_not(name):
     if expected is None:
         assert got is None
         return
-    causal, window, real = got
-    assert (causal, window, not bool(real.all())) == expected
+    assert (got.causal, got.window, not bool(got.real.all()), got.documents) == expected
+
+
+def test_additive_block_diagonal_mask_is_recognised():
+    """HF's additive form (0 / finfo.min) of a block-diagonal mask is the same documents as the bool form."""
+    visible = (CAUSAL & PACKED).expand(2, 4, N, N)
+    additive = torch.zeros(visible.shape, dtype=torch.float32).masked_fill(~visible, torch.finfo(torch.float32).min)
+    got = integration._recognised_pattern(integration._four_d_visible(additive, 2, N, 4))
+    assert got is not None and got.documents == ((0, 3, 8), (0, 2, 5, 9)) and got.causal
 
 
 @pytest.mark.parametrize("name", ["causal_window_4", "bidirectional_window", "bidirectional_padding", "strided"])
