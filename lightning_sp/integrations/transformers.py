@@ -1305,11 +1305,11 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
     if ranges is None:
         mask = None  # all ones: nothing to describe (HF's own src_lengths then equal the row length)
     cu_seqlens = batch.get("cu_seqlens")
-    if cu_seqlens is not None and bsz != 1:
-        raise ValueError(f"packed documents (cu_seqlens) need batch size 1 (pack the rows into one); got B={bsz}")
     if cu_seqlens is not None and documents is not None:
         raise ValueError("the batch has both a global cu_seqlens and a block-diagonal 4-D attention_mask (documents): "
                          "pass one of them")
+    if cu_seqlens is not None and bsz != 1:
+        raise ValueError(f"packed documents (cu_seqlens) need batch size 1 (pack the rows into one); got B={bsz}")
 
     # per-row facts over the GLOBAL rows: fixes (positions, ESM mask ratio), positions, shifted labels
     extra: dict = {}

@@ -121,3 +121,73 @@ class _no_warning:
 
     def __exit__(self, *exc):
         return self._catch.__exit__(*exc)
+
+
+def _additive(visible):
+    return torch.zeros(visible.shape, dtype=torch.float64).masked_fill(~visible, torch.finfo(torch.float64).min)
+
+
+def _restarted_positions(doc_ids) -> torch.Tensor:
+    """``[N]`` positions restarting at 0 in each document (padding: 0), as packed-sequence collators give them."""
+    ids = torch.tensor(doc_ids)
+    pos = torch.zeros(len(doc_ids), dtype=torch.long)
+    for d in set(doc_ids) - {-1}:
+        where = torch.nonzero(ids == d).flatten()
+        pos[where] = torch.arange(where.numel())
+    return pos
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_unsharded_model_with_a_block_diagonal_mask_matches_hf_eager(rows, bidirectional):
+    """A block-diagonal 4-D mask (with padding) given to the unsharded model directly: one row runs as documents
+    (cu_seqlens, no warning); several rows cannot be one row of documents there, so they run as rows, with a warning
+    that says why. Real tokens' logits equal HF's eager attention given the same mask and positions; the control
+    (the documents ignored: the plain causal mask over the real tokens) misses."""
+    visible = (PACKED if bidirectional else CAUSAL & PACKED)[:rows]
+    pos = torch.stack([_restarted_positions(DOCS_0), _restarted_positions(DOCS_1)])[:rows]
+    ids = torch.randint(4, 30, (rows, N), generator=torch.Generator().manual_seed(0))
+    real = torch.stack([torch.tensor(DOCS_0), torch.tensor(DOCS_1)])[:rows] >= 0  # [rows, N]
+    plain = (CAUSAL[None, None] & real[:, None, None, :] & real[:, None, :, None])
+    with KeepFloat64():
+        base = tiny_model("llama")
+        base.set_attn_implementation("eager")
+        ref = clone(base)(input_ids=ids, attention_mask=_additive(visible), position_ids=pos).logits
+        model = integration.apply_sequence_parallel(clone(base), backend="local")
+        with pytest.warns(UserWarning, match="several rows") if rows > 1 else _no_warning():
+            got = model(input_ids=ids, attention_mask=visible, position_ids=pos).logits
+        ignored = model(input_ids=ids, attention_mask=plain, position_ids=pos).logits
+    assert (got - ref)[real].abs().max() < 1e-9
+    assert (ignored - ref)[real].abs().max() > 1e-4
+
+
+def test_shard_inputs_turns_a_block_diagonal_mask_into_documents():
+    """``shard_inputs`` (one process) packs the rows of a block-diagonal 4-D mask into one row of documents: the
+    ShardInfo's cu_seqlens are the documents, the given position_ids are kept (what HF's RoPE sees), padding is
+    dropped, and model(**shard) equals HF's eager model on the padded batch (real tokens' logits and the loss)."""
+    import torch.nn.functional as F
+
+    pos = torch.stack([_restarted_positions(DOCS_0), _restarted_positions(DOCS_1)])
+    ids = torch.randint(4, 30, (2, N), generator=torch.Generator().manual_seed(1))
+    real = torch.stack([torch.tensor(DOCS_0), torch.tensor(DOCS_1)]) >= 0
+    labels = ids.masked_fill(~real, -100)
+    visible = CAUSAL & PACKED
+    with KeepFloat64():
+        base = tiny_model("llama")
+        base.set_attn_implementation("eager")
+        ref = clone(base)(input_ids=ids, attention_mask=_additive(visible), position_ids=pos).logits
+        shifted = labels[:, 1:].masked_fill(~real[:, :-1], -100)  # padding predicts nothing (the guide's rule)
+        loss_ref = F.cross_entropy(ref[:, :-1].flatten(0, 1), shifted.flatten(), ignore_index=-100)
+        model = integration.apply_sequence_parallel(clone(base), backend="local")
+        batch = {"input_ids": ids, "labels": labels, "attention_mask": visible, "position_ids": pos}
+        with _no_warning():
+            shard = integration.shard_inputs(batch, model)
+        info = shard["sequence_parallel"]
+        assert info.cu_seqlens.tolist() == [0, 3, 8, 10, 13, 17] and info.seq_len == 17
+        assert torch.equal(shard["position_ids"][0], pos[real])
+        assert torch.equal(shard["input_ids"][0], ids[real])
+        out = model(**shard)
+    assert (out.logits[0] - ref[real]).abs().max() < 1e-9
+    assert abs(float(out.loss.detach() - loss_ref.detach())) < 1e-9
+    with pytest.raises(ValueError, match="pass one of them"):
+        integration.shard_inputs(dict(batch, cu_seqlens=torch.tensor([0, 17])), model)
