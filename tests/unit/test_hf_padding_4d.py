@@ -138,13 +138,15 @@ def _restarted_positions(doc_ids) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("bidirectional", [False, True])
-def test_unsharded_model_with_a_block_diagonal_mask_matches_hf_eager(rows, bidirectional):
+@pytest.mark.parametrize("kind", ["causal", "bidirectional", "causal_window_2"])
+def test_unsharded_model_with_a_block_diagonal_mask_matches_hf_eager(rows, kind):
     """A block-diagonal 4-D mask (with padding) given to the unsharded model directly: one row runs as documents
-    (cu_seqlens, no warning); several rows cannot be one row of documents there, so they run as rows, with a warning
+    (cu_seqlens, no warning; a window inside the documents too); several rows cannot be one row of documents there,
+    so they run as rows, with a warning
     that says why. Real tokens' logits equal HF's eager attention given the same mask and positions; the control
     (the documents ignored: the plain causal mask over the real tokens) misses."""
-    visible = (PACKED if bidirectional else CAUSAL & PACKED)[:rows]
+    visible = {"causal": CAUSAL & PACKED, "bidirectional": PACKED, "causal_window_2": CAUSAL & PACKED & (Q - K < 2)}[kind]
+    visible = visible[:rows]
     pos = torch.stack([_restarted_positions(DOCS_0), _restarted_positions(DOCS_1)])[:rows]
     ids = torch.randint(4, 30, (rows, N), generator=torch.Generator().manual_seed(0))
     real = torch.stack([torch.tensor(DOCS_0), torch.tensor(DOCS_1)])[:rows] >= 0  # [rows, N]
