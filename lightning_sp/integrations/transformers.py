@@ -1116,7 +1116,15 @@ def _recognised_pattern(visible: torch.Tensor) -> _Pattern | None:
     the pairs the real queries see (the window: the farthest pair on each side), the documents off the
     boundaries no such pair crosses (``_document_starts``). Candidates are built from these parts, the
     fewest parts first (no window before a window, one document per row before documents), and one must
-    equal the mask on every real row, entry for entry: a mask is never guessed."""
+    equal the mask on every real row, entry for entry: a mask is never guessed. Documents become
+    ``cu_seqlens`` (``shard_inputs`` packs the rows into one, each row its own boundaries)::
+
+        row 0:  a a a b b . .     (a: causal within a, b: within b, .: padding)   ->  a a a b b c c c c
+        row 1:  c c c c . . .                                                          cu_seqlens [0, 3, 5, 9]
+
+    Every rank recognises the same pattern from the same global batch; before any collective the attention's
+    input check compares causality, ``hash(cu_seqlens)`` and the mask's signature across ranks (STYLE 17) and
+    raises on every rank if a rank was given another batch."""
     if visible.size(1) > 1 and not bool((visible == visible[:, :1]).all()):
         return None  # heads that differ: rows
     v = visible[:, 0]  # [B, N, N]
