@@ -440,6 +440,11 @@ def _block_diagonal_cases(group) -> dict:
             out[backend] = _sharded_run(base, batch, backend, group, ref_logits, ref_loss, ref)
         out["cu_seqlens"] = integration.shard_inputs(batch, integration.apply_sequence_parallel(
             clone(base), group=group, backend="ring"))["sequence_parallel"].cu_seqlens.tolist()
+        # bidirectional documents (the 4-D mask makes the causal Llama bidirectional inside each document)
+        both_ways = dict(batch, attention_mask=_block_diagonal(PACKED_DOCS, bidirectional=True))
+        b_logits, b_loss, b_ref = _packed_reference(base, both_ways, PACKED_DOCS)
+        for backend in ("zigzag_ring", "ulysses"):
+            out[("bidirectional", backend)] = _sharded_run(base, both_ways, backend, group, b_logits, b_loss, b_ref)
     out["rows_warnings"] = [str(w.message) for w in caught if "query rows" in str(w.message)]
     # negative control: the documents ignored (causal attention over each row's real tokens)
     real = torch.tensor(PACKED_DOCS) >= 0
@@ -466,7 +471,7 @@ def _block_diagonal_cases(group) -> dict:
 def test_block_diagonal_4d_mask_is_documents_on_every_backend(results):
     """A block-diagonal (packed sequences) 4-D mask with restarted position ids, sharded: the rows packed into one
     row of documents (cu_seqlens), logits, loss and every gradient within 1e-9 of HF's eager model on the padded
-    batch on every backend, with no O(N^2 / P) rows warning; documents that never cross a shard send no K/V byte on
+    batch on every backend (bidirectional documents on zigzag_ring and Ulysses), with no O(N^2 / P) rows warning; documents that never cross a shard send no K/V byte on
     the contiguous ring (the plain causal mask sends some, and with the same restarted position ids stays one
     document: the mask, not the positions, says what attends, as in HF); the documents ignored miss."""
     world, per_rank = results
@@ -474,6 +479,9 @@ def test_block_diagonal_4d_mask_is_documents_on_every_backend(results):
         r = res["block_diagonal"]
         for backend in BACKENDS:
             assert max(r[backend]["logits"], r[backend]["loss"], r[backend]["grads"]) < TOL, (world, rank, backend, r)
+        for backend in ("zigzag_ring", "ulysses"):
+            b = r[("bidirectional", backend)]
+            assert max(b["logits"], b["loss"], b["grads"]) < TOL, (world, rank, "bidirectional", backend, b)
         assert r["cu_seqlens"] == [0, 5, 9, 13, 16, 22], (world, rank, r["cu_seqlens"])
         assert not r["rows_warnings"], (world, rank, r["rows_warnings"])
         assert r["control_documents_ignored"] > MISS, (world, rank, r["control_documents_ignored"])
