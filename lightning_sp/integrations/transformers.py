@@ -302,7 +302,9 @@ def _checked_arguments(module: nn.Module, sp: SequenceParallelAttention, state: 
                 "the ShardInfo belongs to another batch; call model(**shard) with the dict shard_inputs returned"
             )
         seq_len, cu_seqlens = info.seq_len, info.cu_seqlens
-    if _is_chunked_layer(module):  # Note [Chunked attention is packed documents]
+    # a 4-D mask is every layer's whole mask, chunked layers' too (HF hands it to every layer as given)
+    four_d = info.given_mask is not None if info is not None else attention_mask is not None and attention_mask.dim() == 4
+    if _is_chunked_layer(module) and not four_d:  # Note [Chunked attention is packed documents]
         if info is None:
             cu_seqlens = _chunk_boundaries(None, seq_len, torch.arange(seq_len)[None], module.config.attention_chunk_size)
         elif info.chunk_cu_seqlens is None:
@@ -449,9 +451,6 @@ def sequence_parallel_attention(
             mask = given.mask if mask is None else mask.merged(given.mask)
         if given is not None and given.cu_seqlens is not None:  # an unsharded call's block-diagonal 4-D mask
             cu_seqlens = given.cu_seqlens
-            if _is_chunked_layer(module):  # Note [Chunked attention is packed documents]
-                cu_seqlens = _chunk_boundaries(cu_seqlens, seq_len, torch.arange(seq_len)[None],
-                                               module.config.attention_chunk_size)
         mask = _with_relative_position_bias(mask, module, query, kwargs)  # Note [T5's relative-position bias]
     except (ValueError, NotImplementedError, TypeError) as err:
         sp.raise_on_every_rank(err, query)
@@ -498,7 +497,8 @@ def _chunk_boundaries(cu_seqlens: torch.Tensor | None, seq_len: int, token_index
         C = 4, N = 10:   | a a a a | b b b b | c c |     cu_seqlens [0, 4, 8, 10]
 
     ``token_index [1, N]``: each packed token's column in its original row (rows of different lengths
-    packed by ``shard_inputs`` restart at 0). -> int32 ``[n_docs + 1]``."""
+    packed by ``shard_inputs`` restart at 0). -> int32 ``[n_docs + 1]``. A 4-D ``attention_mask`` replaces
+    the chunking (HF hands a 4-D mask to every layer as given, chunked layers included)."""
     starts: set[int] = set()
     starts.update(int(i) for i in torch.nonzero(token_index[0, :seq_len] % int(chunk) == 0).flatten())
     if cu_seqlens is not None:

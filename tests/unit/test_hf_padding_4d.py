@@ -193,3 +193,30 @@ def test_shard_inputs_turns_a_block_diagonal_mask_into_documents():
     assert abs(float(out.loss.detach() - loss_ref.detach())) < 1e-9
     with pytest.raises(ValueError, match="pass one of them"):
         integration.shard_inputs(dict(batch, cu_seqlens=torch.tensor([0, 17])), model)
+
+
+def test_a_4d_mask_replaces_llama4_chunking():
+    """HF hands a 4-D mask to every layer as given, so Llama-4's chunked layers (chunks of 4 here) attend as the mask
+    says, not in chunks: a block-diagonal mask, given to the unsharded model and through ``shard_inputs`` (one
+    process), equals HF's eager model with it. The control: the same mask cut at the chunk boundaries too (what the
+    chunked layers would run if the chunking were kept) misses."""
+    from tests.hf_tiny import registry_model
+
+    doc_ids = [0] * 6 + [1] * 5  # documents longer than a chunk
+    visible = (CAUSAL & _same_document(doc_ids))[None, None]  # [1, 1, N, N]
+    pos = _restarted_positions(doc_ids)[None]
+    ids = torch.randint(4, 60, (1, N), generator=torch.Generator().manual_seed(2))
+    with KeepFloat64():
+        base = registry_model("llama4_text")[0]
+        assert "chunked_attention" in base.config.layer_types and base.config.attention_chunk_size == 4
+        base.set_attn_implementation("eager")
+        ref = clone(base)(input_ids=ids, attention_mask=_additive(visible), position_ids=pos).logits
+        chunked = visible & ((Q // 4) == (K // 4))
+        ref_chunked = clone(base)(input_ids=ids, attention_mask=_additive(chunked), position_ids=pos).logits
+        model = integration.apply_sequence_parallel(clone(base), backend="local")
+        got = model(input_ids=ids, attention_mask=visible, position_ids=pos).logits
+        shard = integration.shard_inputs({"input_ids": ids, "attention_mask": visible, "position_ids": pos}, model)
+        assert shard["sequence_parallel"].cu_seqlens.tolist() == [0, 6, 11]
+        got_sharded = model(**shard).logits
+    assert (got - ref).abs().max() < 1e-9 and (got_sharded - ref).abs().max() < 1e-9
+    assert (ref_chunked - ref).abs().max() > 1e-4
