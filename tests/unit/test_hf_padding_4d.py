@@ -195,11 +195,13 @@ def test_shard_inputs_turns_a_block_diagonal_mask_into_documents():
         integration.shard_inputs(dict(batch, cu_seqlens=torch.tensor([0, 17])), model)
 
 
-def test_a_4d_mask_replaces_llama4_chunking():
-    """HF hands a 4-D mask to every layer as given, so Llama-4's chunked layers (chunks of 4 here) attend as the mask
-    says, not in chunks: a block-diagonal mask, given to the unsharded model and through ``shard_inputs`` (one
-    process), equals HF's eager model with it. The control: the same mask cut at the chunk boundaries too (what the
-    chunked layers would run if the chunking were kept) misses."""
+@pytest.mark.parametrize("model_type", ["llama4_text", "mistral"])
+def test_a_4d_mask_replaces_chunks_and_windows(model_type):
+    """HF hands a 4-D mask to every layer as given, so Llama-4's chunked layers (chunks of 4 here) and Mistral's
+    sliding window (3) attend as the mask says, not in chunks or windows: a block-diagonal mask, given to the
+    unsharded model and through ``shard_inputs`` (one process), equals HF's eager model with it. The control: the
+    same mask cut at the chunk boundaries / to the window too (what the layers would run if they kept theirs)
+    misses."""
     from tests.hf_tiny import registry_model
 
     doc_ids = [0] * 6 + [1] * 5  # documents longer than a chunk
@@ -207,11 +209,15 @@ def test_a_4d_mask_replaces_llama4_chunking():
     pos = _restarted_positions(doc_ids)[None]
     ids = torch.randint(4, 60, (1, N), generator=torch.Generator().manual_seed(2))
     with KeepFloat64():
-        base = registry_model("llama4_text")[0]
-        assert "chunked_attention" in base.config.layer_types and base.config.attention_chunk_size == 4
+        if model_type == "llama4_text":
+            base = registry_model(model_type)[0]
+            assert "chunked_attention" in base.config.layer_types and base.config.attention_chunk_size == 4
+            chunked = visible & ((Q // 4) == (K // 4))
+        else:
+            base = registry_model(model_type, {"sliding_window": 3})[0]
+            chunked = visible & (Q - K < 3)
         base.set_attn_implementation("eager")
         ref = clone(base)(input_ids=ids, attention_mask=_additive(visible), position_ids=pos).logits
-        chunked = visible & ((Q // 4) == (K // 4))
         ref_chunked = clone(base)(input_ids=ids, attention_mask=_additive(chunked), position_ids=pos).logits
         model = integration.apply_sequence_parallel(clone(base), backend="local")
         got = model(input_ids=ids, attention_mask=visible, position_ids=pos).logits
