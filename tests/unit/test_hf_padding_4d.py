@@ -163,13 +163,17 @@ def test_unsharded_model_with_a_block_diagonal_mask_matches_hf_eager(rows, kind)
     assert (ignored - ref)[real].abs().max() > 1e-4
 
 
-def test_shard_inputs_turns_a_block_diagonal_mask_into_documents():
+@pytest.mark.parametrize("restarted", [True, False])
+def test_shard_inputs_turns_a_block_diagonal_mask_into_documents(restarted):
     """``shard_inputs`` (one process) packs the rows of a block-diagonal 4-D mask into one row of documents: the
-    ShardInfo's cu_seqlens are the documents, the given position_ids are kept (what HF's RoPE sees), padding is
-    dropped, and model(**shard) equals HF's eager model on the padded batch (real tokens' logits and the loss)."""
+    ShardInfo's cu_seqlens are the documents, the positions are what HF's RoPE sees (the given ones, restarted per
+    document, or without them HF's column of each row), padding is dropped, and model(**shard) equals HF's eager
+    model on the padded batch (real tokens' logits and the loss)."""
     import torch.nn.functional as F
 
     pos = torch.stack([_restarted_positions(DOCS_0), _restarted_positions(DOCS_1)])
+    if not restarted:
+        pos = torch.arange(N).expand(2, N)
     ids = torch.randint(4, 30, (2, N), generator=torch.Generator().manual_seed(1))
     real = torch.stack([torch.tensor(DOCS_0), torch.tensor(DOCS_1)]) >= 0
     labels = ids.masked_fill(~real, -100)
@@ -177,11 +181,14 @@ def test_shard_inputs_turns_a_block_diagonal_mask_into_documents():
     with KeepFloat64():
         base = tiny_model("llama")
         base.set_attn_implementation("eager")
-        ref = clone(base)(input_ids=ids, attention_mask=_additive(visible), position_ids=pos).logits
+        ref = clone(base)(input_ids=ids, attention_mask=_additive(visible),
+                          position_ids=pos if restarted else None).logits
         shifted = labels[:, 1:].masked_fill(~real[:, :-1], -100)  # padding predicts nothing (the guide's rule)
         loss_ref = F.cross_entropy(ref[:, :-1].flatten(0, 1), shifted.flatten(), ignore_index=-100)
         model = integration.apply_sequence_parallel(clone(base), backend="local")
-        batch = {"input_ids": ids, "labels": labels, "attention_mask": visible, "position_ids": pos}
+        batch = {"input_ids": ids, "labels": labels, "attention_mask": visible}
+        if restarted:
+            batch["position_ids"] = pos
         with _no_warning():
             shard = integration.shard_inputs(batch, model)
         info = shard["sequence_parallel"]
