@@ -4,8 +4,9 @@
     python scripts/hf_support_table.py --write    # ... and replace the README block
     python scripts/hf_support_table.py --check    # ... exit 1 if the README block differs
 
-The sweep is ``tests.hf_tiny.SWEEP`` (the same one ``tests/distributed/test_hf_registry_sweep.py`` runs,
-which also fails when the README's table differs from what it measures).
+The sweep is ``tests.hf_tiny.SWEEP`` (causal and masked LMs) and ``tests.hf_tiny.ENCODER_SWEEP`` (T5-family encoders),
+the same one ``tests/distributed/test_hf_registry_sweep.py`` runs, which also fails when the README's table differs
+from what it measures.
 """
 
 from __future__ import annotations

@@ -158,6 +158,18 @@ SWEEP: tuple[tuple[str, dict], ...] = (
     ("gpt_neo", {}),
 )
 
+# (model_type, config overrides): encoders transformers maps to a text-encoding class
+# (MODEL_FOR_TEXT_ENCODING_MAPPING: T5EncoderModel, ...) with T5's learned relative-position bias; buckets and a reach
+# smaller than the sequence, so distances past max_distance share a bucket
+_T5_TINY = {"d_kv": 8, "d_ff": 48, "num_heads": 4, "dropout_rate": 0.0, "relative_attention_num_buckets": 8,
+            "relative_attention_max_distance": 6}
+ENCODER_SWEEP: tuple[tuple[str, dict], ...] = (
+    ("t5", _T5_TINY),
+    ("mt5", _T5_TINY),
+    ("umt5", _T5_TINY),  # a table in every layer
+)
+
+
 class KeepFloat64(TorchFunctionMode):
     """HF's modelling code rounds to float32 inside a float64 model: RMSNorm (``hidden_states.to(torch.float32)``
     in Llama, DeepSeek-V3 and most others, ``x.float()`` in Gemma), MoE routers (``F.linear(x.type(torch.float32),
@@ -222,14 +234,8 @@ def sweep_case_id(model_type: str, overrides: dict) -> str:
     return f"{model_type}[{rope}]" if rope else model_type
 
 
-def registry_model(model_type: str, overrides: dict | None = None):
-    """A tiny random float64 model of ``model_type`` from transformers' own registry: the class
-    ``AutoModelForCausalLM`` maps it to, else ``AutoModelForMaskedLM``'s, with HF's ``eager``
-    attention (plain softmax over the mask HF builds: the reference), else ``sdpa``.
-    ``-> (model, is_masked_lm)``."""
-    import transformers as tf
+def _tiny_config(model_type: str, overrides: dict | None):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
     config_cls = CONFIG_MAPPING[model_type]
     defaults = config_cls()
@@ -241,7 +247,29 @@ def registry_model(model_type: str, overrides: dict | None = None):
         if hasattr(defaults, key):
             kwargs[key] = value
     kwargs.update(overrides or {})
-    cfg = config_cls(**kwargs)
+    return config_cls(**kwargs)
+
+
+def registry_encoder(model_type: str, overrides: dict | None = None):
+    """A tiny random float64 encoder of ``model_type``: the class transformers' ``MODEL_FOR_TEXT_ENCODING_MAPPING``
+    maps it to (``T5EncoderModel``, ...), HF's ``eager`` attention (the reference)."""
+    import transformers as tf
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES
+
+    cls = getattr(tf, MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES[model_type])
+    torch.manual_seed(0)
+    return cls._from_config(_tiny_config(model_type, overrides), attn_implementation="eager").double().eval()
+
+
+def registry_model(model_type: str, overrides: dict | None = None):
+    """A tiny random float64 model of ``model_type`` from transformers' own registry: the class
+    ``AutoModelForCausalLM`` maps it to, else ``AutoModelForMaskedLM``'s, with HF's ``eager``
+    attention (plain softmax over the mask HF builds: the reference), else ``sdpa``.
+    ``-> (model, is_masked_lm)``."""
+    import transformers as tf
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    cfg = _tiny_config(model_type, overrides)
     masked = model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     cls_name = (MODEL_FOR_MASKED_LM_MAPPING_NAMES if masked else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)[model_type]
     cls = getattr(tf, cls_name)
@@ -337,11 +365,69 @@ def _sweep_case(model_type: str, overrides: dict, group, backends) -> dict:
     return out
 
 
-def sweep_worker(rank: int, world: int) -> dict:
-    """``run_on_ranks`` target: every ``SWEEP`` case on this rank -> ``{case_id: sweep_case(...)}``."""
+def encoder_case(model_type: str, overrides: dict, group, backends=SWEEP_BACKENDS) -> dict:
+    """One encoder of ``ENCODER_SWEEP`` on this rank, judged as ``sweep_case`` judges a language model:
+    ``{backend: {"refused": message}}`` or the max differences from the unsharded float64 encoder on the full
+    sequence: ``logits`` (the last hidden states ``[1, N, d]``), ``loss`` (``sum(hidden * weight)``, a fixed random
+    weight), ``grads`` (every parameter, the ranks' shares summed) and ``control`` (the reference with the first
+    token changed: must differ)."""
+    with KeepFloat64():
+        return _encoder_case(model_type, overrides, group, backends)
+
+
+def _encoder_case(model_type: str, overrides: dict, group, backends) -> dict:
     import torch.distributed as dist
 
-    return {sweep_case_id(mt, ov): sweep_case(mt, ov, dist.group.WORLD) for mt, ov in SWEEP}
+    from lightning_sp import gather_sequence, shard_sequence
+    from lightning_sp.integrations.transformers import _sp_modules, apply_sequence_parallel, shard_inputs
+
+    base = registry_encoder(model_type, overrides)
+    ids = sweep_batch(False)["input_ids"]  # [1, N]
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(1, ids.size(1), base.config.d_model, generator=g, dtype=torch.float64)
+    ref = clone(base)
+    hidden_ref = ref(input_ids=ids).last_hidden_state  # [1, N, d]
+    loss_ref = (hidden_ref * weight).sum()
+    loss_ref.backward()
+    other = ids.clone()
+    other[0, 0] = 4 if int(other[0, 0]) != 4 else 5
+    with torch.no_grad():
+        hidden_other = clone(base)(input_ids=other).last_hidden_state
+    out: dict = {"class": type(base).__name__, "masked_lm": False}
+    for backend in backends:
+        model = clone(base)
+        try:
+            apply_sequence_parallel(model, group=group, backend=backend)
+            shard = shard_inputs({"input_ids": ids}, model)
+            hidden = model(**shard).last_hidden_state  # [1, S_local, d]
+        except NotImplementedError as err:
+            out[backend] = {"refused": str(err)}
+            continue
+        layout = _sp_modules(model)[0].layout
+        loss = (hidden * shard_sequence(weight, group, layout=layout)).sum()  # this rank's share of the loss
+        loss.backward()
+        loss_total = loss.detach().clone()
+        dist.all_reduce(loss_total, group=group)
+        grads = 0.0
+        for p, p_ref in zip(model.parameters(), ref.parameters()):
+            grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grad, group=group)
+            grad_ref = p_ref.grad if p_ref.grad is not None else torch.zeros_like(p_ref)
+            grads = max(grads, float((grad - grad_ref).abs().max()))
+        full = gather_sequence(hidden.detach(), group, layout=layout, seq_len=ids.size(1))
+        out[backend] = {"logits": float((full - hidden_ref.detach()).abs().max()),
+                        "loss": abs(float(loss_total - loss_ref.detach())), "grads": grads,
+                        "control": float((full - hidden_other).abs().max())}
+    return out
+
+
+def sweep_worker(rank: int, world: int) -> dict:
+    """``run_on_ranks`` target: every ``SWEEP`` and ``ENCODER_SWEEP`` case on this rank -> ``{case_id: result}``."""
+    import torch.distributed as dist
+
+    out = {sweep_case_id(mt, ov): sweep_case(mt, ov, dist.group.WORLD) for mt, ov in SWEEP}
+    out.update({mt: encoder_case(mt, ov, dist.group.WORLD) for mt, ov in ENCODER_SWEEP})
+    return out
 
 
 TABLE_BEGIN = "<!-- hf-support-table:begin (written by scripts/hf_support_table.py) -->"

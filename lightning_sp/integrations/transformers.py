@@ -28,8 +28,9 @@ Note [Hugging Face under sequence parallelism]
       custom attention without a mask function     drops padding on either side (rows of different
                                                    lengths: packed documents); an unsharded call
                                                    gets ``AttentionMask(key_padding=...)``
-    4-D ``attention_mask`` ``[B, 1|H, N, N]``      recognised (causal / bidirectional, window, padding)
-                                                   or each rank's query rows as a ``mask_mod``
+    4-D ``attention_mask`` ``[B, 1|H, N, N]``      recognised (causal / bidirectional, window, padding,
+                                                   block-diagonal documents -> ``cu_seqlens``) or each
+                                                   rank's query rows as a ``mask_mod``
                                                    (Note [Recognising a 4-D mask])
     causal-LM loss shifts labels inside a shard  labels shifted over the global sequence first
     ``position_ids`` default to local positions  global ``position_ids`` always passed
@@ -301,7 +302,9 @@ def _checked_arguments(module: nn.Module, sp: SequenceParallelAttention, state: 
                 "the ShardInfo belongs to another batch; call model(**shard) with the dict shard_inputs returned"
             )
         seq_len, cu_seqlens = info.seq_len, info.cu_seqlens
-    if _is_chunked_layer(module):  # Note [Chunked attention is packed documents]
+    # a 4-D mask is every layer's whole mask, chunked layers' too (HF hands it to every layer as given)
+    four_d = info.given_mask is not None if info is not None else attention_mask is not None and attention_mask.dim() == 4
+    if _is_chunked_layer(module) and not four_d:  # Note [Chunked attention is packed documents]
         if info is None:
             cu_seqlens = _chunk_boundaries(None, seq_len, torch.arange(seq_len)[None], module.config.attention_chunk_size)
         elif info.chunk_cu_seqlens is None:
@@ -446,6 +449,8 @@ def sequence_parallel_attention(
         mask, sinks = _mask_and_sinks(query, causal, kwargs)  # Note [Hugging Face's mask kwargs]
         if given is not None and given.mask is not None:
             mask = given.mask if mask is None else mask.merged(given.mask)
+        if given is not None and given.cu_seqlens is not None:  # an unsharded call's block-diagonal 4-D mask
+            cu_seqlens = given.cu_seqlens
         mask = _with_relative_position_bias(mask, module, query, kwargs)  # Note [T5's relative-position bias]
     except (ValueError, NotImplementedError, TypeError) as err:
         sp.raise_on_every_rank(err, query)
@@ -492,7 +497,8 @@ def _chunk_boundaries(cu_seqlens: torch.Tensor | None, seq_len: int, token_index
         C = 4, N = 10:   | a a a a | b b b b | c c |     cu_seqlens [0, 4, 8, 10]
 
     ``token_index [1, N]``: each packed token's column in its original row (rows of different lengths
-    packed by ``shard_inputs`` restart at 0). -> int32 ``[n_docs + 1]``."""
+    packed by ``shard_inputs`` restart at 0). -> int32 ``[n_docs + 1]``. A 4-D ``attention_mask`` replaces
+    the chunking (HF hands a 4-D mask to every layer as given, chunked layers included)."""
     starts: set[int] = set()
     starts.update(int(i) for i in torch.nonzero(token_index[0, :seq_len] % int(chunk) == 0).flatten())
     if cu_seqlens is not None:
@@ -1047,6 +1053,9 @@ class _GivenMask:
 
     causal: bool | None
     mask: AttentionMask | None
+    cu_seqlens: torch.Tensor | None = None
+    """int32 document boundaries over the call's ``N`` tokens (a block-diagonal 4-D mask given to an unsharded
+    call); a sharded call's documents are ``ShardInfo.cu_seqlens``."""
 
 
 def _four_d_visible(mask: torch.Tensor, bsz: int, n: int, num_heads: int) -> torch.Tensor:
@@ -1070,14 +1079,52 @@ def _four_d_visible(mask: torch.Tensor, bsz: int, n: int, num_heads: int) -> tor
     return visible
 
 
-def _recognised_pattern(visible: torch.Tensor) -> tuple[bool, tuple[int, int] | None, torch.Tensor] | None:
-    """Note [Recognising a 4-D mask]: ``visible [B, Hm, N, N]`` -> ``(causal, window, real [B, N])`` when it is
-    causal or bidirectional attention, with or without a window, over each row's real tokens (one run, padding
-    on either side); ``None`` otherwise.
+@dataclass(frozen=True)
+class _Pattern:
+    """A 4-D mask recognised (Note [Recognising a 4-D mask])."""
+
+    causal: bool
+    window: tuple[int, int] | None
+    real: torch.Tensor
+    """bool ``[B, N]``: each row's real tokens (one run; padding on either side)."""
+    documents: tuple[tuple[int, ...], ...] | None = None
+    """Each row's documents as cumulative lengths over its real tokens, ``(0, ..., L_b)``; ``None``: one
+    document per row."""
+
+
+def _document_starts(seen: torch.Tensor) -> torch.Tensor:
+    """``seen [B, N, N]`` (query sees key) -> bool ``[B, N]``: where a document starts, i.e. the boundaries
+    no visible pair crosses. A pair ``(q, k)`` crosses the boundary before ``i`` iff ``min(q, k) < i <=
+    max(q, k)``, so with ``far[p]`` the farthest position ``p`` sees or is seen by (at least ``p``), ``i``
+    starts a document iff ``max(far[:i]) < i`` (a prefix maximum)."""
+    b, n, _ = seen.shape
+    pos = torch.arange(n, device=seen.device)
+    far_key = torch.where(seen, pos[None, None, :], -1).amax(-1)  # [B, N] per query
+    far_query = torch.where(seen, pos[None, :, None], -1).amax(-2)  # [B, N] per key
+    reach = torch.maximum(torch.maximum(far_key, far_query), pos[None]).cummax(-1).values  # [B, N]
+    return torch.cat([torch.ones(b, 1, dtype=torch.bool, device=seen.device), reach[:, :-1] < pos[None, 1:]], dim=1)
+
+
+def _recognised_pattern(visible: torch.Tensor) -> _Pattern | None:
+    """Note [Recognising a 4-D mask]: ``visible [B, Hm, N, N]`` -> the ``_Pattern`` it is, or ``None``:
+    causal or bidirectional attention, with or without a window, over each row's real tokens (one run,
+    padding on either side), either as one document per row or as contiguous documents covering the
+    row's real tokens (block-diagonal: packed sequences; each row its own boundaries).
 
     ``real`` are the keys some query sees; every other position is padding (dropped from the batch like a
-    2-D mask's padding, so only the real queries' rows must match). The window is read off the farthest
-    visible pair on each side; a candidate is built from the parts and must equal the mask on every real row."""
+    2-D mask's padding, so only the real queries' rows must match). Causality and the window are read off
+    the pairs the real queries see (the window: the farthest pair on each side), the documents off the
+    boundaries no such pair crosses (``_document_starts``). Candidates are built from these parts, the
+    fewest parts first (no window before a window, one document per row before documents), and one must
+    equal the mask on every real row, entry for entry: a mask is never guessed. Documents become
+    ``cu_seqlens`` (``shard_inputs`` packs the rows into one, each row its own boundaries)::
+
+        row 0:  a a a b b . .     (a: causal within a, b: within b, .: padding)   ->  a a a b b c c c c
+        row 1:  c c c c . . .                                                          cu_seqlens [0, 3, 5, 9]
+
+    Every rank recognises the same pattern from the same global batch; before any collective the attention's
+    input check compares causality, ``hash(cu_seqlens)`` and the mask's signature across ranks (STYLE 17) and
+    raises on every rank if a rank was given another batch."""
     if visible.size(1) > 1 and not bool((visible == visible[:, :1]).all()):
         return None  # heads that differ: rows
     v = visible[:, 0]  # [B, N, N]
@@ -1086,21 +1133,34 @@ def _recognised_pattern(visible: torch.Tensor) -> tuple[bool, tuple[int, int] | 
     if not bool(real.any(-1).all()):
         return None
     try:
-        padding_ranges(real)
+        ranges = padding_ranges(real)
     except ValueError:
         return None
+    rows = real[:, :, None]  # [B, N, 1]: compare real query rows only
+    seen = v & rows  # [B, N, N] what the real queries see
     pos = torch.arange(n, device=v.device)
     diff = pos[:, None] - pos[None, :]  # q - k
-    causal = not bool((v & (diff < 0)).any())
+    causal = not bool((seen & (diff < 0)).any())
     base = (diff >= 0) if causal else torch.ones(n, n, dtype=torch.bool, device=v.device)
-    left = int(diff.masked_fill(~v, -n).amax())
-    right = 0 if causal else int((-diff).masked_fill(~v, -n).amax())
-    rows = real[:, :, None]  # [B, N, 1]: compare real query rows only
-    for window in (None, (left, right)):
-        cand = base if window is None else base & (diff <= window[0]) & (-diff <= window[1])
-        cand = cand[None] & real[:, None, :]  # [B, N, N]
-        if bool(((cand == v) | ~rows).all()):
-            return causal, window, real
+    left = int(diff.masked_fill(~seen, -n).amax())
+    right = 0 if causal else int((-diff).masked_fill(~seen, -n).amax())
+    starts = _document_starts(seen)  # [B, N]
+    doc = starts.long().cumsum(-1)
+    same_document = doc[:, :, None] == doc[:, None, :]  # [B, N, N]
+    for documents in (False, True):
+        for window in (None, (left, right)):
+            cand = base if window is None else base & (diff <= window[0]) & (-diff <= window[1])
+            cand = cand[None] & real[:, None, :]  # [B, N, N]
+            if documents:
+                cand = cand & same_document
+            if bool(((cand == v) | ~rows).all()):
+                if not documents:
+                    return _Pattern(causal, window, real)
+                cumulative = tuple(
+                    tuple(int(i) for i in torch.nonzero(starts[r, s:e]).flatten()) + (e - s,)
+                    for r, (s, e) in enumerate(ranges))
+                one_each = all(len(c) == 2 for c in cumulative)  # (0, L): not block-diagonal after all
+                return _Pattern(causal, window, real, None if one_each else cumulative)
     return None
 
 
@@ -1140,12 +1200,18 @@ def _query_positions(sp: SequenceParallelAttention, world: int, rank: int, padde
     return torch.cat([token_indices(sp.layout, world, padded_len, m) for m in members])
 
 
-def _dense_rows_mask(visible: torch.Tensor, positions: torch.Tensor, padded_len: int) -> AttentionMask:
-    """``visible [B, Hm, N, N]`` -> an ``AttentionMask`` whose ``mask_mod`` holds the rows of ``positions``."""
+_NOT_RECOGNISED = ("a 4-D attention_mask that is not causal / bidirectional attention with padding, a window and/or "
+                   "contiguous documents (block-diagonal)")
+
+
+def _dense_rows_mask(visible: torch.Tensor, positions: torch.Tensor, padded_len: int,
+                     what: str = _NOT_RECOGNISED) -> AttentionMask:
+    """``visible [B, Hm, N, N]`` -> an ``AttentionMask`` whose ``mask_mod`` holds the rows of ``positions``
+    (with a warning that says ``what`` the mask is and what it costs)."""
     b, hm, n, _ = visible.shape
     warnings.warn(
-        f"a 4-D attention_mask that is not causal / bidirectional attention with padding or a window is applied "
-        f"as each rank's query rows: O(N^2 / P) memory per rank (O(N^2) under Ulysses), and the per-score kernel",
+        f"{what} is applied as each rank's query rows: O(N^2 / P) memory per rank (O(N^2) under Ulysses), and the "
+        "per-score kernel",
         stacklevel=3,
     )
     padded = visible.new_zeros(b, hm, padded_len, padded_len)
@@ -1171,9 +1237,17 @@ def _given_mask_of_call(sp: SequenceParallelAttention, attention_mask: torch.Ten
     pattern = _recognised_pattern(visible)
     if pattern is None:
         return _GivenMask(False, _dense_rows_mask(visible, torch.arange(n), n))
-    causal, window, real = pattern
-    ranges = None if bool(real.all()) else padding_ranges(real)
-    return _GivenMask(causal, AttentionMask(window=window, key_padding=ranges))
+    if pattern.documents is not None and b > 1:
+        return _GivenMask(False, _dense_rows_mask(
+            visible, torch.arange(n), n, "a block-diagonal 4-D attention_mask over several rows, given to the model "
+            "directly (documents need one row: shard_inputs packs the rows into one)"))
+    ranges = None if bool(pattern.real.all()) else padding_ranges(pattern.real)
+    cu_seqlens = None
+    if pattern.documents is not None:  # one row: its documents, the padding on either side documents of their own
+        (start, end), = padding_ranges(pattern.real)
+        bounds = {0, n, *(start + d for d in pattern.documents[0])}
+        cu_seqlens = torch.tensor(sorted(bounds), dtype=torch.int32)
+    return _GivenMask(pattern.causal, AttentionMask(window=pattern.window, key_padding=ranges), cu_seqlens)
 
 
 def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool | None = None, ignore_index: int = -100) -> dict:
@@ -1192,9 +1266,11 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
     under ``"sequence_parallel"``. The attention mask is not passed on: padding (left and/or right) is
     dropped (rows of one length ``L`` are cut to ``L`` columns; rows of different lengths are packed into
     one row of documents, ``B' = 1``, Note [Packing padded rows]), positions staying HF's; a recognised
-    4-D mask likewise, plus its causality and window in the ShardInfo; any other 4-D mask stays whole and
-    each rank gets its query rows (``ShardInfo.given_mask``); a 2-D mask with holes raises. Logits
-    therefore cover the real tokens only, in row order.
+    4-D mask likewise, plus its causality and window in the ShardInfo; a block-diagonal one (packed
+    sequences) becomes documents (``ShardInfo.cu_seqlens``, the rows packed into one, ``B' = 1``; the
+    given ``position_ids`` stay what HF's RoPE sees); any other 4-D mask stays whole and each rank gets
+    its query rows (``ShardInfo.given_mask``); a 2-D mask with holes raises. Logits therefore cover the
+    real tokens only, in row order.
 
     Either pop ``labels`` and take ``sequence_parallel_cross_entropy(model(**shard).logits, labels, group=...)``,
     or leave them in: ``model(**shard).loss`` is then the same global token mean, HF's ``num_items_in_batch``
@@ -1230,13 +1306,16 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
                 key == "attention_mask" and mask.dim() == 4):
             raise ValueError(f"{key} has shape {tuple(batch[key].shape)} but input_ids is [B, N] = [{bsz}, {n}]")
     causal = is_causal_lm(model) if causal_lm is None else causal_lm
-    given_mask = None
+    given_mask, documents = None, None
     if mask is not None and mask.dim() == 4:  # Note [Recognising a 4-D mask]
-        mask, given_mask = _shard_four_d_mask(mask, model, sp, world, bsz, n)
+        mask, given_mask, documents = _shard_four_d_mask(mask, model, sp, world, bsz, n)
     ranges = _padding_ranges(mask) if mask is not None else None
     if ranges is None:
         mask = None  # all ones: nothing to describe (HF's own src_lengths then equal the row length)
     cu_seqlens = batch.get("cu_seqlens")
+    if cu_seqlens is not None and documents is not None:
+        raise ValueError("the batch has both a global cu_seqlens and a block-diagonal 4-D attention_mask (documents): "
+                         "pass one of them")
     if cu_seqlens is not None and bsz != 1:
         raise ValueError(f"packed documents (cu_seqlens) need batch size 1 (pack the rows into one); got B={bsz}")
 
@@ -1254,7 +1333,8 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
     max_position = int(position_ids.max()) if position_ids.numel() else 0  # what HF's dynamic RoPE would see
     column = torch.arange(n, device=main.device).unsqueeze(0).expand(bsz, -1)
     rows: dict[str, torch.Tensor] = {"position_ids": position_ids, _TOKEN_INDEX_KEY: column}
-    if causal and position_ids is batch.get("position_ids") and mask is None and cu_seqlens is None and bsz == 1:
+    if (causal and position_ids is batch.get("position_ids") and mask is None and cu_seqlens is None and bsz == 1
+            and given_mask is None):  # a 4-D mask says where documents are (HF then ignores restarts too)
         # packed position_ids: documents start where positions do not count up (HF's causal-mask rule)
         starts = torch.nonzero(position_ids[0, 1:] - position_ids[0, :-1] != 1).flatten() + 1
         if starts.numel():
@@ -1278,7 +1358,13 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
     passthrough = {k: v for k, v in batch.items() if k not in _CONSUMED_KEYS and k not in rows}
 
     lengths = None if ranges is None else [e - s for s, e in ranges]
-    if lengths is not None and len(set(lengths)) > 1:
+    if documents is not None:  # a block-diagonal 4-D mask: each row's documents, the rows packed into one
+        ranges = ranges or tuple((0, n) for _ in range(bsz))
+        offsets = [0, *torch.tensor([e - s for s, e in ranges]).cumsum(0).tolist()]
+        cu_seqlens = torch.tensor([0, *(offsets[r] + d for r, docs in enumerate(documents) for d in docs[1:])])
+        rows = _pack_rows(rows, ranges)  # Note [Packing padded rows]
+        bsz, n = 1, offsets[-1]
+    elif lengths is not None and len(set(lengths)) > 1:
         rows = _pack_rows(rows, ranges)  # Note [Packing padded rows]
         cu_seqlens = torch.tensor([0, *lengths]).cumsum(0)
         bsz, n = 1, sum(lengths)
@@ -1320,15 +1406,16 @@ def shard_inputs(batch: Mapping[str, Any], model: nn.Module, *, causal_lm: bool 
 
 
 def _shard_four_d_mask(mask: torch.Tensor, model: nn.Module, sp: SequenceParallelAttention, world: int, bsz: int,
-                       n: int) -> tuple[torch.Tensor | None, _GivenMask]:
+                       n: int) -> tuple[torch.Tensor | None, _GivenMask, tuple[tuple[int, ...], ...] | None]:
     """Note [Recognising a 4-D mask]: a global 4-D ``attention_mask`` -> ``(padding mask [B, N] or None, given
-    mask)``: a recognised pattern becomes padding (dropped like a 2-D mask's) plus causality and a window;
+    mask, each row's documents or None)``: a recognised pattern becomes padding (dropped like a 2-D mask's) plus
+    causality, a window and documents (``_Pattern.documents``: cumulative lengths over each row's real tokens);
     any other mask, this rank's query rows (no padding dropped)."""
     visible = _four_d_visible(mask, bsz, n, int(getattr(_base_config(model), "num_attention_heads", 1) or 1))
     pattern = _recognised_pattern(visible)
     if pattern is not None:
-        causal, window, real = pattern
-        return real.long(), _GivenMask(causal, None if window is None else AttentionMask(window=window))
+        window = None if pattern.window is None else AttentionMask(window=pattern.window)
+        return pattern.real.long(), _GivenMask(pattern.causal, window), pattern.documents
     rank = group_size_and_rank(sp.process_group)[1] if world > 1 else 0
     n_pad = padded_length(n, world, sp.layout)
-    return None, _GivenMask(False, _dense_rows_mask(visible, _query_positions(sp, world, rank, n_pad), n_pad))
+    return None, _GivenMask(False, _dense_rows_mask(visible, _query_positions(sp, world, rank, n_pad), n_pad)), None

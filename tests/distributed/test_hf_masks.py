@@ -157,6 +157,7 @@ def _worker(rank: int, world: int) -> dict:
     with KeepFloat64():
         out = {name: _case(mt, ov, controls, dist.group.WORLD) for name, mt, ov, controls in CASES}
         out["padding_4d"] = _padding_and_4d_cases(dist.group.WORLD)
+        out["block_diagonal"] = _block_diagonal_cases(dist.group.WORLD)
         out["t5_encoders"] = _t5_encoders(dist.group.WORLD)
         return out
 
@@ -358,6 +359,135 @@ def test_left_padding_and_4d_masks_are_exact(results):
         assert shape == (2, 4, n_pad // world, n_pad) and in_order, (world, rank, shape, n_pad)
         shape, n_pad, _ = cases["rows_held"]["ulysses"]
         assert shape == (2, 4, n_pad, n_pad), (world, rank, shape)  # Ulysses: every query position
+
+
+# ------------------------------------------------------------------------ block-diagonal 4-D masks (packed sequences)
+
+# row 0: documents of 5, 4 and 4 tokens; row 1: documents of 3 and 6 tokens, then 4 padding tokens
+PACKED_DOCS = ([0] * 5 + [1] * 4 + [2] * 4, [0] * 3 + [1] * 6 + [-1] * 4)
+TRAFFIC_N, TRAFFIC_DOC = 16, 4  # documents of 4 never cross a contiguous shard (8 tokens at P = 2, 4 at P = 4)
+
+
+def _block_diagonal(doc_ids, bidirectional: bool = False) -> torch.Tensor:
+    """Rows of document ids (-1 = padding) -> additive float64 ``[B, 1, N, N]``: each query sees its own document
+    (causally unless ``bidirectional``), as packed-sequence collators build it."""
+    ids = torch.tensor(doc_ids)  # [B, N]
+    n = ids.size(1)
+    visible = (ids[:, :, None] == ids[:, None, :]) & (ids[:, None, :] >= 0)
+    if not bidirectional:
+        visible &= torch.arange(n)[None, :, None] >= torch.arange(n)[None, None, :]
+    visible = visible[:, None]  # [B, 1, N, N]
+    return torch.zeros(visible.shape, dtype=torch.float64).masked_fill(~visible, torch.finfo(torch.float64).min)
+
+
+def _packed_batch(doc_ids, seed: int) -> dict:
+    """``input_ids``, ``labels`` (-100 on padding), position ids restarting at 0 per document and the causal
+    block-diagonal 4-D mask of ``doc_ids``."""
+    ids_of = torch.tensor(doc_ids)
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(4, 30, ids_of.shape, generator=g)
+    starts = torch.ones_like(ids_of, dtype=torch.bool)
+    starts[:, 1:] = ids_of[:, 1:] != ids_of[:, :-1]
+    col = torch.arange(ids_of.size(1)).expand_as(ids_of)
+    start_col = torch.where(starts, col, 0).cummax(-1).values
+    return {"input_ids": input_ids, "labels": input_ids.masked_fill(ids_of < 0, -100),
+            "position_ids": (col - start_col).masked_fill(ids_of < 0, 0), "attention_mask": _block_diagonal(doc_ids)}
+
+
+def _packed_reference(base, batch: dict, doc_ids):
+    """HF's eager model on the padded batch with the 4-D mask and the restarted positions -> (real tokens' logits in
+    row order [T, V], the loss of real tokens predicting real tokens, the model with its gradients)."""
+    import torch.nn.functional as F
+
+    from tests.hf_tiny import clone
+
+    real = torch.tensor(doc_ids) >= 0
+    ref = clone(base)
+    logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 position_ids=batch["position_ids"]).logits  # [B, N, V]
+    shifted = batch["labels"][:, 1:].masked_fill(~real[:, :-1], -100)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), shifted.flatten(), ignore_index=-100)
+    loss.backward()
+    return logits[real].detach(), loss.detach(), ref
+
+
+def _ring_bytes(model) -> int:
+    """K/V (and dK/dV) bytes every attention layer of ``model`` sent (all-to-alls apart)."""
+    from lightning_sp.integrations import transformers as integration
+
+    return sum(b for sp in integration._sp_modules(model) for op, b in sp.comm_stats.bytes_by_op.items()
+               if op != "all_to_all")
+
+
+def _block_diagonal_cases(group) -> dict:
+    """A block-diagonal 4-D mask with restarted position ids (two rows, different documents, one row padded) on
+    every backend vs HF's eager model on the padded batch; the rows-path warning must not appear; the traffic of
+    documents that never cross a shard on the contiguous ring (none) against the same model with a plain causal
+    4-D mask (some); the control: the documents ignored (the plain causal mask over the same real tokens)."""
+    import warnings
+
+    from lightning_sp.integrations import transformers as integration
+    from tests.hf_tiny import clone, tiny_model
+
+    base = tiny_model("llama")
+    base.set_attn_implementation("eager")
+    batch = _packed_batch(PACKED_DOCS, seed=11)
+    ref_logits, ref_loss, ref = _packed_reference(base, batch, PACKED_DOCS)
+    out: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for backend in BACKENDS:
+            out[backend] = _sharded_run(base, batch, backend, group, ref_logits, ref_loss, ref)
+        out["cu_seqlens"] = integration.shard_inputs(batch, integration.apply_sequence_parallel(
+            clone(base), group=group, backend="ring"))["sequence_parallel"].cu_seqlens.tolist()
+        # bidirectional documents (the 4-D mask makes the causal Llama bidirectional inside each document)
+        both_ways = dict(batch, attention_mask=_block_diagonal(PACKED_DOCS, bidirectional=True))
+        b_logits, b_loss, b_ref = _packed_reference(base, both_ways, PACKED_DOCS)
+        for backend in ("zigzag_ring", "ulysses"):
+            out[("bidirectional", backend)] = _sharded_run(base, both_ways, backend, group, b_logits, b_loss, b_ref)
+    out["rows_warnings"] = [str(w.message) for w in caught if "query rows" in str(w.message)]
+    # negative control: the documents ignored (causal attention over each row's real tokens)
+    real = torch.tensor(PACKED_DOCS) >= 0
+    causal_real = [[0 if r else -1 for r in row] for row in real.tolist()]
+    plain = dict(batch, attention_mask=_block_diagonal(causal_real))
+    out["control_documents_ignored"] = _sharded_run(base, plain, "zigzag_ring", group, ref_logits, ref_loss,
+                                                    clone(base))["logits"]
+    # traffic: one row of documents of TRAFFIC_DOC tokens on the contiguous ring, and the same row plain causal
+    docs = [[i // TRAFFIC_DOC for i in range(TRAFFIC_N)]]
+    traffic_batch = _packed_batch(docs, seed=12)
+    for what, doc_ids in (("documents", docs), ("causal", [[0] * TRAFFIC_N])):
+        # "causal": the 4-D mask, not the restarted positions, says what attends (HF's rule): one document
+        one = dict(traffic_batch, attention_mask=_block_diagonal(doc_ids))
+        _, t_loss, _ = _packed_reference(base, one, doc_ids)
+        model = integration.apply_sequence_parallel(clone(base), group=group, backend="ring")
+        for sp in integration._sp_modules(model):
+            sp.comm_stats.reset()
+        out_model = model(**integration.shard_inputs(one, model))
+        out_model.loss.backward()
+        out[("traffic", what)] = (_ring_bytes(model), abs(float(out_model.loss.detach() - t_loss)))
+    return out
+
+
+def test_block_diagonal_4d_mask_is_documents_on_every_backend(results):
+    """A block-diagonal (packed sequences) 4-D mask with restarted position ids, sharded: the rows packed into one
+    row of documents (cu_seqlens), logits, loss and every gradient within 1e-9 of HF's eager model on the padded
+    batch on every backend (bidirectional documents on zigzag_ring and Ulysses), with no O(N^2 / P) rows warning; documents that never cross a shard send no K/V byte on
+    the contiguous ring (the plain causal mask sends some, and with the same restarted position ids stays one
+    document: the mask, not the positions, says what attends, as in HF); the documents ignored miss."""
+    world, per_rank = results
+    for rank, res in enumerate(per_rank):
+        r = res["block_diagonal"]
+        for backend in BACKENDS:
+            assert max(r[backend]["logits"], r[backend]["loss"], r[backend]["grads"]) < TOL, (world, rank, backend, r)
+        for backend in ("zigzag_ring", "ulysses"):
+            b = r[("bidirectional", backend)]
+            assert max(b["logits"], b["loss"], b["grads"]) < TOL, (world, rank, "bidirectional", backend, b)
+        assert r["cu_seqlens"] == [0, 5, 9, 13, 16, 22], (world, rank, r["cu_seqlens"])
+        assert not r["rows_warnings"], (world, rank, r["rows_warnings"])
+        assert r["control_documents_ignored"] > MISS, (world, rank, r["control_documents_ignored"])
+        (sent_docs, loss_docs), (sent_causal, loss_causal) = r[("traffic", "documents")], r[("traffic", "causal")]
+        assert loss_docs < TOL and loss_causal < TOL, (world, rank, loss_docs, loss_causal)
+        assert sent_docs == 0 and sent_causal > 0, (world, rank, sent_docs, sent_causal)
 
 
 # ------------------------------------------------------------------------------ T5's learned relative-position bias

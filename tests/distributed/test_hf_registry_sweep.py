@@ -1,7 +1,9 @@
 """Hugging Face: exact or refused, never in between, across transformers' own registry.
 
 One 2-rank spawn sweeps ``tests.hf_tiny.SWEEP`` (tiny ``from_config`` float64 models of 35+ model
-types, the class ``AutoModelForCausalLM`` / ``AutoModelForMaskedLM`` maps each to) on two backends:
+types, the class ``AutoModelForCausalLM`` / ``AutoModelForMaskedLM`` maps each to) and ``tests.hf_tiny.ENCODER_SWEEP``
+(T5, MT5 and UMT5 encoders, the class ``MODEL_FOR_TEXT_ENCODING_MAPPING`` maps each to: ``T5EncoderModel``, ...,
+with T5's learned relative-position bias; their last hidden states stand for logits) on two backends:
 every case must be exact (logits, loss and every parameter gradient within 1e-9 of the unsharded HF
 model on the full sequence, HF's own float32 roundings kept in float64: ``tests.hf_tiny.KeepFloat64``) or refused
 with ``NotImplementedError`` on every rank with the same message. Each exact case carries a negative control (the
@@ -25,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 from tests.distributed.harness import run_on_ranks  # noqa: E402
 from tests.docs_text import HF_GUIDE  # noqa: E402
 from tests.hf_tiny import (  # noqa: E402
+    ENCODER_SWEEP,
     SWEEP,
     SWEEP_BACKENDS,
     SWEEP_N,
@@ -106,9 +109,13 @@ def results():
     return run_on_ranks(_worker, 2, timeout_s=840, pg_timeout_s=60)  # ~35 s of CPU: slowness, not hangs, under load
 
 
+CASE_IDS = tuple(sweep_case_id(mt, ov) for mt, ov in SWEEP) + tuple(mt for mt, _ in ENCODER_SWEEP)
+
+
 def test_every_architecture_exact_or_refused_on_every_rank(results):
+    assert tuple(results[0]["sweep"]) == CASE_IDS
     failures = []
-    for case_id in (sweep_case_id(mt, ov) for mt, ov in SWEEP):
+    for case_id in CASE_IDS:
         for backend in SWEEP_BACKENDS:
             per_rank = [res["sweep"][case_id][backend] for res in results]
             if any("refused" in r for r in per_rank):
@@ -136,6 +143,9 @@ def test_sweep_is_broad_and_has_both_outcomes(results):
     # windows shorter than the sequence, soft-capping and sinks: exact (tests/distributed/test_hf_masks.py has more)
     for case in ("mistral", "gemma2", "gemma3_text", "cohere2", "gpt_oss", "modernbert"):
         assert all("refused" not in sweep[case][b] for b in SWEEP_BACKENDS), (case, sweep[case])
+    # T5's learned relative-position bias (encoders): exact (tests/distributed/test_hf_masks.py: every backend)
+    for case, cls in (("t5", "T5EncoderModel"), ("mt5", "MT5EncoderModel"), ("umt5", "UMT5EncoderModel")):
+        assert sweep[case]["class"] == cls and all("refused" not in sweep[case][b] for b in SWEEP_BACKENDS), sweep[case]
 
 
 def test_each_trap_reproduced_with_its_fix_off(results):
