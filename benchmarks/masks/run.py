@@ -20,7 +20,7 @@ sees, sent once). CPU gloo ranks, one thread each, fp32, causal.
    ``ring`` (contiguous layout) and ``zigzag_ring`` on its zigzag layout and on ``SequenceLayout.balanced_for`` the
    span (``layout="balanced"``; Note [Balancing a mask's work] in ``lightning_sp/layout.py``): bytes as above and,
    with ``--time``, the median fwd+bwd per rank against plain causal attention at the same N and backend on the
-   backend's own layout, all arms of one backend and span alternating rep by rep in one run; with the plan's kernel
+   backend's own layout, every span and layout of one backend and causal alternating rep by rep in one set; with the plan's kernel
    calls by kind (``dense``: the masked kernel path; 0 when the plan cuts every block at the span's ends) and the
    rank's visible (query, key) pairs, next to causal's on the causal arm's layout.
 
@@ -104,7 +104,7 @@ def _worker(rank, world, cases, reps):
 
     group = dist.group.WORLD
     rows = []
-    prefix_times = {}  # (backend, prefix) -> {arm: Timing}: every arm of one backend and span timed together
+    prefix_times = {}  # backend -> {arm: Timing}: every span and layout of one backend and causal, timed together
     for what, backend, n, time_it, prefix, layout_name in cases:
         docs = protein_docs(n) if what == "docs" else None
         user_mask = (AttentionMask(window=(WINDOW - 1, 0)) if what == "window" else
@@ -170,14 +170,15 @@ def _worker(rank, world, cases, reps):
                        ratio_to_limit=timings["ours"].median_s / timings["limit"].median_s,
                        ratio_to_full_ring=timings["ours"].median_s / timings["full_ring"].median_s)
         if time_it and what == "prefix":
-            key = (backend, prefix)
-            if key not in prefix_times:  # the causal arm on the backend's own layout, each layout's prefix-LM arm
+            if backend not in prefix_times:  # every span and layout of this backend and plain causal, one set
                 arms = {}
-                for name in PREFIX_LAYOUTS[backend]:
-                    lay = _prefix_layout(name, backend, world, n, user_mask)
-                    arms[f"prefix_lm/{name}"] = (SequenceParallelAttention(
-                        causal=True, backend=backend, group=group, mask=user_mask, kv_pieces=1, kernel="sdpa",
-                        validate_inputs=False, layout=lay), [shard_sequence(t, group, layout=lay) for t in full])
+                for kind, other, other_n, _, span_end, name in cases:
+                    if kind == "prefix" and other == backend:
+                        m = AttentionMask(bidirectional_spans=((0, span_end),))
+                        lay = _prefix_layout(name, backend, world, other_n, m)
+                        arms[(span_end, name)] = (SequenceParallelAttention(
+                            causal=True, backend=backend, group=group, mask=m, kv_pieces=1, kernel="sdpa",
+                            validate_inputs=False, layout=lay), [shard_sequence(t, group, layout=lay) for t in full])
                 arms["causal"] = (SequenceParallelAttention(causal=True, backend=backend, group=group, kv_pieces=1,
                                                             kernel="sdpa", validate_inputs=False),
                                   [shard_sequence(t, group, layout=own_layout) for t in full])
@@ -188,12 +189,13 @@ def _worker(rank, world, cases, reps):
                         attn(q, k, v, seq_len=n).backward(parts[3])
                     return run
 
-                prefix_times[key] = time_alternating({arm: module(*a) for arm, a in arms.items()}, warmup=1,
-                                                     reps=reps, group=group)
-            timings = prefix_times[key]
-            mine = timings[f"prefix_lm/{layout_name}"]
+                prefix_times[backend] = time_alternating({arm: module(*a) for arm, a in arms.items()}, warmup=1,
+                                                         reps=reps, group=group)
+            timings = prefix_times[backend]
+            mine = timings[(prefix, layout_name)]
             row.update(prefix_lm_median_s=mine.median_s, causal_median_s=timings["causal"].median_s,
-                       ratio_to_causal=mine.median_s / timings["causal"].median_s, reps=reps)
+                       ratio_to_causal=mine.median_s / timings["causal"].median_s, reps=reps,
+                       prefix_lm_times_s=mine.wall_s, causal_times_s=timings["causal"].wall_s)
         rows.append(row)
     return rows
 
@@ -320,8 +322,10 @@ def main(argv: list[str] | None = None) -> None:
             old = json.loads(out.read_text())
             rows = _section_rows(old["rows"], a.worlds, a.sections, a.prefix_backends) + rows
             extra = {k: v for k, v in old.items() if k not in ("meta", "runs", "rows")}  # e.g. --work's table
-            runs = [m for m in old.get("runs", [old["meta"]]) if not (set(m.get("worlds", ())) <= set(a.worlds)
-                                                                         and set(m.get("sections", ())) <= set(a.sections))] + runs
+            runs = [m for m in old.get("runs", [old["meta"]]) if not (
+                set(m.get("worlds", ())) <= set(a.worlds) and set(m.get("sections", ())) <= set(a.sections)
+                and ("prefix" not in m.get("sections", ())
+                     or set(m.get("prefix_backends", PREFIX_LAYOUTS)) <= set(a.prefix_backends)))] + runs
         meta.update(worlds=a.worlds, sections=a.sections, prefix_backends=a.prefix_backends)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows, **extra}, indent=1) + "\n")
