@@ -111,12 +111,16 @@ def test_balanced_layout_evens_out_a_prefix_span(world, fraction):
     work = _work_per_rank(lay, world, n, mask)
     zigzag = _work_per_rank(SequenceLayout("zigzag"), world, n, mask)
     mean = sum(work) / world
-    # the stated bound: the busiest rank within 1.5% of the mean (chunks are n / (8 world) tokens at most 8 per
-    # rank; a span end inside a chunk is the residue), never worse than zigzag, and better where zigzag is off
-    assert max(work) <= 1.015 * mean
+    # the stated bound: the busiest rank within 3.5% of the mean (the default tolerance trades up to 3% of balance
+    # for fewer chunks; a span end inside a chunk is the residue), never worse than zigzag, and better where
+    # zigzag is off
+    assert max(work) <= 1.035 * mean
     assert max(work) <= max(zigzag)
     if max(zigzag) > 1.05 * mean:
-        assert max(work) < max(zigzag) * 0.96
+        assert max(work) < max(zigzag) * 0.98
+    # more chunks per rank only where they pay: chunks_per_rank=8 is at most 3% better than the chosen table
+    finest = _work_per_rank(SequenceLayout.balanced_for(n, world, mask, chunks_per_rank=8), world, n, mask)
+    assert max(work) <= 1.03 * max(finest) + 1
     assert sorted(int(i) for r in range(world) for i in token_indices(lay, world, n, r)) == list(range(n))
 
 
