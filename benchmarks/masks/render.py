@@ -8,14 +8,17 @@ from __future__ import annotations
 from collections import defaultdict
 
 MIB = 2 ** 20
+OWN_LAYOUT = {"ring": "contiguous", "zigzag_ring": "zigzag"}
 
 
 def _cells(data, case):
-    """Rows of ``case`` grouped by (P, backend, N, prefix), in file order."""
+    """Rows of ``case`` grouped by (P, backend, N, prefix, layout), in file order (``layout``: ``None`` unless a
+    prefix row ran on another layout than its backend's own)."""
     cells = defaultdict(list)
     for r in data["rows"]:
         if r["case"] == case:
-            cells[(r["P"], r["backend"], r["N"], r.get("prefix"))].append(r)
+            layout = r.get("layout") if r.get("layout") not in (None, OWN_LAYOUT.get(r["backend"])) else None
+            cells[(r["P"], r["backend"], r["N"], r.get("prefix"), layout)].append(r)
     return cells
 
 
@@ -29,8 +32,8 @@ def traffic_table(data, path) -> str:
     lines = ["| case | backend | N | P | forward MiB ours | minimum | mask ignored | fwd+bwd MiB ours | mask ignored |",
              "|---" * 9 + "|"]
     for case in ("docs", "window", "prefix"):
-        for (p, backend, n, prefix), rows in _cells(data, case).items():
-            what = case if prefix is None else f"prefix {prefix / n:.0%}"
+        for (p, backend, n, prefix, layout), rows in _cells(data, case).items():
+            what = case if prefix is None else f"prefix {prefix / n:.0%}" + (f" ({layout})" if layout else "")
             lines.append(
                 f"| {what} | {backend} | {n} | {p} | {_span([r['forward_bytes'] / MIB for r in rows])} | "
                 f"{_span([r['minimum_forward_bytes'] / MIB for r in rows])} | "
@@ -43,7 +46,7 @@ def traffic_table(data, path) -> str:
 def window_table(data, path) -> str:
     """The windowed ring's median fwd+bwd (range over ranks) against the local limit and the full ring."""
     lines = ["| N | P | ours s | local limit s | full ring s | ours / limit | ours / full ring |", "|---" * 7 + "|"]
-    for (p, _backend, n, _), rows in _cells(data, "window").items():
+    for (p, _backend, n, _, _), rows in _cells(data, "window").items():
         if "ours_median_s" not in rows[0]:
             continue
         lines.append(f"| {n} | {p} | {_span([r['ours_median_s'] for r in rows])} | "
@@ -53,7 +56,6 @@ def window_table(data, path) -> str:
     return "\n".join(lines)
 
 
-OWN_LAYOUT = {"ring": "contiguous", "zigzag_ring": "zigzag"}
 TARGET_PER_PAIR = 1.05
 
 
