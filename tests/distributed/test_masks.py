@@ -543,6 +543,19 @@ def _balanced_cases(group, world, rank):
         out["wrong_size"] = None
     except ValueError as e:
         out["wrong_size"] = str(e)
+    # a table whose Ulysses split does not match the backend's: ring over every rank, and usp 2 x 2 with a plain table
+    mismatched = [SequenceParallelAttention(causal=True, backend="ring", group=group,
+                                            layout=SequenceLayout.balanced_for(64, world, mask, ulysses_degree=2))]
+    if world == 4:
+        mismatched.append(SequenceParallelAttention(causal=True, backend="usp", group=group, ulysses_degree=2,
+                                                    layout=SequenceLayout.balanced_for(64, world, mask)))
+    out["ulysses_mismatch"] = []
+    for attn in mismatched:
+        try:
+            attn.layout
+            out["ulysses_mismatch"].append(None)
+        except ValueError as e:
+            out["ulysses_mismatch"].append(str(e))
     # ranks that shard with different tables raise together (the layout is part of the cross-rank signature)
     table = tuple(range(world)) + tuple(reversed(range(world)))
     mine = SequenceLayout.from_chunks(table if rank == 0 else tuple((r + 1) % world for r in table))
@@ -583,3 +596,7 @@ def test_balanced_layout_binds_and_bad_layouts_raise_on_every_rank(grid):
         assert result["bound_ulysses"] is not None and "drop layout=" in result["bound_ulysses"], result["bound_ulysses"]
         assert result["wrong_size"] is not None and f"world_size={world}" in result["wrong_size"], result["wrong_size"]
         assert result["disagree"] is not None and "hash(layout)" in result["disagree"], (rank, result["disagree"])
+        fixes = ["build the layout with ulysses_degree=1", "build the layout with ulysses_degree=2"][:world // 2]
+        assert len(result["ulysses_mismatch"]) == len(fixes), result["ulysses_mismatch"]
+        for message, fix in zip(result["ulysses_mismatch"], fixes):
+            assert message is not None and fix in message, (rank, message)
