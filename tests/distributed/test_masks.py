@@ -512,6 +512,43 @@ def _balanced_case(group, world, backend, name, seed):
     return errors, spans_ignored, as_contiguous, differs_from_zigzag
 
 
+def _balanced_hf(group, world):
+    """A tiny float64 Llama through ``apply_sequence_parallel`` whose attention modules shard for a balanced table:
+    ``shard_inputs`` follows the modules' layout, so logits, loss and every gradient equal one process's; the
+    logits gathered as if zigzag miss."""
+    import torch.nn.functional as F
+
+    from lightning_sp import sequence_parallel_cross_entropy
+    from lightning_sp.integrations import transformers as integration
+    from tests.hf_tiny import clone, max_grad_diff, tiny_batch, tiny_model
+
+    n = N_BALANCED
+    base = tiny_model("llama")
+    batch = tiny_batch("llama", n)
+    ref = clone(base)
+    logits_ref = ref(input_ids=batch["input_ids"]).logits  # [1, N, V]
+    loss_ref = F.cross_entropy(logits_ref[:, : n - 1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+    loss_ref.backward()
+    out = {}
+    # the 10% prefix's tables (N = 45) differ from zigzag at every degree here, so the control can miss
+    for backend, u in (("zigzag_ring", 1),) + ((("usp", 2),) if world == 4 else ()):
+        layout = SequenceLayout.balanced_for(n, world, AttentionMask(bidirectional_spans=((0, 5),)), ulysses_degree=u)
+        model = integration.apply_sequence_parallel(clone(base), group=group, backend=backend,
+                                                    **({"ulysses_degree": u} if backend == "usp" else {}))
+        for m in integration._sp_modules(model):
+            m.requested_layout = layout
+        shard = integration.shard_inputs(batch, model)
+        labels = shard.pop("labels")
+        logits = model(**shard).logits  # [1, S_local, V]
+        loss = sequence_parallel_cross_entropy(logits, labels, group=group)
+        loss.backward()
+        full = gather_sequence(logits.detach(), group, layout=layout, seq_len=n)
+        as_zigzag = gather_sequence(logits.detach(), group, layout=SequenceLayout("zigzag", u), seq_len=n)
+        out[backend] = {"logits": _err(full, logits_ref), "loss": abs(float(loss.detach() - loss_ref.detach())),
+                        "grads": max_grad_diff(model, ref, group), "as_zigzag": _err(as_zigzag, logits_ref)}
+    return out
+
+
 def _balanced_cases(group, world, rank):
     from lightning_sp.binding import bind_attention_modules
     from lightning_sp.context import SequenceParallelContext
@@ -556,6 +593,7 @@ def _balanced_cases(group, world, rank):
             out["ulysses_mismatch"].append(None)
         except ValueError as e:
             out["ulysses_mismatch"].append(str(e))
+    out["hf"] = _balanced_hf(group, world)
     # ranks that shard with different tables raise together (the layout is part of the cross-rank signature)
     table = tuple(range(world)) + tuple(reversed(range(world)))
     mine = SequenceLayout.from_chunks(table if rank == 0 else tuple((r + 1) % world for r in table))
@@ -586,6 +624,16 @@ def test_balanced_layout_prefix_lm_matches_dense_fp64_on_every_backend_that_take
                             f"{as_contiguous})")
     assert not failures, f"world={world}:\n" + "\n".join(failures)
     assert any(case[3] for case in cases.values()), "every balanced table was zigzag's: the test tests nothing new"
+
+
+def test_hf_shard_inputs_follows_a_balanced_layout(grid):
+    world, per_rank = grid
+    for rank, result in enumerate(per_rank):
+        hf = result["balanced"]["hf"]
+        assert set(hf) == ({"zigzag_ring", "usp"} if world == 4 else {"zigzag_ring"}), hf
+        for backend, r in hf.items():
+            assert r["logits"] < 1e-12 and r["loss"] < 1e-12 and r["grads"] < 1e-12, (rank, backend, r)
+            assert r["as_zigzag"] > 1e-3, (rank, backend, r)
 
 
 def test_balanced_layout_binds_and_bad_layouts_raise_on_every_rank(grid):
