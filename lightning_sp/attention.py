@@ -26,7 +26,7 @@ from lightning_sp import choices
 from lightning_sp.comm.agree import describe_disagreement, gather_rows, global_ranks, stable_hash
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.context import SequenceParallelContext
-from lightning_sp.layout import Run, SequenceLayout, global_seq_len_of, padded_length
+from lightning_sp.layout import Run, SequenceLayout, as_layout, global_seq_len_of, padded_length
 from lightning_sp.masks import AttentionMask, route_table_gradient
 from lightning_sp.ops import backends
 from lightning_sp.ops.kernels import KERNELS, make_kernel, prefers_heads_major
@@ -141,6 +141,11 @@ def auto_choice(num_heads: int, group_size: int, *, seq_len: int, num_kv_heads: 
     return cost_model.choose_backend(shape, group_size, hw, usp_allowed=usp_allowed, mask=mask)
 
 
+LAYOUT_BACKENDS = ("ring", "zigzag_ring", "allgather_kv", "usp")
+"""Backends that run on any ``SequenceLayout`` given as ``SequenceParallelAttention(layout=)`` (their plans work on
+the layout's runs of global positions), e.g. ``SequenceLayout.balanced_for`` for a prefix-LM span."""
+
+
 def layout_for_backend(backend: str, *, group_size: int | None = None, ulysses_degree: int | None = None) -> SequenceLayout:
     """How the global sequence must be split across the group for ``backend``."""
     if backend not in backends.BACKENDS:
@@ -247,13 +252,18 @@ class SequenceParallelAttention(nn.Module):
             (batch, head, query, key)).
         window_size: ``(left, right)`` sliding window, flash-attn's convention (query ``q`` sees keys ``q - left``
             to ``q + right``; ``-1``: unbounded): the same as ``mask=AttentionMask(window=window_size)``.
+        layout: the ``SequenceLayout`` to shard for, with ``backend`` ``"ring"``, ``"zigzag_ring"``,
+            ``"allgather_kv"`` or ``"usp"`` (``LAYOUT_BACKENDS``; ``usp``: built with its ``ulysses_degree``);
+            ``None``: the backend's own (``layout_for_backend``). ``SequenceLayout.balanced_for(N, P, mask)``
+            evens out a mask's work, e.g. a prefix-LM span, which unbalances zigzag (Note [Balancing a mask's
+            work] in ``layout.py``). Shard inputs with ``attn.layout``; the strategy does.
         mask: an ``AttentionMask`` (``lightning_sp/masks.py``): windows, chunks, bidirectional spans in a causal
             stream, soft-capping, ALiBi, FlexAttention-style ``mask_mod``/``score_mod`` on global indices; exact on
             every backend; a ``forward(mask=)`` overrides its set fields per call. Blocks the mask leaves empty
             are neither computed nor, on the rings and ``allgather_kv``, sent (Note [Traffic follows the mask]
             in ``ops/ring_attention.py``).
         validate_inputs: ``True`` (default) or ``"always"`` (the same): at every call every rank of the
-            group joins one tiny all-gather (a row of 27 numbers: shapes, dtype, lengths, a hash of the
+            group joins one tiny all-gather (a row of 29 numbers: shapes, dtype, lengths, the layout, a hash of the
             documents, what ``auto`` chose, a few sums of ``q``, ``k``, ``v`` that tell a memory held whole on
             every rank from shards: Note [Cross-attention over a replicated memory]) before anything can raise, so bad input on any rank, or
             inputs that differ across ranks at any step, raise on every rank at once, naming the ranks
@@ -296,6 +306,7 @@ class SequenceParallelAttention(nn.Module):
         kv_pieces: int | str = DEFAULT_KV_PIECES,
         memory_budget: int | None = None,
         mask: AttentionMask | None = None,
+        layout: SequenceLayout | str | None = None,
     ):
         super().__init__()
         if dropout_p:
@@ -311,6 +322,9 @@ class SequenceParallelAttention(nn.Module):
             mask = (mask or AttentionMask()).merged(AttentionMask(window=tuple(window_size)))
         if backend is not None and backend not in backends.BACKENDS:
             raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
+        self.requested_layout = None if layout is None else as_layout(layout)
+        if layout is not None and backend is not None and backend not in LAYOUT_BACKENDS + ("local",):
+            raise ValueError(_layout_backend_error(self.requested_layout, backend))
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         if validate_inputs not in (True, False, "always"):
@@ -401,7 +415,24 @@ class SequenceParallelAttention(nn.Module):
         world = self._group_size()
         if backend == "local" or world == 1:
             return SequenceLayout("contiguous")
+        if self.requested_layout is not None:
+            return self._checked_layout(backend, world)
         return layout_for_backend(backend, group_size=world, ulysses_degree=self._ulysses_degree(world) if backend == "usp" else None)
+
+    def _checked_layout(self, backend: str, world: int) -> SequenceLayout:
+        """The ``layout=`` this module was built with, once it fits the resolved backend and group."""
+        layout = self.requested_layout
+        if backend not in LAYOUT_BACKENDS:
+            raise ValueError(_layout_backend_error(layout, backend))
+        u = self._ulysses_degree(world) if backend == "usp" else 1
+        if layout.ulysses_degree != u:
+            raise ValueError(
+                f"layout {layout} splits each ring rank over ulysses_degree={layout.ulysses_degree} ranks, but "
+                f"backend {backend!r} here runs "
+                + (f"usp with ulysses_degree={u}" if backend == "usp" else "its ring over every rank (ulysses_degree=1)")
+                + f": build the layout with ulysses_degree={u} (SequenceLayout.balanced_for(..., ulysses_degree={u}))")
+        padded_length(1, world, layout)  # a chunk table for another group size raises, naming the fix
+        return layout
 
     def raise_on_every_rank(self, error: Exception, q: torch.Tensor):
         """Raise ``error``, a caller's rejection of this call's inputs made before ``forward`` (the
@@ -884,6 +915,11 @@ def _mask_input_error(q, attn_mask: AttentionMask | None, sinks, world: int = 1)
     return None
 
 
+def _layout_backend_error(layout: SequenceLayout, backend: str) -> str:
+    return (f"layout={layout} needs a backend that runs on any layout, one of {LAYOUT_BACKENDS}; backend {backend!r} "
+            f"shards its own way: drop layout= or use one of those backends")
+
+
 def _signature(q, k, error, causal, backend, decision_inputs, layout, bounds, seq_len, scale, kv_pieces,
                attn_mask=None, sinks=None, *, kv_layout="sharded") -> tuple:
     """What every rank of the group must agree on, as numbers (one all-gather compares them)."""
@@ -896,13 +932,14 @@ def _signature(q, k, error, causal, backend, decision_inputs, layout, bounds, se
         KV_LAYOUTS.index(kv_layout) if kv_layout in KV_LAYOUTS else -1,
         0 if attn_mask is None and sinks is None else stable_hash(
             None if attn_mask is None else attn_mask.signature(), None if sinks is None else tuple(sinks.shape)),
+        stable_hash(layout.kind, layout.chunk_ranks),
     )
 
 
 _SIGNATURE_NAMES = ("error", "B", "S_local", "H", "D", "kB", "kS", "H_kv", "kD", "dtype", "causal", "backend",
                     "hash(auto_policy, hardware, ranks_per_node, memory_budget)", "ulysses_degree", "len(cu_seqlens)",
                     "hash(cu_seqlens)", "seq_len", "softmax_scale", "kv_pieces (0: auto)", "kv_layout",
-                    "hash(mask, sinks)")
+                    "hash(mask, sinks)", "hash(layout)")
 _FINGERPRINT_NAMES = ("sum(q)", "sum(k)", "sum(k by position)", "sum|k per position|", "k varies along the sequence",
                       "sum(v)", "sum|v per position|")
 """Numbers of the inputs' values, gathered with the signature but judged apart from it (Note [Cross-attention

@@ -16,11 +16,13 @@ sees, sent once). CPU gloo ranks, one thread each, fp32, causal.
    (its N/P queries and the W - 1 keys before them: the limit), and against the same ring with the mask ignored
    for traffic (``full ring``: every block passed on, with the whole-block ring's head-major copies and its
    dK/dV transfer behind the next block).
-3. Prefix-LM (``AttentionMask(bidirectional_spans=((0, s),))``, s = 10% and 50% of N, then causal) on ``ring`` and
-   ``zigzag_ring`` at N = 16K: bytes as above and, with ``--time``, the median fwd+bwd per rank against plain
-   causal attention at the same N and backend, alternating in one run; with the plan's kernel calls by kind
-   (``dense``: the masked kernel path; 0 when the plan cuts every block at the span's ends) and the rank's
-   visible (query, key) pairs over causal's, the work the span adds.
+3. Prefix-LM (``AttentionMask(bidirectional_spans=((0, s),))``, s = 10% and 50% of N, then causal) at N = 16K on
+   ``ring`` (contiguous layout) and ``zigzag_ring`` on its zigzag layout and on ``SequenceLayout.balanced_for`` the
+   span (``layout="balanced"``; Note [Balancing a mask's work] in ``lightning_sp/layout.py``): bytes as above and,
+   with ``--time``, the median fwd+bwd per rank against plain causal attention at the same N and backend on the
+   backend's own layout, every span and layout of one backend and causal alternating rep by rep in one set; with the plan's kernel
+   calls by kind (``dense``: the masked kernel path; 0 when the plan cuts every block at the span's ends) and the
+   rank's visible (query, key) pairs, next to causal's on the causal arm's layout.
 
 ``--publish`` writes ``benchmarks/masks/results/<date>_traffic-window-prefix.json``, replacing the rows of the
 worlds and sections this run measured and keeping the others (so one world at a time fits a short slot).
@@ -74,6 +76,21 @@ def _minimum_rows(layout, world, rank, n, mask) -> int:
     return total
 
 
+PREFIX_LAYOUTS = {"ring": ("contiguous",), "zigzag_ring": ("zigzag", "balanced")}
+"""Layouts each prefix backend runs on: its own, and for ``zigzag_ring`` the table balanced for the span."""
+
+
+def _prefix_layout(name, backend, world, n, user_mask):
+    """The ``SequenceLayout`` a prefix row runs on: the backend's own, or ``balanced_for`` the span."""
+    import torch.distributed as dist
+
+    from lightning_sp import SequenceLayout, SequenceParallelAttention
+
+    if name == "balanced":
+        return SequenceLayout.balanced_for(n, world, user_mask, causal=True)
+    return SequenceParallelAttention(causal=True, backend=backend, group=dist.group.WORLD).layout
+
+
 def _worker(rank, world, cases, reps):
     import torch
     import torch.distributed as dist
@@ -87,11 +104,13 @@ def _worker(rank, world, cases, reps):
 
     group = dist.group.WORLD
     rows = []
-    for what, backend, n, time_it, prefix in cases:
+    prefix_times = {}  # backend -> {arm: Timing}: every span and layout of one backend and causal, timed together
+    for what, backend, n, time_it, prefix, layout_name in cases:
         docs = protein_docs(n) if what == "docs" else None
         user_mask = (AttentionMask(window=(WINDOW - 1, 0)) if what == "window" else
                      AttentionMask(bidirectional_spans=((0, prefix),)) if what == "prefix" else None)
-        layout = SequenceParallelAttention(causal=True, backend=backend, group=group).layout
+        own_layout = SequenceParallelAttention(causal=True, backend=backend, group=group).layout
+        layout = _prefix_layout(layout_name, backend, world, n, user_mask) if what == "prefix" else own_layout
         g = torch.Generator().manual_seed(0)
         full = [torch.randn(1, n, hh, D, generator=g) for hh in (H, H_KV, H_KV, H)]
         shards = [shard_sequence(t, group, layout=layout) for t in full]
@@ -114,13 +133,14 @@ def _worker(rank, world, cases, reps):
             out.backward(shards[3])
             sent[follow] = (fwd, stats.total_bytes)
         row = {"case": what, "backend": backend, "N": n, "P": world, "rank": rank,
-               **({"prefix": prefix, "prefix_fraction": prefix / n} if what == "prefix" else {}),
+               **({"prefix": prefix, "prefix_fraction": prefix / n, "layout": layout_name,
+                   "layout_table": str(layout)} if what == "prefix" else {}),
                "forward_bytes": sent[True][0], "fwd_bwd_bytes": sent[True][1],
                "today_forward_bytes": sent[False][0], "today_fwd_bwd_bytes": sent[False][1],
                "minimum_forward_bytes": 2 * _minimum_rows(layout, world, rank, n, structured) * H_KV * D * BYTES,
                "full_causal_ring_forward_bytes": (world - 1) * 2 * n // world * H_KV * D * BYTES}
         if what == "prefix":
-            row.update(_plan_stats(layout, world, rank, n, structured))
+            row.update(_plan_stats(layout, own_layout, world, rank, n, structured))
         if time_it and what == "window":
             c = n // world
             lo = max(0, rank * c - (WINDOW - 1))
@@ -150,35 +170,46 @@ def _worker(rank, world, cases, reps):
                        ratio_to_limit=timings["ours"].median_s / timings["limit"].median_s,
                        ratio_to_full_ring=timings["ours"].median_s / timings["full_ring"].median_s)
         if time_it and what == "prefix":
-            prefix_lm = SequenceParallelAttention(causal=True, backend=backend, group=group, mask=user_mask,
-                                                  kv_pieces=1, kernel="sdpa", validate_inputs=False)
-            causal = SequenceParallelAttention(causal=True, backend=backend, group=group, kv_pieces=1, kernel="sdpa",
-                                               validate_inputs=False)
+            if backend not in prefix_times:  # every span and layout of this backend and plain causal, one set
+                arms = {}
+                for kind, other, other_n, _, span_end, name in cases:
+                    if kind == "prefix" and other == backend:
+                        m = AttentionMask(bidirectional_spans=((0, span_end),))
+                        lay = _prefix_layout(name, backend, world, other_n, m)
+                        arms[(span_end, name)] = (SequenceParallelAttention(
+                            causal=True, backend=backend, group=group, mask=m, kv_pieces=1, kernel="sdpa",
+                            validate_inputs=False, layout=lay), [shard_sequence(t, group, layout=lay) for t in full])
+                arms["causal"] = (SequenceParallelAttention(causal=True, backend=backend, group=group, kv_pieces=1,
+                                                            kernel="sdpa", validate_inputs=False),
+                                  [shard_sequence(t, group, layout=own_layout) for t in full])
 
-            def module(attn):
-                def run():
-                    q, k, v = (t.detach().clone().requires_grad_() for t in shards[:3])
-                    attn(q, k, v, seq_len=n).backward(shards[3])
-                return run
+                def module(attn, parts):
+                    def run():
+                        q, k, v = (t.detach().clone().requires_grad_() for t in parts[:3])
+                        attn(q, k, v, seq_len=n).backward(parts[3])
+                    return run
 
-            timings = time_alternating({"prefix_lm": module(prefix_lm), "causal": module(causal)}, warmup=1,
-                                       reps=reps, group=group)
-            row.update(prefix_lm_median_s=timings["prefix_lm"].median_s, causal_median_s=timings["causal"].median_s,
-                       ratio_to_causal=timings["prefix_lm"].median_s / timings["causal"].median_s)
+                prefix_times[backend] = time_alternating({arm: module(*a) for arm, a in arms.items()}, warmup=1,
+                                                         reps=reps, group=group)
+            timings = prefix_times[backend]
+            mine = timings[(prefix, layout_name)]
+            row.update(prefix_lm_median_s=mine.median_s, causal_median_s=timings["causal"].median_s,
+                       ratio_to_causal=mine.median_s / timings["causal"].median_s, reps=reps,
+                       prefix_lm_times_s=mine.wall_s, causal_times_s=timings["causal"].wall_s)
         rows.append(row)
     return rows
 
 
-def _plan_stats(layout, world, rank, n, structured) -> dict:
-    """This rank's kernel calls by kind over every source block, under the prefix-LM mask and plain causal (the
-    plans the two calls run), and the visible (query, key) pairs those calls compute (a CAUSAL square: its lower
-    triangle)."""
+def _plan_stats(layout, causal_layout, world, rank, n, structured) -> dict:
+    """This rank's kernel calls by kind over every source block, under the prefix-LM mask on ``layout`` and plain
+    causal on ``causal_layout`` (the plans the two timed calls run), and the visible (query, key) pairs those calls
+    compute (a CAUSAL square: its lower triangle)."""
     from lightning_sp.layout import runs_for_ranks
     from lightning_sp.ops.plan import plan_blocks
 
-    runs = [runs_for_ranks(layout, world, n, (r,)) for r in range(world)]
     out = {}
-    for name, mask in (("prefix_lm", structured), ("causal", None)):
+    for name, mask, lay in (("prefix_lm", structured, layout), ("causal", None, causal_layout)):
+        runs = [runs_for_ranks(lay, world, n, (r,)) for r in range(world)]
         kinds, pairs = {"full": 0, "causal": 0, "dense": 0}, 0
         for src in range(world):
             for c in plan_blocks(runs[rank], runs[src], causal=True, mask=mask):
@@ -189,19 +220,48 @@ def _plan_stats(layout, world, rank, n, structured) -> dict:
     return out
 
 
-def _section_rows(rows, worlds, sections):
-    """``rows`` less those of ``worlds`` x ``sections`` (what a new run replaces)."""
-    return [r for r in rows if not (r["P"] in worlds and r["case"] in sections)]
+def _work_only(worlds, n, fractions) -> list[dict]:
+    """Visible (query, key) pairs per rank of the prefix-LM plans (no process group, nothing timed): each
+    backend's layouts, ``fractions`` of ``n`` as the span, every world."""
+    from lightning_sp import AttentionMask, SequenceLayout
+
+    out = []
+    for world in worlds:
+        for backend, names in PREFIX_LAYOUTS.items():
+            own = SequenceLayout("contiguous") if backend == "ring" else SequenceLayout("zigzag")
+            for f in fractions:
+                mask = AttentionMask(bidirectional_spans=((0, int(f * n)),))
+                structured = mask.structured(causal=True, doc_bounds=None, padded_len=n)
+                for name in names:
+                    lay = SequenceLayout.balanced_for(n, world, mask) if name == "balanced" else own
+                    stats = [_plan_stats(lay, own, world, r, n, structured) for r in range(world)]
+                    prefix, causal = [s["prefix_lm_pairs"] for s in stats], [s["causal_pairs"] for s in stats]
+                    out.append({"backend": backend, "layout": name, "layout_table": str(lay), "N": n, "P": world,
+                                "prefix_fraction": f, "prefix_pairs_per_rank": prefix, "causal_pairs_per_rank": causal,
+                                "busiest_over_mean": max(prefix) / (sum(prefix) / world),
+                                "busiest_over_causal_busiest": max(prefix) / max(causal),
+                                "pairs_over_causal": sum(prefix) / sum(causal)})
+    return out
+
+
+def _section_rows(rows, worlds, sections, prefix_backends=tuple(PREFIX_LAYOUTS)):
+    """``rows`` less those of ``worlds`` x ``sections`` (what a new run replaces; prefix rows: of
+    ``prefix_backends`` only)."""
+    return [r for r in rows if not (r["P"] in worlds and r["case"] in sections
+                                    and (r["case"] != "prefix" or r["backend"] in prefix_backends))]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--sections", nargs="+", choices=("docs", "window", "prefix"), default=["docs", "window", "prefix"])
+    ap.add_argument("--work", action="store_true",
+                    help="print (and with --publish merge in) the prefix plans' pairs per rank at 10/25/50%% spans; "
+                         "no ranks are spawned, nothing is timed")
     ap.add_argument("--docs-len", type=int, default=16384)
     ap.add_argument("--window-lens", type=int, nargs="+", default=[16384, 32768, 65536])
     ap.add_argument("--prefix-len", type=int, default=16384)
-    ap.add_argument("--prefix-backends", nargs="+", default=["ring", "zigzag_ring"])
+    ap.add_argument("--prefix-backends", nargs="+", choices=sorted(PREFIX_LAYOUTS), default=["ring", "zigzag_ring"])
     ap.add_argument("--time", action="store_true", help="also time the window and prefix-LM cases")
     ap.add_argument("--reps", type=int, default=5)
     where = ap.add_mutually_exclusive_group()
@@ -213,23 +273,35 @@ def main(argv: list[str] | None = None) -> None:
     out = a.out
     if a.publish:
         out = RESULTS / f"{datetime.date.today().isoformat()}_traffic-window-prefix.json"
+    if a.work:
+        work = _work_only(a.worlds, a.prefix_len, (0.1, 0.25, 0.5))
+        for w in work:
+            print(f"P={w['P']} {w['backend']:12s} {w['layout']:10s} span {w['prefix_fraction']:.0%}: busiest/mean "
+                  f"{w['busiest_over_mean']:.3f}, busiest/causal's busiest {w['busiest_over_causal_busiest']:.3f}, "
+                  f"pairs/causal {w['pairs_over_causal']:.3f}  {w['layout_table']}")
+        if out is not None:
+            data = json.loads(out.read_text()) if out.exists() else {"meta": {}, "runs": [], "rows": []}
+            data["work"] = work
+            out.write_text(json.dumps(data, indent=1) + "\n")
+            print(f"wrote {out}")
+        return
     load_before = os.getloadavg()[0]
     rows = []
     for world in a.worlds:
         cases = []
         if "docs" in a.sections:
-            cases += [("docs", b, a.docs_len, False, None) for b in ("ring", "zigzag_ring", "allgather_kv")]
+            cases += [("docs", b, a.docs_len, False, None, None) for b in ("ring", "zigzag_ring", "allgather_kv")]
         if "window" in a.sections:
-            cases += [("window", "ring", n, a.time, None) for n in a.window_lens]
+            cases += [("window", "ring", n, a.time, None, None) for n in a.window_lens]
         if "prefix" in a.sections:
-            cases += [("prefix", b, a.prefix_len, a.time, int(f * a.prefix_len))
-                      for b in a.prefix_backends for f in PREFIX_FRACTIONS]
+            cases += [("prefix", b, a.prefix_len, a.time, int(f * a.prefix_len), name)
+                      for b in a.prefix_backends for f in PREFIX_FRACTIONS for name in PREFIX_LAYOUTS[b]]
         per_rank = run_on_ranks(_worker, world, (cases, a.reps), timeout_s=3000)
         for rank_rows in per_rank:
             rows += rank_rows
     mib = 2 ** 20
     for r in rows:
-        what = r["case"] + (f" s={r['prefix']}" if r["case"] == "prefix" else "")
+        what = r["case"] + (f" s={r['prefix']} {r['layout']}" if r["case"] == "prefix" else "")
         line = (f"{what:12s} {r['backend']:12s} N={r['N']:6d} P={r['P']} rank {r['rank']}: forward "
                 f"{r['forward_bytes'] / mib:7.3f} MiB (today {r['today_forward_bytes'] / mib:7.3f}, minimum "
                 f"{r['minimum_forward_bytes'] / mib:7.3f}, full causal ring {r['full_causal_ring_forward_bytes'] / mib:7.3f}); "
@@ -245,15 +317,18 @@ def main(argv: list[str] | None = None) -> None:
     if out is not None:
         meta = run_metadata(__file__, argv, ranks="gloo, one thread per rank", causal=True, heads=H, kv_heads=H_KV,
                             head_dim=D, dtype="float32", load_1m_before=load_before, load_1m_after=os.getloadavg()[0])
-        runs = [meta]
+        runs, extra = [meta], {}
         if a.publish and out.exists():  # keep the rows of the worlds and sections this run did not measure
             old = json.loads(out.read_text())
-            rows = _section_rows(old["rows"], a.worlds, a.sections) + rows
-            runs = [m for m in old.get("runs", [old["meta"]]) if not (set(m.get("worlds", ())) <= set(a.worlds)
-                                                                         and set(m.get("sections", ())) <= set(a.sections))] + runs
-        meta.update(worlds=a.worlds, sections=a.sections)
+            rows = _section_rows(old["rows"], a.worlds, a.sections, a.prefix_backends) + rows
+            extra = {k: v for k, v in old.items() if k not in ("meta", "runs", "rows")}  # e.g. --work's table
+            runs = [m for m in old.get("runs", [old["meta"]]) if not (
+                set(m.get("worlds", ())) <= set(a.worlds) and set(m.get("sections", ())) <= set(a.sections)
+                and ("prefix" not in m.get("sections", ())
+                     or set(m.get("prefix_backends", PREFIX_LAYOUTS)) <= set(a.prefix_backends)))] + runs
+        meta.update(worlds=a.worlds, sections=a.sections, prefix_backends=a.prefix_backends)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows}, indent=1) + "\n")
+        out.write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows, **extra}, indent=1) + "\n")
         print(f"wrote {out}")
 
 

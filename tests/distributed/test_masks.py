@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import AttentionMask, SequenceParallelAttention, gather_sequence, shard_sequence
-from lightning_sp.layout import padded_length
+from lightning_sp.layout import SequenceLayout, padded_length, token_indices
 from tests.distributed import multimodal_spans
 from tests.distributed.harness import run_on_ranks
 from tests.reference import dense_attention
@@ -160,7 +160,7 @@ def _worker(rank, world):
     return {"cases": cases, "pieces": pieces, "traffic": _traffic(group, world),
             "disagree": _disagreeing_masks(group, rank), "multimodal": multimodal_spans.span_cases(group, world),
             "padding": _padding_worker(group, world, rank), "relative_bias": _relative_bias_cases(group, world),
-            "bad_bucket_fn": _bucket_fn_out_of_range(group)}
+            "bad_bucket_fn": _bucket_fn_out_of_range(group), "balanced": _balanced_cases(group, world, rank)}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -456,3 +456,195 @@ def test_a_bucket_fn_out_of_the_table_raises_on_every_rank(grid):
     for rank, result in enumerate(per_rank):
         message = result["bad_bucket_fn"]
         assert message is not None and "outside the table's [0, 30) rows" in message, (world, rank, message)
+
+
+# ------------------------------------------------------------ balanced layouts (SequenceLayout.balanced_for, layout=)
+
+# name -> (bidirectional spans, with documents, kv_pieces, spans in the call): a 10% and a 50% prefix, two spans
+# among packed documents, K/V in pieces, and plain causal attention on the 50% prefix's table (no mask structure:
+# allgather_kv then gathers all K/V, the path the masked calls skip)
+BALANCED_MASKS = {
+    "prefix_10": (((0, 5),), False, 1, True),
+    "prefix_50": (((0, 21),), False, 1, True),
+    "two_spans_docs": (((0, 8), (17, 29)), True, 1, True),
+    "prefix_50_pieces": (((0, 21),), False, 3, True),
+    "causal_on_prefix_50_table": (((0, 21),), False, 1, False),
+}
+BALANCED_BACKENDS = ("ring", "zigzag_ring", "allgather_kv", "usp")
+N_BALANCED = 45  # no degree divides it; zigzag pads it to 48, which tables of 2 to 6 chunks per rank split too
+DOCS_BALANCED = (0, 11, 12, 30, N_BALANCED)
+
+
+def _balanced_case(group, world, backend, name, seed):
+    """One prefix-LM call on ``SequenceLayout.balanced_for``'s table: out, dq, dk, dv against dense fp64 attention
+    with the same spans; controls: the spans ignored, and the output gathered as if the layout were contiguous."""
+    n = N_BALANCED
+    spans, with_docs, pieces, spans_in_call = BALANCED_MASKS[name]
+    u = 2 if backend == "usp" else 1
+    mask = AttentionMask(bidirectional_spans=spans)
+    layout = SequenceLayout.balanced_for(n, world, mask, ulysses_degree=u)
+    if not spans_in_call:
+        mask = None
+    attn = SequenceParallelAttention(causal=True, backend=backend, group=group, mask=mask, kv_pieces=pieces,
+                                     ulysses_degree=u if backend == "usp" else None, layout=layout)
+    assert attn.layout == layout
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(1, n, hh, D, generator=g, dtype=torch.float64) for hh in (H, H_KV, H_KV, H))
+    cu = torch.tensor(DOCS_BALANCED, dtype=torch.int32) if with_docs else None
+    local = [shard_sequence(t, group, layout=layout) for t in (q, k, v, dout)]
+    for t in local[:3]:
+        t.requires_grad_()
+    out = attn(*local[:3], cu_seqlens=cu)
+    out.backward(local[3])
+    got = [gather_sequence(t, group, layout=layout, seq_len=n)
+           for t in (out.detach(), local[0].grad, local[1].grad, local[2].grad)]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = dense_attention(*leaves, causal=True, cu_seqlens=cu, mask=mask)
+    refs = [ref, *torch.autograd.grad(ref, leaves, dout)]
+    errors = [_err(a, b) for a, b in zip(got, refs)]
+    spans_ignored = _err(got[0], dense_attention(q, k, v, causal=True, cu_seqlens=cu)) if spans_in_call else None
+    as_contiguous = _err(gather_sequence(out.detach(), group, layout="contiguous", seq_len=n), ref)
+    n_pad = padded_length(n, world, layout)
+    zigzag = SequenceLayout("zigzag", u)
+    differs_from_zigzag = n_pad != padded_length(n, world, zigzag) or any(
+        not torch.equal(token_indices(layout, world, n_pad, r), token_indices(zigzag, world, n_pad, r))
+        for r in range(world))
+    return errors, spans_ignored, as_contiguous, differs_from_zigzag
+
+
+def _balanced_hf(group, world):
+    """A tiny float64 Llama through ``apply_sequence_parallel`` whose attention modules shard for a balanced table:
+    ``shard_inputs`` follows the modules' layout, so logits, loss and every gradient equal one process's; the
+    logits gathered as if zigzag miss."""
+    import torch.nn.functional as F
+
+    from lightning_sp import sequence_parallel_cross_entropy
+    from lightning_sp.integrations import transformers as integration
+    from tests.hf_tiny import clone, max_grad_diff, tiny_batch, tiny_model
+
+    n = N_BALANCED
+    base = tiny_model("llama")
+    batch = tiny_batch("llama", n)
+    ref = clone(base)
+    logits_ref = ref(input_ids=batch["input_ids"]).logits  # [1, N, V]
+    loss_ref = F.cross_entropy(logits_ref[:, : n - 1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+    loss_ref.backward()
+    out = {}
+    # the 10% prefix's tables (N = 45) differ from zigzag at every degree here, so the control can miss
+    for backend, u in (("zigzag_ring", 1),) + ((("usp", 2),) if world == 4 else ()):
+        layout = SequenceLayout.balanced_for(n, world, AttentionMask(bidirectional_spans=((0, 5),)), ulysses_degree=u)
+        model = integration.apply_sequence_parallel(clone(base), group=group, backend=backend,
+                                                    **({"ulysses_degree": u} if backend == "usp" else {}))
+        for m in integration._sp_modules(model):
+            m.requested_layout = layout
+        shard = integration.shard_inputs(batch, model)
+        labels = shard.pop("labels")
+        logits = model(**shard).logits  # [1, S_local, V]
+        loss = sequence_parallel_cross_entropy(logits, labels, group=group)
+        loss.backward()
+        full = gather_sequence(logits.detach(), group, layout=layout, seq_len=n)
+        as_zigzag = gather_sequence(logits.detach(), group, layout=SequenceLayout("zigzag", u), seq_len=n)
+        out[backend] = {"logits": _err(full, logits_ref), "loss": abs(float(loss.detach() - loss_ref.detach())),
+                        "grads": max_grad_diff(model, ref, group), "as_zigzag": _err(as_zigzag, logits_ref)}
+    return out
+
+
+def _balanced_cases(group, world, rank):
+    from lightning_sp.binding import bind_attention_modules
+    from lightning_sp.context import SequenceParallelContext
+    from lightning_sp.ops import ring_attention
+
+    out = {"cases": {}}
+    ring_attention.MIN_PIECE_TOKENS = 1  # pieces on short blocks
+    for i, backend in enumerate(BALANCED_BACKENDS):
+        if backend == "usp" and world != 4:
+            continue  # usp 2 x 2 only: at P = 2 its ring has one rank
+        for j, name in enumerate(BALANCED_MASKS):
+            out["cases"][(backend, name)] = _balanced_case(group, world, backend, name, seed=100 + 10 * i + j)
+    ring_attention.MIN_PIECE_TOKENS = 256
+    # the strategy's binding returns the modules' layout, the one batches are then sharded with
+    mask = AttentionMask(bidirectional_spans=((0, 32),))
+    layout = SequenceLayout.balanced_for(64, world, mask)
+    model = torch.nn.Sequential(SequenceParallelAttention(causal=True, mask=mask, layout=layout))
+    out["bound"] = bind_attention_modules(model, SequenceParallelContext(group=group, backend="zigzag_ring"),
+                                          backend="zigzag_ring", sequence_parallel_size=world) == layout
+    try:  # a strategy backend that shards its own way: raises at binding, naming the fix
+        bind_attention_modules(model, SequenceParallelContext(group=group, backend="ulysses"), backend="ulysses",
+                               sequence_parallel_size=world)
+        out["bound_ulysses"] = None
+    except ValueError as e:
+        out["bound_ulysses"] = str(e)
+    try:  # a table built for another group size
+        SequenceParallelAttention(causal=True, backend="ring", group=group,
+                                  layout=SequenceLayout.balanced_for(64, 2 * world, mask)).layout
+        out["wrong_size"] = None
+    except ValueError as e:
+        out["wrong_size"] = str(e)
+    # a table whose Ulysses split does not match the backend's: ring over every rank, and usp 2 x 2 with a plain table
+    mismatched = [SequenceParallelAttention(causal=True, backend="ring", group=group,
+                                            layout=SequenceLayout.balanced_for(64, world, mask, ulysses_degree=2))]
+    if world == 4:
+        mismatched.append(SequenceParallelAttention(causal=True, backend="usp", group=group, ulysses_degree=2,
+                                                    layout=SequenceLayout.balanced_for(64, world, mask)))
+    out["ulysses_mismatch"] = []
+    for attn in mismatched:
+        try:
+            attn.layout
+            out["ulysses_mismatch"].append(None)
+        except ValueError as e:
+            out["ulysses_mismatch"].append(str(e))
+    out["hf"] = _balanced_hf(group, world)
+    # ranks that shard with different tables raise together (the layout is part of the cross-rank signature)
+    table = tuple(range(world)) + tuple(reversed(range(world)))
+    mine = SequenceLayout.from_chunks(table if rank == 0 else tuple((r + 1) % world for r in table))
+    attn = SequenceParallelAttention(causal=True, backend="zigzag_ring", group=group, layout=mine)
+    q = torch.randn(1, 8, H, D, dtype=torch.float64)
+    try:
+        attn(q, q[:, :, :H_KV], q[:, :, :H_KV], seq_len=8 * world)
+        out["disagree"] = None
+    except ValueError as e:
+        out["disagree"] = str(e)
+    return out
+
+
+def test_balanced_layout_prefix_lm_matches_dense_fp64_on_every_backend_that_takes_it(grid):
+    """``SequenceLayout.balanced_for`` a prefix-LM mask (10%, 50%, two spans among packed documents, K/V in
+    pieces, plain causal on a span's table; N = 45), passed as ``layout=`` to ring, zigzag_ring, allgather_kv and usp (2 x 2): out, dq, dk, dv equal dense
+    float64 attention with the same spans; ignoring the spans, or reading the shards as contiguous, misses."""
+    world, per_rank = grid
+    result = per_rank[0]["balanced"]
+    cases = result["cases"]
+    assert len(cases) == len(BALANCED_MASKS) * (len(BALANCED_BACKENDS) - (world != 4))
+    failures = []
+    for key, (errors, spans_ignored, as_contiguous, _) in cases.items():
+        if max(errors) > TOL:
+            failures.append(f"{key}: out/dq/dk/dv errors {errors} > {TOL}")
+        if (spans_ignored is not None and spans_ignored < 1e-3) or as_contiguous < 1e-3:
+            failures.append(f"{key}: a control passed (spans ignored {spans_ignored}, read as contiguous "
+                            f"{as_contiguous})")
+    assert not failures, f"world={world}:\n" + "\n".join(failures)
+    assert any(case[3] for case in cases.values()), "every balanced table was zigzag's: the test tests nothing new"
+
+
+def test_hf_shard_inputs_follows_a_balanced_layout(grid):
+    world, per_rank = grid
+    for rank, result in enumerate(per_rank):
+        hf = result["balanced"]["hf"]
+        assert set(hf) == ({"zigzag_ring", "usp"} if world == 4 else {"zigzag_ring"}), hf
+        for backend, r in hf.items():
+            assert r["logits"] < 1e-12 and r["loss"] < 1e-12 and r["grads"] < 1e-12, (rank, backend, r)
+            assert r["as_zigzag"] > 1e-3, (rank, backend, r)
+
+
+def test_balanced_layout_binds_and_bad_layouts_raise_on_every_rank(grid):
+    world, per_rank = grid
+    for rank, result in enumerate(per_rank):
+        result = result["balanced"]
+        assert result["bound"], rank
+        assert result["bound_ulysses"] is not None and "drop layout=" in result["bound_ulysses"], result["bound_ulysses"]
+        assert result["wrong_size"] is not None and f"world_size={world}" in result["wrong_size"], result["wrong_size"]
+        assert result["disagree"] is not None and "hash(layout)" in result["disagree"], (rank, result["disagree"])
+        fixes = ["build the layout with ulysses_degree=1", "build the layout with ulysses_degree=2"][:world // 2]
+        assert len(result["ulysses_mismatch"]) == len(fixes), result["ulysses_mismatch"]
+        for message, fix in zip(result["ulysses_mismatch"], fixes):
+            assert message is not None and fix in message, (rank, message)
