@@ -244,11 +244,12 @@ def _work_only(worlds, n, fractions) -> list[dict]:
     return out
 
 
-def _section_rows(rows, worlds, sections, prefix_backends=tuple(PREFIX_LAYOUTS)):
+def _section_rows(rows, worlds, sections, prefix_backends=tuple(PREFIX_LAYOUTS), window_lens=None):
     """``rows`` less those of ``worlds`` x ``sections`` (what a new run replaces; prefix rows: of
-    ``prefix_backends`` only)."""
+    ``prefix_backends`` only; window rows: of ``window_lens`` only, all if ``None``)."""
     return [r for r in rows if not (r["P"] in worlds and r["case"] in sections
-                                    and (r["case"] != "prefix" or r["backend"] in prefix_backends))]
+                                    and (r["case"] != "prefix" or r["backend"] in prefix_backends)
+                                    and (r["case"] != "window" or window_lens is None or r["N"] in window_lens))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -320,13 +321,14 @@ def main(argv: list[str] | None = None) -> None:
         runs, extra = [meta], {}
         if a.publish and out.exists():  # keep the rows of the worlds and sections this run did not measure
             old = json.loads(out.read_text())
-            rows = _section_rows(old["rows"], a.worlds, a.sections, a.prefix_backends) + rows
+            rows = _section_rows(old["rows"], a.worlds, a.sections, a.prefix_backends, a.window_lens) + rows
             extra = {k: v for k, v in old.items() if k not in ("meta", "runs", "rows")}  # e.g. --work's table
             runs = [m for m in old.get("runs", [old["meta"]]) if not (
                 set(m.get("worlds", ())) <= set(a.worlds) and set(m.get("sections", ())) <= set(a.sections)
+                and ("window" not in m.get("sections", ()) or set(m.get("window_lens", ())) <= set(a.window_lens))
                 and ("prefix" not in m.get("sections", ())
                      or set(m.get("prefix_backends", PREFIX_LAYOUTS)) <= set(a.prefix_backends)))] + runs
-        meta.update(worlds=a.worlds, sections=a.sections, prefix_backends=a.prefix_backends)
+        meta.update(worlds=a.worlds, sections=a.sections, prefix_backends=a.prefix_backends, window_lens=a.window_lens)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows, **extra}, indent=1) + "\n")
         print(f"wrote {out}")
