@@ -197,8 +197,8 @@ def test_planner_prices_each_layers_window():
     masked = planner.plan(full, mask=AttentionMask(window=(511, 0)), **kw)
     assert masked.model.sliding_windows == windowed.sliding_windows
     assert [x.step_time_s for x in masked.candidates] == [x.step_time_s for x in planner.plan(windowed, **kw).candidates]
-    with pytest.raises(ValueError, match="spans, key padding, mask_mod and score_mod callables are not planned"):
-        planner.plan(full, mask=AttentionMask(bidirectional_spans=((0, 64),)), **kw)
+    with pytest.raises(ValueError, match="key padding, mask_mod and score_mod callables are not planned"):
+        planner.plan(full, mask=AttentionMask(key_padding=((0, 64),)), **kw)
     with pytest.raises(ValueError, match="one per layer"):
         attention_per_layer(replace(windowed, sliding_windows=((511, 0),)), c, *args)
 
