@@ -42,7 +42,10 @@ def test_a_half_prefix_at_p4_is_priced_below_zigzag_on_the_busiest_rank_and_reco
         assert (c.chunk_ranks is None) == (c.layout == own)
         if c.chunk_ranks is not None:
             assert c.sequence_layout() == table
-    # h100 preset, N = 64K: usp(ulysses=2) on the balanced table is the fastest layout (model output)
+    # h100 preset, N = 64K (docs/guides/planning.md quotes these): whole-block rings keep zigzag (fewer pairs on the
+    # busiest rank, but more and smaller calls), usp(ulysses=2) takes the table and is the fastest (model output)
+    kept = {(c.backend, c.kv_pieces): c.layout for c in priced if c.backend != "allgather_kv"}
+    assert kept[("zigzag_ring", 1)] == "zigzag" and kept[("usp", 1)].startswith("chunks("), kept
     rec = p.recommended
     assert (rec.backend, rec.ulysses_degree, rec.chunk_ranks) == ("usp", 2, SequenceLayout.balanced_for(
         N, 4, PREFIX, ulysses_degree=2).chunk_ranks)
