@@ -458,6 +458,8 @@ def test_a_balanced_layout_is_priced_on_its_own_runs_and_auto_picks_among_the_ba
     usp_table = SequenceLayout.balanced_for(n, 4, mask, ulysses_degree=2)
     choice = cm.choose_backend(shape, 4, H100, mask=mask, layout=usp_table)
     assert [(pr.backend, pr.ulysses_degree) for pr in choice.predictions] == [("usp", 2)]
+    with pytest.raises(ValueError, match="no backend runs on layout .* its sub-groups are not available"):
+        cm.choose_backend(shape, 4, H100, mask=mask, layout=usp_table, usp_allowed=False)
 
 
 @pytest.mark.parametrize("backend,kw,layout,match", [
