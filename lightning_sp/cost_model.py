@@ -62,6 +62,16 @@ Note [Cost model under a mask]
     ``comm_bytes`` is counted the same way with or without a mask (``rank_counts``: dK/dV sums in the accumulation
     dtype), so the two compare.
 
+Note [Cost model on a given layout]
+    ``predict_attention``, ``rank_counts``, ``choose_backend`` (and ``ops.schedule.rank_schedule``) take ``layout=``,
+    the ``SequenceLayout`` given to ``SequenceParallelAttention(layout=)`` (``ring``, ``zigzag_ring``,
+    ``allgather_kv``, ``usp``: ``LAYOUT_BACKENDS``), e.g. ``SequenceLayout.balanced_for`` a prefix-LM span (Note
+    [Balancing a mask's work] in ``layout.py``). Nothing else changes: every rank's runs are the layout's
+    (``runs_for_ranks``), planned by the same ``plan_blocks``, so the pairs, calls and bytes are what the backends
+    do on that layout (``tests/distributed/test_cost_model_counts.py``: a balanced table under a span, P = 2 and 4,
+    equal on real ranks). It is checked as the module checks it (``checked_layout``), with its errors. A chunk table
+    with more chunks per rank is priced with its extra runs: more, smaller kernel calls.
+
 Note [Cost model of score modifiers]
     A call whose mask has score modifiers (``AttentionMask.score_mods()``: softcap, ALiBi, a relative-position bias,
     ``score_mod``, ``mask_mod``) runs ``ops.kernels.ScoreModKernel``, the pure-PyTorch blockwise path, not the plain
@@ -656,6 +666,9 @@ class Prediction:
     score-modifying kernel (Note [Cost model of score modifiers])."""
     sinks: bool = False
     """Whether the sinks' per-row term was priced."""
+    layout: str = ""
+    """The ``SequenceLayout`` it was priced on when one was given (``str(layout)``, e.g. ``"chunks(0 1 1 0 1 0)"``);
+    ``""``: the backend's own."""
 
     @property
     def kernel_path(self) -> str:
@@ -729,17 +742,21 @@ def attention_transient_bytes(backend: str, shape: AttentionShape, world: int, *
 
 def predict_attention(backend: str, shape: AttentionShape, world: int, hw: HardwareProfile, *,
                       ulysses_degree: int | None = None, kv_pieces: int = 1, mask: "AttentionMask | None" = None,
-                      cu_seqlens=None, sinks: bool = False) -> Prediction:
+                      cu_seqlens=None, sinks: bool = False, layout=None) -> Prediction:
     """Model fwd+bwd time of one attention layer on one of ``world`` ranks (Note [Cost model of one
     attention layer]). ``ulysses_degree``: ``usp``'s inner degree (required for ``usp``);
     ``kv_pieces``: as ``SequenceParallelAttention(kv_pieces=)``, resolved to an int. ``mask`` (an
     ``AttentionMask``) and ``cu_seqlens`` (packed documents' global bounds ``[0, ..., seq_len]``): priced as the
     backends run them (Note [Cost model under a mask]); its score modifiers and ``sinks`` (gpt-oss's per-head sink
-    logits) as Note [Cost model of score modifiers]."""
+    logits) as Note [Cost model of score modifiers]. ``layout``: a ``SequenceLayout`` (e.g.
+    ``SequenceLayout.balanced_for``) the backend runs on, as ``SequenceParallelAttention(layout=)``, for ``ring``,
+    ``zigzag_ring``, ``allgather_kv`` and ``usp`` (Note [Cost model on a given layout]); ``None``: the backend's
+    own."""
     if backend not in MODEL_BACKENDS:
         raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {backend!r}")
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
+    layout = checked_layout(backend, world, ulysses_degree, layout)
     p, n, h, hkv, d = world, shape.seq_len, shape.num_heads, shape.num_kv_heads, shape.head_dim
     eb = shape.dtype_bytes * shape.batch
     u = None
@@ -764,9 +781,10 @@ def predict_attention(backend: str, shape: AttentionShape, world: int, hw: Hardw
         notes = f"U={u} x R={p // u}"
     pairs = 0.0
     if backend != "megatron_sp":
-        total, compute, comm = _schedule_time(backend, shape, p, hw, u, kv_pieces, sinks=sinks, **masking)
+        total, compute, comm = _schedule_time(backend, shape, p, hw, u, kv_pieces, sinks=sinks, layout=layout,
+                                              **masking)
         exposed = total - compute
-        counts = rank_counts(backend, shape, p, ulysses_degree=u, kv_pieces=kv_pieces, **masking)
+        counts = rank_counts(backend, shape, p, ulysses_degree=u, kv_pieces=kv_pieces, layout=layout, **masking)
         comm_bytes = max(sum(c.bytes_by_op.values()) for c in counts)  # counted (Note [Cost model under a mask])
         pairs = 0.0 if backend == "colossal" else max(c.pairs for c in counts)  # colossal: every score
     else:  # megatron_sp: TP+SP over the same ranks, attention half of the layer
@@ -784,7 +802,8 @@ def predict_attention(backend: str, shape: AttentionShape, world: int, hw: Hardw
     act = activation_bytes_per_layer(shape, backend, p) + attention_transient_bytes(backend, shape, p, ulysses_degree=u)
     return Prediction(backend=backend, world=p, ulysses_degree=u, compute_s=compute, comm_s=comm,
                       exposed_comm_s=max(exposed, 0.0), total_s=total, comm_bytes=comm_bytes,
-                      activation_bytes=act, notes=notes, attention_pairs=pairs, **path)
+                      activation_bytes=act, notes=notes, attention_pairs=pairs,
+                      layout="" if layout is None else str(layout), **path)
 
 
 @dataclass(frozen=True)
@@ -806,11 +825,14 @@ class RankCounts:
 
 
 def rank_counts(backend: str, shape: AttentionShape, world: int, *, ulysses_degree: int | None = None,
-                kv_pieces: int = 1, mask=None, cu_seqlens=None, ranks=None) -> list[RankCounts]:
+                kv_pieces: int = 1, mask=None, cu_seqlens=None, ranks=None, layout=None) -> list[RankCounts]:
     """Pairs computed and bytes sent per rank (``ranks``; default ``_modelled_ranks``), counted from each rank's
-    schedule under ``mask`` / ``cu_seqlens`` (Note [Cost model under a mask]), and which of the pairs run the
-    score-modifying kernel (Note [Cost model of score modifiers])."""
+    schedule under ``mask`` / ``cu_seqlens`` (Note [Cost model under a mask]) on ``layout`` (``None``: the
+    backend's own; Note [Cost model on a given layout]), and which of the pairs run the score-modifying kernel
+    (Note [Cost model of score modifiers])."""
     from lightning_sp.ops.schedule import rank_schedule  # here, not at import: ops loads torch
+
+    layout = checked_layout(backend, world, ulysses_degree, layout)
 
     modified = bool(score_mod_names(mask))
     eb = shape.dtype_bytes * shape.batch
@@ -819,7 +841,7 @@ def rank_counts(backend: str, shape: AttentionShape, world: int, *, ulysses_degr
     for r in (_modelled_ranks(world) if ranks is None else ranks):
         s = rank_schedule(backend, seq_len=shape.seq_len, world=world, rank=r, heads=shape.num_heads,
                           kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, causal=shape.causal,
-                          ulysses_degree=ulysses_degree, kv_pieces=kv_pieces, mask=mask,
+                          ulysses_degree=ulysses_degree, kv_pieces=kv_pieces, mask=mask, layout=layout,
                           doc_bounds=None if cu_seqlens is None else tuple(cu_seqlens))
         pairs = sum((c.q_len * (c.q_len + 1) / 2 if c.kind == "causal" else c.q_len * c.k_len) * c.heads
                     for c in s.calls() if not c.backward) * shape.batch
@@ -835,15 +857,46 @@ def rank_counts(backend: str, shape: AttentionShape, world: int, *, ulysses_degr
     return out
 
 
+LAYOUT_BACKENDS = ("ring", "zigzag_ring", "allgather_kv", "usp")
+"""Backends priced on a given ``layout=`` (``attention.LAYOUT_BACKENDS``: their plans work on any layout's runs)."""
+
+
+def checked_layout(backend: str, world: int, ulysses_degree: int | None, layout):
+    """``layout`` as ``SequenceParallelAttention(layout=)`` takes it for ``backend`` on ``world`` ranks (Note [Cost
+    model on a given layout]), with the module's errors: another backend, a Ulysses split other than the backend's,
+    a chunk table for another group size. ``None`` (the backend's own) for ``None`` and on one rank."""
+    if layout is None:
+        return None
+    from lightning_sp.layout import as_layout, padded_length  # here, not at import: layout loads torch
+
+    layout = as_layout(layout)
+    if backend not in LAYOUT_BACKENDS:
+        raise ValueError(f"layout={layout} needs a backend that runs on any layout, one of {LAYOUT_BACKENDS}; backend "
+                         f"{backend!r} shards its own way: drop layout= or use one of those backends")
+    if world == 1:
+        return None  # one rank attends over the whole sequence, as the module does
+    u = (ulysses_degree or 1) if backend == "usp" else 1
+    if layout.ulysses_degree != u:
+        raise ValueError(
+            f"layout {layout} splits each ring rank over ulysses_degree={layout.ulysses_degree} ranks, but backend "
+            f"{backend!r} here runs " + (f"usp with ulysses_degree={u}" if backend == "usp" else
+                                         "its ring over every rank (ulysses_degree=1)")
+            + f": build the layout with ulysses_degree={u} (SequenceLayout.balanced_for(..., ulysses_degree={u}))")
+    padded_length(1, world, layout)  # a chunk table for another group size raises, naming the fix
+    return layout
+
+
 def _modelled_ranks(world: int) -> list[int]:
     """Every rank up to 16; beyond, the first, second, middle and last (the backends' extremes)."""
     return list(range(world)) if world <= 16 else sorted({0, 1, world // 2, world - 1})
 
 
 def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: HardwareProfile, u: int | None,
-                   kv_pieces: int, mask=None, cu_seqlens=None, sinks: bool = False) -> tuple[float, float, float]:
-    """``(total, compute, link busy)`` seconds from the ranks' ``ops.schedule`` steps (Note [Per-call terms]); the
-    calls under ``mask``'s score modifiers and the ``sinks`` priced as Note [Cost model of score modifiers]."""
+                   kv_pieces: int, mask=None, cu_seqlens=None, sinks: bool = False,
+                   layout=None) -> tuple[float, float, float]:
+    """``(total, compute, link busy)`` seconds from the ranks' ``ops.schedule`` steps (Note [Per-call terms]) on
+    ``layout`` (``None``: the backend's own; Note [Cost model on a given layout]); the calls under ``mask``'s score
+    modifiers and the ``sinks`` priced as Note [Cost model of score modifiers]."""
     from lightning_sp.ops.schedule import rank_schedule  # here, not at import: ops loads torch (a light import)
 
     d, batch = shape.head_dim, shape.batch
@@ -857,9 +910,11 @@ def _schedule_time(backend: str, shape: AttentionShape, world: int, hw: Hardware
     bw, lat = hw.link(ring, stride=stride)
     msg = hw.message_time(world) if hw.message_s else 0.0
     overlapped_lat = 0.0 if hw.message_s else lat
+    layout = checked_layout(backend, world, u, layout)
     scheds = [rank_schedule(backend, seq_len=shape.seq_len, world=world, rank=r, heads=shape.num_heads,
                             kv_heads=shape.num_kv_heads, head_dim=d, causal=shape.causal, ulysses_degree=u,
-                            kv_pieces=kv_pieces, mask=mask, doc_bounds=cu_seqlens) for r in _modelled_ranks(world)]
+                            kv_pieces=kv_pieces, mask=mask, doc_bounds=cu_seqlens, layout=layout)
+              for r in _modelled_ranks(world)]
     ew_call, ew_elem = hw.elementwise_s
     mg_call, mg_elem = hw.merge_s
     mods = score_mod_names(mask)  # every call of the layer runs the score-modifying kernel (or none does)
@@ -979,17 +1034,27 @@ class AutoChoice:
 
 
 def choose_backend(shape: AttentionShape, world: int, hw: HardwareProfile, *, usp_allowed: bool = True,
-                   mask: "AttentionMask | None" = None, cu_seqlens=None, sinks: bool = False) -> AutoChoice:
+                   mask: "AttentionMask | None" = None, cu_seqlens=None, sinks: bool = False,
+                   layout=None) -> AutoChoice:
     """The fastest backend by the model among those exact on ``auto``'s zigzag layout: ``ulysses``
     (heads divisible by ``world``), ``zigzag_ring``, ``allgather_kv`` and ``usp`` for every inner
     degree ``1 < U < world`` dividing ``world`` and the heads (``usp_allowed=False`` when its
     sub-groups cannot be built). Ties go to the earlier of ``AUTO_LAYOUT_BACKENDS``. ``mask``,
     ``cu_seqlens``: every candidate priced under them (Note [Cost model under a mask]), score modifiers and
-    ``sinks`` too (Note [Cost model of score modifiers])."""
+    ``sinks`` too (Note [Cost model of score modifiers]). ``layout``: a ``SequenceLayout`` the data is sharded
+    for (e.g. ``SequenceLayout.balanced_for``): the candidates are then those that run on it, each priced on it (Note
+    [Cost model on a given layout]): ``zigzag_ring`` and ``allgather_kv`` for a layout without a Ulysses split,
+    ``usp`` at the layout's ``ulysses_degree`` otherwise; the others are listed in ``excluded`` with the reason."""
     if world < 2:
         raise ValueError(f"choose_backend needs a group of >= 2 ranks, got {world}")
     preds, excluded = [], {}
     masking = dict(mask=mask, cu_seqlens=cu_seqlens, sinks=sinks)
+    if layout is not None:
+        from lightning_sp.layout import as_layout, padded_length  # here, not at import: layout loads torch
+
+        layout = as_layout(layout)
+        padded_length(1, world, layout)  # a chunk table for another group size raises, naming the fix
+        return _choose_on_layout(shape, world, hw, layout, usp_allowed, masking)
     if shape.num_heads % world == 0:
         preds.append(predict_attention("ulysses", shape, world, hw, **masking))
     else:
@@ -1004,6 +1069,37 @@ def choose_backend(shape: AttentionShape, world: int, hw: HardwareProfile, *, us
             excluded[f"usp(ulysses={u})"] = f"num_heads={shape.num_heads} not divisible by {u}"
         else:
             preds.append(predict_attention("usp", shape, world, hw, ulysses_degree=u, **masking))
+    order = {b: i for i, b in enumerate(AUTO_LAYOUT_BACKENDS)}
+    best = min(preds, key=lambda p: (p.total_s, order[p.backend], p.ulysses_degree or 0))
+    return AutoChoice(backend=best.backend, ulysses_degree=best.ulysses_degree, predictions=preds,
+                      excluded=excluded, hardware=hw.name)
+
+
+def _choose_on_layout(shape: AttentionShape, world: int, hw: HardwareProfile, layout, usp_allowed: bool,
+                      masking: dict) -> AutoChoice:
+    """``choose_backend(layout=)``: the candidates that run on ``layout``, each priced on it."""
+    preds, excluded = [], {}
+    u = layout.ulysses_degree
+    why = f"does not run on the given layout {layout}"
+    excluded["ulysses"] = f"shards its own way: {why}"
+    for backend in ("zigzag_ring", "allgather_kv"):
+        if u == 1:
+            preds.append(predict_attention(backend, shape, world, hw, layout=layout, **masking))
+        else:
+            excluded[backend] = f"runs its ring over every rank: the layout splits each ring rank over {u} ranks"
+    for v in (v for v in range(2, world) if world % v == 0):
+        label = f"usp(ulysses={v})"
+        if v != u:
+            excluded[label] = f"the layout's ulysses_degree is {u}"
+        elif not usp_allowed:
+            excluded[label] = "its sub-groups are not available"
+        elif shape.num_heads % v:
+            excluded[label] = f"num_heads={shape.num_heads} not divisible by {v}"
+        else:
+            preds.append(predict_attention("usp", shape, world, hw, ulysses_degree=v, layout=layout, **masking))
+    if not preds:
+        raise ValueError(f"no backend runs on layout {layout} over {world} ranks here: "
+                         + "; ".join(f"{k}: {v}" for k, v in excluded.items()))
     order = {b: i for i, b in enumerate(AUTO_LAYOUT_BACKENDS)}
     best = min(preds, key=lambda p: (p.total_s, order[p.backend], p.ulysses_degree or 0))
     return AutoChoice(backend=best.backend, ulysses_degree=best.ulysses_degree, predictions=preds,

@@ -138,6 +138,10 @@ class ModelSpec:
     """A learned relative-position bias on every layer's scores (T5's buckets; its table gets a gradient)."""
     attention_sinks: bool = False
     """One learned sink logit per head on every layer (gpt-oss)."""
+    bidirectional_spans: tuple = ()
+    """``(start, end)`` spans of global positions every layer's causal attention sees whole (a prefix-LM's prefix,
+    ``AttentionMask(bidirectional_spans=)``; ``plan(mask=)``, ``--bidirectional-span``): priced on zigzag and on the
+    chunk table balanced for them (Note [Layouts for bidirectional spans])."""
     num_experts: int = 0
     """MoE: routed experts per layer (0: dense)."""
     experts_per_token: int = 0
@@ -184,9 +188,10 @@ class ModelSpec:
                                  "layers: one per layer ((left, right) or None for a window, an int or None for a chunk)")
         windows = self.sliding_windows or (None,) * self.num_layers
         chunks = self.chunk_sizes or (None,) * self.num_layers
+        spans = tuple(tuple(int(x) for x in span) for span in self.bidirectional_spans)
         return tuple(LayerAttention(window=None if w is None else tuple(w), chunk_size=c, softcap=self.attention_softcap,
                                     alibi=self.attention_alibi, relative_bias=self.relative_bias,
-                                    sinks=self.attention_sinks) for w, c in zip(windows, chunks))
+                                    sinks=self.attention_sinks, spans=spans) for w, c in zip(windows, chunks))
 
     @property
     def kv_heads(self) -> int:
@@ -384,6 +389,16 @@ class Candidate:
     step_time_s: float = 0.0
     tokens_per_s_per_device: float = 0.0
     max_seq_len: int = 0
+    layout: str = ""
+    """The sequence layout it shards for (``str(SequenceLayout)``: ``"contiguous"``, ``"zigzag"``,
+    ``"zigzag(ulysses=2)"``, or a chunk table ``"chunks(0 1 1 0 ...)"``, Note [Layouts for bidirectional spans])."""
+    chunk_ranks: tuple | None = None
+    """A chunk table's ``chunk_ranks`` (``SequenceLayout.from_chunks(chunk_ranks, ulysses_degree=...)``); ``None``:
+    the backend's own layout."""
+    layout_prices: dict = field(default_factory=dict)
+    """Layout -> ``{"attention_s": one layer's attention fwd+bwd (compute + exposed), "busiest_rank_pairs": its
+    busiest rank's query-key pairs}``, for each layout priced (zigzag and the balanced table; empty when only the
+    backend's own layout was)."""
 
     @property
     def label(self) -> str:
@@ -391,7 +406,17 @@ class Candidate:
         return (f"sp={self.sequence_parallel_size} dp={self.data_parallel_size} tp={self.tensor_parallel_size} "
                 f"{name} kv_pieces={self.kv_pieces} ckpt={'on' if self.activation_checkpointing else 'off'} "
                 f"loss={'tiled' if self.tiled_loss else 'whole'}"
-                + (f" mlp_chunk={self.mlp_chunk_tokens}" if self.mlp_chunk_tokens else ""))
+                + (f" mlp_chunk={self.mlp_chunk_tokens}" if self.mlp_chunk_tokens else "")
+                + (" layout=balanced" if self.chunk_ranks is not None else ""))
+
+    def sequence_layout(self):
+        """The ``SequenceLayout`` to give ``SequenceParallelAttention(layout=)`` / ``apply_sequence_parallel(layout=)``
+        (``None``: the backend's own)."""
+        if self.chunk_ranks is None:
+            return None
+        from lightning_sp.layout import SequenceLayout
+
+        return SequenceLayout.from_chunks(self.chunk_ranks, ulysses_degree=self.ulysses_degree or 1)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -430,6 +455,7 @@ class Plan:
                 "activation_checkpointing": rec.activation_checkpointing, "tiled_loss": rec.tiled_loss,
                 "peak_bytes_per_rank": rec.peak_bytes_per_rank, "step_time_s": rec.step_time_s,
                 "tokens_per_s_per_device": rec.tokens_per_s_per_device, "max_seq_len": rec.max_seq_len,
+                "layout": rec.layout, "chunk_ranks": None if rec.chunk_ranks is None else list(rec.chunk_ranks),
             },
             "attention_layers": attention_layers(self.model),
             "reason": self.reason,
@@ -676,6 +702,8 @@ class LayerAttention:
     alibi: bool = False
     relative_bias: bool = False
     sinks: bool = False
+    spans: tuple = ()
+    """Bidirectional spans ``((start, end), ...)`` (``ModelSpec.bidirectional_spans``)."""
 
     def mask(self, num_heads: int):
         """The ``AttentionMask`` of the layer's window and score modifiers (``None``: none), for ``num_heads`` heads
@@ -685,6 +713,8 @@ class LayerAttention:
         kw = {}
         if self.window is not None:
             kw["window"] = tuple(self.window)
+        if self.spans:
+            kw["bidirectional_spans"] = tuple(self.spans)
         if self.softcap is not None:
             kw["softcap"] = float(self.softcap)
         if self.alibi:
@@ -705,6 +735,8 @@ class LayerAttention:
         """``"window (511, 0), score-modifying kernel (softcap) + sinks"``: what the layer attends to and runs."""
         what = (f"window {tuple(self.window)}" if self.window is not None else "")
         what += (", " if what and self.chunk_size else "") + (f"chunks of {self.chunk_size}" if self.chunk_size else "")
+        if self.spans:
+            what += (", " if what else "") + "bidirectional " + " ".join(f"[{s}, {e})" for s, e in self.spans)
         mods = [m for m, on in (("softcap", self.softcap is not None), ("alibi", self.alibi),
                                 ("relative_bias", self.relative_bias)) if on]
         kernel = f"score-modifying kernel ({'+'.join(mods)})" if mods else "plain kernel"
@@ -768,19 +800,34 @@ def attention_per_layer(m: ModelSpec, c: "Candidate", seq_len: int, batch: int, 
     for kind in sorted(set(layers), key=repr):
         share = layers.count(kind) / len(layers)
         layer = _predicted_attention(c.backend, shape, c.sequence_parallel_size, hw, c.ulysses_degree, c.kv_pieces,
-                                     kind)
+                                     kind, c.sequence_layout())
         compute, exposed = compute + share * layer[0], exposed + share * layer[1]
     return compute, exposed
 
 
+def attention_pairs_per_layer(m: ModelSpec, c: "Candidate", seq_len: int, batch: int, act_bytes: int,
+                              hw: cost_model.HardwareProfile) -> float:
+    """Query-key pairs the busiest rank's forward computes in one attention layer on ``c``'s layout
+    (``Prediction.attention_pairs``), the mean over the model's layers as ``attention_per_layer``."""
+    layers = m.layer_attention()
+    shape = _attention_shape(m, seq_len, batch, c.tensor_parallel_size, act_bytes)
+    return sum(layers.count(kind) / len(layers)
+               * _predicted_attention(c.backend, shape, c.sequence_parallel_size, hw, c.ulysses_degree, c.kv_pieces,
+                                      kind, c.sequence_layout())[2] for kind in set(layers))
+
+
 @lru_cache(maxsize=4096)
-def _predicted_attention(backend, shape, sp, hw, ulysses_degree, kv_pieces, layer: LayerAttention) -> tuple[float, float]:
+def _predicted_attention(backend, shape, sp, hw, ulysses_degree, kv_pieces, layer: LayerAttention,
+                         layout=None) -> tuple[float, float, float]:
+    """``(compute, exposed communication, busiest rank's pairs)`` of one layer on ``layout`` (``None``: the
+    backend's own)."""
     masking = dict(mask=layer.mask(shape.num_heads), cu_seqlens=layer.cu_seqlens(shape.seq_len), sinks=layer.sinks)
     if sp > 1:
         pred = cost_model.predict_attention(backend, shape, sp, hw, ulysses_degree=ulysses_degree, kv_pieces=kv_pieces,
-                                            **masking)
-        return pred.compute_s, pred.exposed_comm_s
-    return cost_model.predict_attention("ring", shape, 1, hw, **masking).total_s, 0.0
+                                            layout=layout, **masking)
+        return pred.compute_s, pred.exposed_comm_s, pred.attention_pairs
+    pred = cost_model.predict_attention("ring", shape, 1, hw, **masking)
+    return pred.total_s, 0.0, pred.attention_pairs
 
 
 def attention_layers(m: ModelSpec) -> list[dict]:
@@ -1006,7 +1053,10 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
     ``model``: a ``ModelSpec``, a transformers config dict, or a path (``config.json`` or a lightning-sp YAML).
     ``mask``: an ``AttentionMask`` every layer uses: its ``window`` replaces the config's per-layer windows, its
     ``chunk_size`` (when set) the config's chunks, its score modifiers (softcap, ALiBi, relative bias) join the
-    config's (``None``: the config's; Note [Attention under per-layer masks]).
+    config's (``None``: the config's; Note [Attention under per-layer masks]); its ``bidirectional_spans`` (a
+    prefix-LM's prefix; a causal model, ends within ``seq_len``) go on every layer and each candidate that can shard
+    for them is priced on zigzag and on the chunk table balanced for them (Note [Layouts for bidirectional spans]); a
+    mask of spans alone keeps the config's windows, chunks and modifiers.
     ``devices``: devices per node. ``hardware``: a preset name or a calibrated profile file
     (``hardware_profile``). ``tensor_parallel`` / ``sequence_parallel``: fix a degree (``None``: every divisor).
     ``memory_budget_bytes``: per device (default: the preset's memory x ``USABLE_MEMORY_SHARE``; needed for a
@@ -1031,16 +1081,22 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
         if hw.memory_bytes is None:
             raise ValueError(f"hardware {hw.name!r} has no memory size: pass memory_budget_bytes (--memory-gib)")
         memory_budget_bytes = hw.memory_bytes * USABLE_MEMORY_SHARE
+    for start, end in model.bidirectional_spans:
+        if end > seq_len:
+            raise ValueError(f"bidirectional span ({start}, {end}) reaches past the sequence (seq_len={seq_len}): spans "
+                             f"are [start, end) global positions with end <= seq_len")
     world = devices * nodes
     kw = dict(batch=batch, precision=precision, data_parallel=data_parallel, hw=hw)
     cands = _candidates(model, world, hw, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel)
+    for c in cands:  # Note [Layouts for bidirectional spans]
+        choose_layout(model, c, seq_len=seq_len, batch=batch, act_bytes=PRECISIONS[precision], hw=hw)
     attention_times: dict[tuple, dict[str, float]] = {}
     for c in cands:
         c.memory = memory_bytes(model, c, seq_len=seq_len, **kw)
         c.peak_bytes_per_rank = sum(c.memory.values())
         c.fits = c.peak_bytes_per_rank <= memory_budget_bytes
         key = (c.backend, c.sequence_parallel_size, c.data_parallel_size, c.tensor_parallel_size, c.ulysses_degree,
-               c.kv_pieces, c.activation_checkpointing, c.tiled_loss)
+               c.kv_pieces, c.activation_checkpointing, c.tiled_loss, c.layout)
         if key not in attention_times:
             attention_times[key] = step_time(model, c, seq_len=seq_len, step_overhead_s=step_overhead_s, **kw)
         c.time = attention_times[key]
@@ -1063,6 +1119,7 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
         if slower is not None:
             reason += (f"; the next slower: {slower.label} at "
                        f"{slower.tokens_per_s_per_device / rec.tokens_per_s_per_device:.2f}x its tokens/s")
+        reason += _layout_reason(rec, seq_len)
     else:
         rec = cands[0] if cands else None
         reason = (f"no layout fits N={seq_len} in {memory_budget_bytes / 2**30:.1f} GiB per device; shown: the one "
@@ -1073,6 +1130,79 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
                 cheapest_change=_cheapest_change(model, rec, memory_budget_bytes, data_parallel, kw) if rec else "")
 
 
+# Note [Layouts for bidirectional spans]
+#     A bidirectional span (a prefix-LM's prefix) gives its rows the span's whole width, which unbalances zigzag (Note
+#     [Balancing a mask's work] in ``layout.py``). For a model with ``bidirectional_spans``, every candidate whose
+#     backend runs on a given layout (``cost_model.LAYOUT_BACKENDS``: ``zigzag_ring``, ``allgather_kv``, ``usp``) is
+#     priced on its own layout (zigzag) and on ``SequenceLayout.balanced_for(N, sp, AttentionMask(
+#     bidirectional_spans=...), ulysses_degree=U)`` (balanced for the spans and causality; windows, chunks and score
+#     modifiers are priced, not balanced for), both with ``cost_model.predict_attention(layout=)`` (Note [Cost model on
+#     a given layout]: the pairs and bytes the backends compute on it), and keeps the layout whose one layer's
+#     attention (compute + exposed communication) is predicted faster; ties keep zigzag. The candidate records it
+#     (``layout``, ``chunk_ranks``, ``Candidate.sequence_layout()`` for ``layout=``) and both prices
+#     (``layout_prices``), and the recommendation says which layout and why. A table equal to zigzag's (plain causal
+#     work) is not priced twice. ``ulysses`` and one rank shard their own way.
+
+
+def _own_layout_name(backend: str, sp: int, ulysses_degree: int | None) -> str:
+    """``str`` of the layout ``backend`` shards for on its own (``attention.layout_for_backend``)."""
+    if sp == 1 or backend in ("local", "ulysses", "ring", "colossal"):
+        return "contiguous"
+    return "zigzag" if backend != "usp" else f"zigzag(ulysses={ulysses_degree})"
+
+
+@lru_cache(maxsize=256)
+def _balanced_layout(seq_len: int, sp: int, spans: tuple, ulysses_degree: int):
+    """``SequenceLayout.balanced_for`` the spans (Note [Layouts for bidirectional spans]); cached: candidates share it."""
+    from lightning_sp.layout import SequenceLayout
+    from lightning_sp.masks import AttentionMask
+
+    return SequenceLayout.balanced_for(seq_len, sp, AttentionMask(bidirectional_spans=spans), causal=True,
+                                       ulysses_degree=ulysses_degree)
+
+
+def choose_layout(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, act_bytes: int,
+                  hw: cost_model.HardwareProfile) -> Candidate:
+    """Set ``c``'s layout (Note [Layouts for bidirectional spans]): its backend's own, or the chunk table balanced for
+    ``m``'s bidirectional spans when that is predicted faster; ``c.layout_prices`` records both. Returns ``c``."""
+    sp, u = c.sequence_parallel_size, c.ulysses_degree
+    c.layout, c.chunk_ranks, c.layout_prices = _own_layout_name(c.backend, sp, u), None, {}
+    if not (m.bidirectional_spans and m.causal and sp > 1 and c.backend in cost_model.LAYOUT_BACKENDS):
+        return c
+    table = _balanced_layout(seq_len, sp, tuple(tuple(x) for x in m.bidirectional_spans), u or 1)
+    ring = sp // (u or 1)
+    if table.chunk_ranks == tuple(range(ring)) + tuple(reversed(range(ring))):
+        return c  # zigzag's own table
+    args = (m, c, seq_len, batch, act_bytes, hw)
+    own = {"attention_s": sum(attention_per_layer(*args)), "busiest_rank_pairs": attention_pairs_per_layer(*args)}
+    c.chunk_ranks = table.chunk_ranks
+    balanced = {"attention_s": sum(attention_per_layer(*args)), "busiest_rank_pairs": attention_pairs_per_layer(*args)}
+    c.layout_prices = {c.layout: own, str(table): balanced}
+    if balanced["attention_s"] < own["attention_s"]:
+        c.layout = str(table)
+    else:
+        c.chunk_ranks = None
+    return c
+
+
+def _layout_reason(rec: Candidate, seq_len: int) -> str:
+    """What the recommendation says about its layout (Note [Layouts for bidirectional spans])."""
+    if len(rec.layout_prices) < 2:
+        return ""
+    (own_name, own), (table_name, table) = rec.layout_prices.items()
+    u = f", ulysses_degree={rec.ulysses_degree}" if rec.backend == "usp" else ""
+    how = (f"SequenceLayout.balanced_for({seq_len}, {rec.sequence_parallel_size}, "
+           f"AttentionMask(bidirectional_spans=...){u})")
+    figures = (f"busiest rank {table['busiest_rank_pairs']:.4g} query-key pairs per layer against {own_name}'s "
+               f"{own['busiest_rank_pairs']:.4g}, attention {table['attention_s'] * 1e3:.4g} against "
+               f"{own['attention_s'] * 1e3:.4g} ms per layer")
+    if rec.chunk_ranks is not None:
+        return (f"; layout: the chunk table balanced for the bidirectional spans, {table_name} ({how}; pass it as "
+                f"layout=): {figures}")
+    return (f"; layout: {own_name}, the backend's own: the chunk table balanced for the bidirectional spans "
+            f"({table_name}) is predicted slower: {figures}")
+
+
 def _every_layer(model: ModelSpec, mask) -> ModelSpec:
     """``model`` with ``mask`` on every layer: its window replaces the model's windows (none: no window), its chunk
     the model's chunks (when set), its score modifiers join the model's."""
@@ -1080,12 +1210,19 @@ def _every_layer(model: ModelSpec, mask) -> ModelSpec:
 
     if not isinstance(mask, AttentionMask):
         raise ValueError(f"mask must be a lightning_sp.AttentionMask, got {type(mask).__name__}")
-    if mask.bidirectional_spans or mask.mask_mod is not None or mask.score_mod is not None or mask.key_padding:
-        raise ValueError("the planner prices a sliding window, chunks and softcap/ALiBi/relative-bias score modifiers "
-                         "(mask=AttentionMask(window=(left, right), chunk_size=C, softcap=...)); spans, key padding, "
-                         "mask_mod and score_mod callables are not planned: leave them out")
+    if mask.mask_mod is not None or mask.score_mod is not None or mask.key_padding:
+        raise ValueError("the planner prices a sliding window, chunks, bidirectional spans and softcap/ALiBi/"
+                         "relative-bias score modifiers (mask=AttentionMask(window=(left, right), chunk_size=C, "
+                         "bidirectional_spans=((start, end),), softcap=...)); key padding, mask_mod and score_mod "
+                         "callables are not planned: leave them out")
+    if mask.bidirectional_spans and not model.causal:
+        raise ValueError(f"bidirectional_spans={mask.bidirectional_spans} need a causal model (a decoder): "
+                         f"{model.name} is an encoder, which attends bidirectionally everywhere; leave them out")
+    if mask.signature() == AttentionMask(bidirectional_spans=mask.bidirectional_spans).signature():
+        return replace(model, bidirectional_spans=mask.bidirectional_spans)  # spans alone: the config's attention + them
     layers = model.num_layers
     return replace(model, sliding_windows=() if mask.window is None else (tuple(mask.window),) * layers,
+                   bidirectional_spans=mask.bidirectional_spans,
                    chunk_sizes=model.chunk_sizes if mask.chunk_size is None else (mask.chunk_size,) * layers,
                    attention_softcap=model.attention_softcap if mask.softcap is None else float(mask.softcap),
                    attention_alibi=model.attention_alibi or mask.alibi_slopes is not None,
@@ -1134,6 +1271,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sliding-window", type=int, metavar="W",
                    help="every layer attends to a window of W tokens (a decoder: the W - 1 before each token, as "
                         "Hugging Face's sliding_window; an encoder: W // 2 each side); default: the config's windows")
+    p.add_argument("--bidirectional-span", action="append", default=[], metavar="START:END",
+                   help="global positions [START, END) every layer's causal attention sees whole (a prefix-LM's "
+                        "prefix, AttentionMask(bidirectional_spans=)); repeatable. Layouts are priced on zigzag and on "
+                        "the chunk table balanced for the spans")
     p.add_argument("--seq-len", type=int, required=True, help="global tokens per sequence")
     p.add_argument("--devices", type=int, required=True, help="devices per node")
     p.add_argument("--nodes", type=int, default=1)
@@ -1163,6 +1304,27 @@ def _window_mask(args, model):
     return AttentionMask(window=(w - 1, 0) if spec.causal else (w // 2, w // 2))
 
 
+def _merged(first, second):
+    return second if first is None else first.merged(second)
+
+
+def _span_mask(args):
+    """``--bidirectional-span START:END`` (repeated) as an ``AttentionMask`` (``None``: none given)."""
+    if not args.bidirectional_span:
+        return None
+    from lightning_sp.masks import AttentionMask
+
+    spans = []
+    for text in args.bidirectional_span:
+        try:
+            start, end = (int(x) for x in text.split(":"))
+        except ValueError:
+            raise ValueError(f"--bidirectional-span takes START:END (global positions, END exclusive), got {text!r}") \
+                from None
+        spans.append((start, end))
+    return AttentionMask(bidirectional_spans=tuple(sorted(spans)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -1175,7 +1337,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("pass --model PATH, or --layers, --hidden and --heads")
         result = plan(model, seq_len=args.seq_len, devices=args.devices, nodes=args.nodes, hardware=args.hardware,
                       precision=args.precision, data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel,
-                      sequence_parallel=args.sequence_parallel, batch=args.batch, mask=_window_mask(args, model),
+                      sequence_parallel=args.sequence_parallel, batch=args.batch,
+                      mask=_merged(_window_mask(args, model), _span_mask(args)),
                       memory_budget_bytes=args.memory_gib * 2**30 if args.memory_gib else None)
     except (ValueError, FileNotFoundError) as err:
         print(f"lightning-sp plan: {err}", file=sys.stderr)

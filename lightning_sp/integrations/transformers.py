@@ -100,7 +100,7 @@ from torch import nn
 
 from lightning_sp.attention import SequenceParallelAttention
 from lightning_sp.comm.collectives import all_reduce_sum
-from lightning_sp.layout import group_size_and_rank, padded_length, shard_sequence, token_indices
+from lightning_sp.layout import SequenceLayout, group_size_and_rank, padded_length, shard_sequence, token_indices
 from lightning_sp.loss import cross_entropy_sum
 from lightning_sp.masks import AttentionMask, padding_ranges
 
@@ -935,6 +935,7 @@ def apply_sequence_parallel(
     backend: str = "auto",
     ulysses_degree: int | None = None,
     kernel: str = "auto",
+    layout: "SequenceLayout | str | None" = None,
 ) -> nn.Module:
     """Make every attention layer of a transformers model run ``SequenceParallelAttention``. Idempotent.
 
@@ -948,6 +949,12 @@ def apply_sequence_parallel(
             ``"usp"``, ``"colossal"``, ``"local"``, ``"auto"``). Without ``group`` only ``"auto"`` (the strategy's
             choice) or ``"local"``.
         ulysses_degree, kernel: as for ``SequenceParallelAttention``.
+        layout: as ``SequenceParallelAttention(layout=)``, given to every replaced attention: the
+            ``SequenceLayout`` to shard for with ``backend`` ``"ring"``, ``"zigzag_ring"``, ``"allgather_kv"`` or
+            ``"usp"`` (e.g. ``SequenceLayout.balanced_for(N, P, AttentionMask(bidirectional_spans=...))`` for a
+            prefix-LM span); ``None``: the backend's own. ``shard_inputs`` shards with it. The same errors as the
+            module's: another backend raises here, a table for another group size or Ulysses degree raises here
+            when ``group`` is given (else when the strategy binds the model); the model is left unchanged.
 
     Returns the same model (modified in place): ``attn_implementation="lightning_sp"``, each attention
     layer with an ``sp_attention`` child (no parameters, so state dicts are unchanged), forward hooks
@@ -979,15 +986,19 @@ def apply_sequence_parallel(
     if not layers:
         _refuse_token_mixers(model)  # an SSM / RNN model (Mamba, RWKV): name what mixes its tokens
         raise ValueError(f"found no attention layers (modules with is_causal and config) in {type(model).__name__}")
+    # every module built (and, with a group, its layout checked) before the model changes: bad input leaves it as it was
+    replacements = [SequenceParallelAttention(
+        causal=bool(layer.is_causal), backend=None if group is None and backend == "auto" else backend,
+        group=group, ulysses_degree=ulysses_degree, kernel=kernel, layout=layout,
+    ) for layer in layers]
+    if layout is not None and group is not None:
+        replacements[0].layout  # a table for another group size or Ulysses degree raises, naming the fix
     state = getattr(model, _STATE_ATTR, None)
     if not isinstance(state, _State):
         state = _State()
         setattr(model, _STATE_ATTR, state)
-    for layer in layers:
-        layer.sp_attention = SequenceParallelAttention(
-            causal=bool(layer.is_causal), backend=None if group is None and backend == "auto" else backend,
-            group=group, ulysses_degree=ulysses_degree, kernel=kernel,
-        )
+    for layer, attention in zip(layers, replacements):
+        layer.sp_attention = attention
         setattr(layer, _STATE_ATTR, state)
     state.token_mixers = token_mixers_outside_attention(model)
     if group is not None and backend != "local" and group_size_and_rank(group)[0] > 1:

@@ -10,14 +10,17 @@ left/right), chunks, a bidirectional span, packed documents and documents with a
 module's own ``_doc_bounds``/``_mask_fields``: every rank's calls, the query-key pairs its forward computes and
 its bytes by ``CommStats`` operation equal ``cost_model.rank_counts``'; the pairs the calls leave visible sum,
 over the ranks, to the dense mask's. Negative control: the model without the mask misses the calls or bytes
-of every masked case, and the bytes of every case whose traffic follows the mask.
+of every masked case, and the bytes of every case whose traffic follows the mask. On a given layout (Note [Cost
+model on a given layout]): a 50% prefix-LM span on ``SequenceLayout.balanced_for`` its mask, zigzag_ring at P = 2
+and 4, allgather_kv and usp (2 x 2) at P = 4: calls, pairs and bytes equal ``rank_counts(layout=)``'s and the
+busiest rank computes fewer pairs than on zigzag; control: priced on zigzag, the pairs differ.
 
 ``backend="auto"`` prices the mask: on links slow enough that bytes decide, a causal sliding window makes it run
 ``zigzag_ring`` (whose traffic follows the window) where the same call without the mask runs ``ulysses`` (whose
 all-to-alls move every row); both exact against dense fp64 attention, and the window's bytes are the model's. Its
 measured policy times the candidates under the call's mask.
 
-Cost (2 cores): one spawn of 4 ranks, 16 plain + 58 masked small cases (N = 2048, D = 8), 2 auto calls and
+Cost (2 cores): one spawn of 4 ranks, 16 plain + 58 masked + 4 balanced-layout small cases (N = 2048, D = 8), 2 auto calls and
 two rounds of measured-policy trials: 32 s (2026-11-28, under load).
 """
 
@@ -29,6 +32,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_sp.layout import SequenceLayout
+from lightning_sp.masks import AttentionMask
 from tests.distributed.harness import run_on_ranks
 
 pytestmark = pytest.mark.distributed
@@ -100,7 +105,8 @@ def _expected(backend, u, causal, pieces, rank, world):
 
 def _worker(rank, world):
     torch.set_num_threads(1)
-    return {"plain": _plain_cases(rank, world), "masked": _masked_cases(rank, world), "auto": _auto_cases(rank, world)}
+    masked, balanced = _masked_cases(rank, world)
+    return {"plain": _plain_cases(rank, world), "masked": masked, "balanced": balanced, "auto": _auto_cases(rank, world)}
 
 
 def _plain_cases(rank, world):
@@ -161,9 +167,12 @@ MASKED_PIECES = ((2, "window", "zigzag_ring"), (2, "docs_window", "allgather_kv"
 """Cases run again with ``kv_pieces=4``: the traffic follows the mask piece by piece."""
 FOLLOWS = ("ring", "zigzag_ring", "allgather_kv", "usp")
 """Backends whose K/V traffic follows the mask (whole blocks; usp: its ring part)."""
+PREFIX = dict(bidirectional_spans=((0, N // 2),))
+"""A 50% prefix-LM span, run on ``SequenceLayout.balanced_for`` its mask (Note [Cost model on a given layout])."""
+BALANCED_CASES = ((2, "zigzag_ring", None), (4, "zigzag_ring", None), (4, "allgather_kv", None), (4, "usp", 2))
 
 
-def _masked_call(backend, u, world, kernel, stats, causal, fields, cu, pieces=1):
+def _masked_call(backend, u, world, kernel, stats, causal, fields, cu, pieces=1, layout=None):
     from lightning_sp.attention import _doc_bounds, _mask_fields
     from lightning_sp.masks import AttentionMask
     from lightning_sp.ops import backends
@@ -171,7 +180,8 @@ def _masked_call(backend, u, world, kernel, stats, causal, fields, cu, pieces=1)
 
     mask = None if fields is None else AttentionMask(**fields)
     doc_bounds = _doc_bounds(cu, N, N)  # the module's own resolution of documents and masks
-    return backends.AttentionCall(kernel=kernel, scale=D ** -0.5, causal=causal, layout=backend_layout(backend, u),
+    return backends.AttentionCall(kernel=kernel, scale=D ** -0.5, causal=causal,
+                                  layout=layout or backend_layout(backend, u),
                                   padded_len=N, doc_bounds=doc_bounds, stats=stats, kv_pieces=pieces,
                                   **_mask_fields(mask, None, causal, doc_bounds, N, follow=cu is not None)), mask
 
@@ -211,13 +221,18 @@ def _masked_cases(rank, world):
     rows = []
     grid = [(p, name, backend, u, 1) for p, cases in MASKED_BACKENDS.items() for name in MASKS for backend, u in cases]
     grid += [(p, name, backend, None, 4) for p, name, backend in MASKED_PIECES]
+    grid += [(p, "prefix_balanced", backend, u, 1) for p, backend, u in BALANCED_CASES]
+    balanced_rows = []
     for p, name, backend, u, pieces in grid:
         if rank >= p:
             continue
         group = pair if p == 2 else dist.group.WORLD
-        causal, fields, cu = MASKS[name]
+        causal, fields, cu = MASKS[name] if name in MASKS else (True, PREFIX, None)
+        layout = None
+        if name == "prefix_balanced":
+            layout = SequenceLayout.balanced_for(N, p, AttentionMask(**PREFIX), ulysses_degree=u or 1)
         kernel, stats = PairCountingKernel(make_kernel("sdpa")), CommStats()
-        call, mask = _masked_call(backend, u, p, kernel, stats, causal, fields, cu, pieces)
+        call, mask = _masked_call(backend, u, p, kernel, stats, causal, fields, cu, pieces, layout)
         g = torch.Generator().manual_seed(0)
         q = torch.randn(1, N // p, H, D, generator=g, requires_grad=True)
         k, v = (torch.randn(1, N // p, H_KV, D, generator=g, requires_grad=True) for _ in range(2))
@@ -242,6 +257,18 @@ def _masked_cases(rank, world):
         key = lambda c: (c.q_len, c.k_len, c.kind, c.heads, c.kv_heads, c.backward)  # noqa: E731
         counted = {op: float(b) for op, b in stats.bytes_by_op.items() if b}
         ran = Counter(kernel.calls)
+        if layout is not None:  # priced on the table (the model), and on the backend's own layout (the control)
+            model = rank_counts(backend, shape, p, ulysses_degree=u, mask=mask, layout=layout, ranks=[rank])[0]
+            on_zigzag = rank_counts(backend, shape, p, ulysses_degree=u, mask=mask, ranks=[rank])[0]
+            sched = rank_schedule(backend, seq_len=N, world=p, rank=rank, heads=H, kv_heads=H_KV, head_dim=D,
+                                  causal=True, ulysses_degree=u, mask=mask, layout=layout)
+            key = lambda c: (c.q_len, c.k_len, c.kind, c.heads, c.kv_heads, c.backward)  # noqa: E731
+            balanced_rows.append({
+                "case": (p, backend, u), "layout": str(layout), "calls_equal": ran == Counter(map(key, sched.calls())),
+                "pairs": (kernel.computed, model.pairs), "visible": kernel.visible, "bytes": (counted, model.bytes_by_op),
+                "zigzag_pairs": on_zigzag.pairs, "zigzag_bytes": on_zigzag.bytes_by_op,
+            })
+            continue
         rows.append({
             "case": (p, name, backend, u, pieces), "calls_equal": ran == Counter(map(key, sched.calls())),
             "n_calls": len(kernel.calls), "pairs": (kernel.computed, model.pairs), "visible": kernel.visible,
@@ -249,7 +276,7 @@ def _masked_cases(rank, world):
             "blind_misses_calls": ran != Counter(map(key, blind_sched.calls())),
             "blind_bytes": blind.bytes_by_op, "blind_pairs": blind.pairs,
         })
-    return rows
+    return rows, balanced_rows
 
 
 def _dense_visible(causal, fields, cu) -> int:
@@ -288,6 +315,30 @@ def test_cost_model_counts_equal_what_the_backends_do_under_masks(results):
     assert sum(zig["bytes"][0].values()) < 0.5 * sum(zig["blind_bytes"].values()), zig
     ring_docs = by_case[(2, "docs", "ring", None, 1)]
     assert sum(sum(r["bytes"][0].values()) for r in ring_docs) < sum(sum(r["blind_bytes"].values()) for r in ring_docs)
+
+
+def test_cost_model_prices_a_balanced_layout_as_the_backends_run_it(results):
+    """A 50% prefix-LM span on ``SequenceLayout.balanced_for`` its mask, ``layout=`` to the backend: every rank's
+    calls, pairs and bytes equal ``rank_counts(..., layout=)``'s; the busiest rank computes fewer pairs than on
+    zigzag. Control: the model on the backend's own layout (zigzag) misses the pairs."""
+    rows = [r for out in results for r in out["balanced"]]
+    assert len(rows) == sum(p for p, _, _ in BALANCED_CASES)
+    by_case = {}
+    for r in rows:
+        assert r["calls_equal"], r
+        assert r["pairs"][0] == r["pairs"][1] and r["bytes"][0] == r["bytes"][1], r
+        by_case.setdefault(r["case"], []).append(r)
+    dense = _dense_visible(True, PREFIX, None)
+    for case, case_rows in by_case.items():
+        assert sum(r["visible"] for r in case_rows) == dense, case
+        p, _, u = case
+        ring = p // (u or 1)
+        table = SequenceLayout.balanced_for(N, p, AttentionMask(**PREFIX), ulysses_degree=u or 1)
+        assert case_rows[0]["layout"] == str(table), case
+        assert table.chunk_ranks != tuple(range(ring)) + tuple(reversed(range(ring))), case  # not zigzag's table
+        # control: priced on zigzag, the same rank computes other pairs; the busiest rank computes more there
+        assert any(r["pairs"][1] != r["zigzag_pairs"] for r in case_rows), case
+        assert max(r["pairs"][1] for r in case_rows) < max(r["zigzag_pairs"] for r in case_rows), case
 
 
 # ------------------------------------------------------------------------------------------------

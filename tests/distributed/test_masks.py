@@ -533,10 +533,8 @@ def _balanced_hf(group, world):
     # the 10% prefix's tables (N = 45) differ from zigzag at every degree here, so the control can miss
     for backend, u in (("zigzag_ring", 1),) + ((("usp", 2),) if world == 4 else ()):
         layout = SequenceLayout.balanced_for(n, world, AttentionMask(bidirectional_spans=((0, 5),)), ulysses_degree=u)
-        model = integration.apply_sequence_parallel(clone(base), group=group, backend=backend,
+        model = integration.apply_sequence_parallel(clone(base), group=group, backend=backend, layout=layout,
                                                     **({"ulysses_degree": u} if backend == "usp" else {}))
-        for m in integration._sp_modules(model):
-            m.requested_layout = layout
         shard = integration.shard_inputs(batch, model)
         labels = shard.pop("labels")
         logits = model(**shard).logits  # [1, S_local, V]
@@ -546,6 +544,18 @@ def _balanced_hf(group, world):
         as_zigzag = gather_sequence(logits.detach(), group, layout=SequenceLayout("zigzag", u), seq_len=n)
         out[backend] = {"logits": _err(full, logits_ref), "loss": abs(float(loss.detach() - loss_ref.detach())),
                         "grads": max_grad_diff(model, ref, group), "as_zigzag": _err(as_zigzag, logits_ref)}
+    # bad layouts raise in apply_sequence_parallel, as SequenceParallelAttention(layout=) does, and leave the model as it was
+    span = AttentionMask(bidirectional_spans=((0, 5),))
+    bad = {"ulysses": dict(backend="ulysses", layout=SequenceLayout.balanced_for(n, world, span)),
+           "wrong_size": dict(backend="zigzag_ring", layout=SequenceLayout.balanced_for(n, 2 * world, span))}
+    out["errors"] = {}
+    for name, kwargs in bad.items():
+        model = clone(base)
+        try:
+            integration.apply_sequence_parallel(model, group=group, **kwargs)
+            out["errors"][name] = None
+        except ValueError as e:
+            out["errors"][name] = (str(e), integration._sp_modules(model) == [])
     return out
 
 
@@ -629,7 +639,11 @@ def test_balanced_layout_prefix_lm_matches_dense_fp64_on_every_backend_that_take
 def test_hf_shard_inputs_follows_a_balanced_layout(grid):
     world, per_rank = grid
     for rank, result in enumerate(per_rank):
-        hf = result["balanced"]["hf"]
+        hf = dict(result["balanced"]["hf"])
+        errors = hf.pop("errors")  # apply_sequence_parallel(layout=) with a bad layout: the module's error, model untouched
+        assert errors["ulysses"] is not None and "drop layout=" in errors["ulysses"][0] and errors["ulysses"][1], errors
+        assert (errors["wrong_size"] is not None and f"world_size={world}" in errors["wrong_size"][0]
+                and errors["wrong_size"][1]), errors
         assert set(hf) == ({"zigzag_ring", "usp"} if world == 4 else {"zigzag_ring"}), hf
         for backend, r in hf.items():
             assert r["logits"] < 1e-12 and r["loss"] < 1e-12 and r["grads"] < 1e-12, (rank, backend, r)

@@ -197,8 +197,8 @@ def test_planner_prices_each_layers_window():
     masked = planner.plan(full, mask=AttentionMask(window=(511, 0)), **kw)
     assert masked.model.sliding_windows == windowed.sliding_windows
     assert [x.step_time_s for x in masked.candidates] == [x.step_time_s for x in planner.plan(windowed, **kw).candidates]
-    with pytest.raises(ValueError, match="spans, key padding, mask_mod and score_mod callables are not planned"):
-        planner.plan(full, mask=AttentionMask(bidirectional_spans=((0, 64),)), **kw)
+    with pytest.raises(ValueError, match="key padding, mask_mod and score_mod callables are not planned"):
+        planner.plan(full, mask=AttentionMask(key_padding=((0, 64),)), **kw)
     with pytest.raises(ValueError, match="one per layer"):
         attention_per_layer(replace(windowed, sliding_windows=((511, 0),)), c, *args)
 
@@ -425,3 +425,68 @@ def test_planner_reads_each_layers_attention_path_from_hf_configs(capsys):
                           hardware="h100", sequence_parallel=4, tensor_parallel=1)
     assert attention_layers(masked.model) == [{"layers": [0, 1, 2, 3],
                                                "attention": "chunks of 4096, score-modifying kernel (softcap)"}]
+
+
+# ------------------------------------------------------------------------------------------------ on a given layout
+
+
+def test_a_balanced_layout_is_priced_on_its_own_runs_and_auto_picks_among_the_backends_that_take_it():
+    """Note [Cost model on a given layout]: a 50% prefix-LM span at P = 2 and 4 on ``balanced_for`` its mask: the
+    busiest rank computes fewer pairs than on zigzag, the total over the ranks is the same visible work plus what
+    the calls compute beyond it; ``layout="zigzag"`` prices exactly as the default (control). ``choose_backend``
+    on the table prices only the backends that run on it."""
+    from lightning_sp.layout import SequenceLayout
+
+    n = 4096
+    mask = AttentionMask(bidirectional_spans=((0, n // 2),))
+    shape = cm.AttentionShape(seq_len=n, num_heads=8, num_kv_heads=4, head_dim=64)
+    for p in (2, 4):
+        table = SequenceLayout.balanced_for(n, p, mask)
+        for backend in ("ring", "zigzag_ring", "allgather_kv"):
+            own = cm.predict_attention(backend, shape, p, H100, mask=mask)
+            zig = cm.predict_attention(backend, shape, p, H100, mask=mask, layout="zigzag")
+            bal = cm.predict_attention(backend, shape, p, H100, mask=mask, layout=table)
+            if backend != "ring":  # control: the backend's own layout given explicitly prices the same
+                assert (zig.attention_pairs, zig.total_s, zig.comm_bytes) == (own.attention_pairs, own.total_s,
+                                                                             own.comm_bytes)
+            assert bal.layout == str(table) and own.layout == ""
+            assert bal.attention_pairs < zig.attention_pairs, (p, backend)
+        choice = cm.choose_backend(shape, p, H100, mask=mask, layout=table)
+        assert {pr.backend for pr in choice.predictions} == {"zigzag_ring", "allgather_kv"}
+        assert all(pr.layout == str(table) for pr in choice.predictions)
+        assert "ulysses" in choice.excluded
+    usp_table = SequenceLayout.balanced_for(n, 4, mask, ulysses_degree=2)
+    choice = cm.choose_backend(shape, 4, H100, mask=mask, layout=usp_table)
+    assert [(pr.backend, pr.ulysses_degree) for pr in choice.predictions] == [("usp", 2)]
+    with pytest.raises(ValueError, match="no backend runs on layout .* its sub-groups are not available"):
+        cm.choose_backend(shape, 4, H100, mask=mask, layout=usp_table, usp_allowed=False)
+
+
+@pytest.mark.parametrize("backend,kw,layout,match", [
+    ("ulysses", {}, "table", "drop layout= or use one of those backends"),
+    ("colossal", {}, "table", "drop layout="),
+    ("zigzag_ring", {}, "usp_table", "build the layout with ulysses_degree=1"),
+    ("usp", {"ulysses_degree": 2}, "table", "build the layout with ulysses_degree=2"),
+    ("zigzag_ring", {}, "table_for_8", "world_size=4"),
+])
+def test_a_layout_the_backend_cannot_take_raises_as_the_module_does(backend, kw, layout, match):
+    from lightning_sp.layout import SequenceLayout
+
+    mask = AttentionMask(bidirectional_spans=((0, 512),))
+    layouts = {"table": SequenceLayout.balanced_for(1024, 4, mask),
+               "usp_table": SequenceLayout.balanced_for(1024, 4, mask, ulysses_degree=2),
+               "table_for_8": SequenceLayout.balanced_for(1024, 8, mask)}
+    shape = cm.AttentionShape(seq_len=1024, num_heads=8, num_kv_heads=4, head_dim=64)
+    with pytest.raises(ValueError, match=match):
+        cm.predict_attention(backend, shape, 4, H100, mask=mask, layout=layouts[layout], **kw)
+    with pytest.raises(ValueError, match=match):
+        cm.rank_counts(backend, shape, 4, mask=mask, layout=layouts[layout], **kw)
+    if layout == "table_for_8":
+        with pytest.raises(ValueError, match=match):
+            cm.choose_backend(shape, 4, H100, mask=mask, layout=layouts[layout])
+
+
+def test_the_cost_models_layout_backends_are_the_modules():
+    from lightning_sp.attention import LAYOUT_BACKENDS
+
+    assert cm.LAYOUT_BACKENDS == LAYOUT_BACKENDS
