@@ -329,6 +329,8 @@ def time_summary(data, path) -> str:
     """One line: a step-time run's command, date, allocator and errors (a repeat of ``time_validation``'s rows)."""
     s = data["summary"]
     allocator = "; glibc keeps freed memory" if "allocator" in data else ""
+    if "repredicted" in data:
+        allocator += f"; predictions recomputed by `{data['repredicted']['command']}`"
     return (f"`{data['command']}` ({data['date'][:16].replace('T', ' ')} UTC{allocator}): {s['rows']} rows, step time "
-            f"mean error **{100 * s['mean_abs_error']:.1f}%**, worst {100 * s['max_abs_error']:.1f}%, every row "
-            + ("predicted short." if all(r["error"] < 0 for r in data["rows"]) else "not all predicted short."))
+            f"mean error **{100 * s['mean_abs_error']:.1f}%**, worst {100 * s['max_abs_error']:.1f}%, "
+            + (f"{sum(r['error'] < 0 for r in data['rows'])} of {s['rows']} rows predicted short."))
