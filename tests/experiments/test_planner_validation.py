@@ -57,7 +57,8 @@ def test_committed_grid_is_the_current_planners_prediction_of_its_measured_rows(
     assert {row["world"] for row in committed["rows"]} == {2, 4}
 
 
-@pytest.mark.parametrize("name", ["planner_time_validation.json", "planner_time_validation_warm_pages.json",
+@pytest.mark.parametrize("name", ["planner_time_validation.json", "planner_time_validation_rerun.json",
+                                  "planner_time_validation_warm_pages.json",
                                   "planner_time_validation_warm_pages_rerun.json"])
 def test_committed_step_times_are_consistent_and_not_calibrated_on_their_rows(name):
     """The committed step-time validations (``run.py --time`` / ``--recommend``; with glibc keeping freed memory, and
