@@ -36,13 +36,14 @@ Note [Step model]
 
     time = L x (attention fwd+bwd + the linear layers' FLOPs at ``matmul_flops`` + elementwise passes at the
            profile's per-element cost) + the output head + TP's all-gathers/reduce-scatters + the part of the
-           gradient all-reduce not hidden by backward + a fixed time per step (the training loop; calibrated,
+           gradient all-reduce not hidden by backward + the waits for the slowest rank at each synchronization
+           (calibrated profiles only, Note [Rank skew]) + a fixed time per step (the training loop; calibrated,
            0 unless given),
     with one more forward of every layer under activation checkpointing and of the MLP with the tiled MLP;
     ranks that share a CPU's cores compute proportionally slower. A profile with measured layer rates (Note
     [Layer rates]: the CPU's calibration) prices the linear layers at the rate of their own shapes, the elementwise
     passes at the measured cost of the code that runs the layer (``ModelSpec.implementation``), and adds the loss's
-    and AdamW's update's measured costs; its kernel table prices the attention's calls at their own head dim (Note
+    (at the model's vocabulary) and AdamW's update's measured costs and the rank-skew waits; its kernel table prices the attention's calls at their own head dim (Note
     [Kernel table below the smallest head dim] in ``cost_model``). Not modelled: the data loader, kernel launch gaps
     (on GPU, the optimizer's update), and on CPU the pages glibc's allocator hands back to the system and faults in
     again every step (3-17% of four of the validated steps; Note [Fresh pages] in ``experiments/cost_model/NOTES.md``).
@@ -385,7 +386,8 @@ class Candidate:
     peak_bytes_per_rank: float = 0.0
     fits: bool = False
     time: dict[str, float] = field(default_factory=dict)
-    """Seconds per step by part (attention compute, exposed communication, the rest)."""
+    """Seconds per step by part (attention compute, exposed communication, the rest, the waits for the slowest rank,
+    the fixed time)."""
     step_time_s: float = 0.0
     tokens_per_s_per_device: float = 0.0
     max_seq_len: int = 0
@@ -547,10 +549,48 @@ _EXTRA_PRESETS = {
 #                     element of that layer and pass, the slope between 256 and 1024 tokens (the per-call part is
 #                     Python's, priced with the fixed time per step); the other implementations pay ``elementwise_s``
 #       loss_s        seconds per logit of the cross-entropy's forward + backward
+#       loss_by_vocab ``(vocab, seconds per logit)``: ``loss_s`` at each measured vocabulary (the per-logit cost grows
+#                     with ``V``: 3.4 ns at 1024, 5.2 at 4096 on this VM), log-interpolated in ``V`` and clamped; used
+#                     in place of ``loss_s`` when present
 #       optimizer_s   seconds per parameter of one AdamW step (PyTorch's default on CPU), on the rank's share of the
 #                     parameters (FSDP: ``1 / (dp sp)``)
+#       sync_wait     ``(ranks, compute between synchronizations s, wait s)``: Note [Rank skew]
 #     A profile carries them as ``PlannerProfile.layer_rates`` (``with_layer_rates``; a profile file's ``"layer_rates"``
 #     key); without them ``step_time`` uses ``matmul_flops`` and ``elementwise_s`` as before (the GPU presets).
+
+
+# Note [Rank skew]
+#     Ranks that run the same work do not finish it at the same moment (the cores' other work, the scheduler, caches),
+#     and every collective waits for the slowest: a step pays, at each synchronization, the spread of the ranks'
+#     clocks accumulated since the previous one. The spread grows with the compute between two synchronizations, but
+#     slower than it (on this VM, two ranks: 0.34 ms after 1.4 ms of compute, 0.82 after 5.4, 1.3 after 22), so the
+#     wait is priced per synchronization, ``wait(P, c)`` at ``c`` = the step's compute / its synchronizations, log-log
+#     interpolated over a micro-benchmark's points (below the smallest ``c`` in proportion to it: a tiny model's
+#     synchronizations, a fraction of a millisecond apart, wait little) (``experiments/planner/run.py --calibrate-sync``: rounds of a
+#     chunk of matmuls then a one-float all-reduce, against the same chunks with no collective, all ranks computing
+#     at once, and the all-reduces alone; none of the validated steps), the nearest measured world size at or below
+#     ``P``. The synchronizations of a step (``sync_points``), per layer and pass (forward, backward, the recomputed
+#     forward): the ring's ``P_ring - 1`` exchanges, all-gather's one, Ulysses' two (before and after the kernel;
+#     the inputs' all-to-alls run back to back), USP's both, FSDP's block all-gather; and DDP's gradient all-reduce
+#     once per step. Only calibrated profiles carry it (``LayerRates.sync_wait``): the GPU presets have no CPU
+#     terms, and a GPU's ranks are not time-shared.
+
+
+def sync_points(m: "ModelSpec", c: "Candidate", data_parallel: str) -> int:
+    """The synchronizations of one rank's step that wait for the other ranks (Note [Rank skew])."""
+    sp, dp = c.sequence_parallel_size, c.data_parallel_size
+    passes = 3 if c.activation_checkpointing else 2
+    ulysses = c.ulysses_degree if c.backend == "usp" else (sp if c.backend == "ulysses" else 1)
+    ring = sp // ulysses
+    per_layer_pass = 0
+    if sp > 1:
+        if c.backend == "allgather_kv":
+            per_layer_pass = 1
+        else:
+            per_layer_pass = (ring - 1) + (2 if ulysses > 1 else 0)
+    if dp * sp > 1 and data_parallel == "fsdp":
+        per_layer_pass += 1
+    return m.num_layers * passes * per_layer_pass + (1 if dp * sp > 1 and data_parallel == "ddp" else 0)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -568,6 +608,10 @@ class LayerRates:
     implementation_elementwise_s: tuple[tuple[str, float], ...] = ()
     """``(ModelSpec.implementation, seconds)``: ``elementwise_s`` of the code that runs the layer where it was measured
     apart (``"hf"``: transformers' decoder layer's small ops); the others pay ``elementwise_s``."""
+    loss_by_vocab: tuple[tuple[int, float], ...] = ()
+    """``(vocab, seconds per logit)`` of the loss; in place of ``loss_s`` when given."""
+    sync_wait: tuple[tuple[int, float, float], ...] = ()
+    """``(ranks, compute between synchronizations s, wait per synchronization s)`` (Note [Rank skew])."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -577,10 +621,36 @@ class LayerRates:
         for name in ("elementwise_s", "loss_s", "optimizer_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LayerRates.{name} must be >= 0, got {getattr(self, name)}")
+        if any(v < 1 or t <= 0 for v, t in self.loss_by_vocab):
+            raise ValueError(f"LayerRates.loss_by_vocab needs (vocab >= 1, seconds > 0) pairs, got {self.loss_by_vocab}")
+        if any(w < 2 or cs <= 0 or t <= 0 for w, cs, t in self.sync_wait):
+            raise ValueError(f"LayerRates.sync_wait needs (ranks >= 2, compute s > 0, wait s > 0) points, got "
+                             f"{self.sync_wait}")
         for impl, seconds in self.implementation_elementwise_s:
             if impl not in IMPLEMENTATIONS or seconds < 0:
                 raise ValueError(f"LayerRates.implementation_elementwise_s needs (one of {IMPLEMENTATIONS}, seconds >= 0) "
                                  f"pairs, got {(impl, seconds)}")
+
+    def loss_per_logit(self, vocab: int) -> float:
+        """Seconds per logit of the loss at ``vocab`` (Note [Layer rates]): ``loss_by_vocab`` log-interpolated in
+        ``vocab`` and clamped, else ``loss_s``."""
+        if not self.loss_by_vocab:
+            return self.loss_s
+        return _log_interp(sorted(self.loss_by_vocab), vocab)
+
+    def wait_per_sync(self, ranks: int, compute_s: float) -> float:
+        """Seconds one synchronization of ``ranks`` waits for the slowest after ``compute_s`` of compute (Note [Rank
+        skew]): the nearest measured world at or below ``ranks`` (else the smallest), log-log interpolated in the
+        compute; below the smallest measured compute in proportion to it (no compute, no spread), above the largest
+        clamped; 0 without a measurement or with one rank."""
+        if ranks < 2 or not self.sync_wait or compute_s <= 0:
+            return 0.0
+        worlds = sorted({w for w, _, _ in self.sync_wait})
+        world = max([w for w in worlds if w <= ranks], default=worlds[0])
+        points = sorted((c, t) for w, c, t in self.sync_wait if w == world)
+        if compute_s < points[0][0]:
+            return points[0][1] * compute_s / points[0][0]
+        return _log_interp(points, compute_s)
 
     def elementwise_for(self, implementation: str) -> float:
         """Seconds per element per pass of the small ops of the layers ``implementation`` runs (Note [Layer rates])."""
@@ -613,7 +683,19 @@ class LayerRates:
         return cls(matmul_table=tuple((int(t), int(c), float(r)) for t, c, r in d["matmul_table"]),
                    elementwise_s=float(d["elementwise_s"]), loss_s=float(d["loss_s"]),
                    optimizer_s=float(d["optimizer_s"]), source=str(d.get("source", "")),
+                   loss_by_vocab=tuple((int(v), float(t)) for v, t in d.get("loss_by_vocab", ())),
+                   sync_wait=tuple((int(w), float(c), float(t)) for w, c, t in d.get("sync_wait", ())),
                    implementation_elementwise_s=tuple((str(i), float(t)) for i, t in d.get("implementation_elementwise_s", ())))
+
+
+def _log_interp(points: list[tuple[float, float]], x: float) -> float:
+    """``y`` at ``x`` over sorted ``(x, y > 0)`` points, linear in log x and log y, clamped outside them."""
+    x = min(max(x, points[0][0]), points[-1][0])
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1 and x1 > x0:
+            w = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
+    return points[0][1]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -975,7 +1057,7 @@ def step_time(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision
     else:  # measured at the layer's own shapes, with the loss and AdamW's update
         rest = (linear_flops + head_flops) / rates.matmul_rate(tokens, m.hidden)
         rest += rates.elementwise_for(m.implementation) * passes
-        rest += rates.loss_s * tokens * m.vocab / tp
+        rest += rates.loss_per_logit(m.vocab) * tokens * m.vocab / tp
         shard_over = dp * sp if data_parallel == "fsdp" else 1
         rest += rates.optimizer_s * (m.layer_params() + m.embedding_params()) / tp / shard_over
     rest *= hw.compute_stretch(sp * dp * tp)  # ranks sharing a CPU's cores
@@ -992,8 +1074,12 @@ def step_time(m: ModelSpec, c: Candidate, *, seq_len: int, batch: int, precision
             sync *= 1.5  # + the parameters' all-gather in forward (and again in backward)
         backward = (attention + rest) * 2 / 3
         exposed += max(0.0, sync - backward)  # overlapped with the backward's compute
+    wait = 0.0
+    syncs = sync_points(m, c, data_parallel)
+    if rates is not None and syncs:  # Note [Rank skew]: each synchronization waits for the slowest rank
+        wait = syncs * rates.wait_per_sync(ranks * tp, (attention + rest) / syncs)
     return {"attention_compute_s": attention, "exposed_comm_s": exposed, "other_compute_s": rest,
-            "fixed_s": step_overhead_s}
+            "sync_wait_s": wait, "fixed_s": step_overhead_s}
 
 
 def _candidates(m: ModelSpec, world: int, hw: cost_model.HardwareProfile, *, tensor_parallel: int | None,

@@ -43,9 +43,13 @@ def _worker(rank: int, world: int, row: dict) -> dict:
     cb = Profile()
     run._fit(row, steps=6, callbacks=[cb])
     out = dict.fromkeys([k for k, _ in KINDS] + ["other ops"], 0.0)
+    other: dict[str, float] = {}
     for e in cb.prof.key_averages():
         kind = next((k for k, keys in KINDS if any(e.key.startswith(s) or s in e.key for s in keys)), "other ops")
         out[kind] += e.self_cpu_time_total / 2e6  # seconds per step
+        if kind == "other ops":
+            other[e.key] = e.self_cpu_time_total / 2e6
+    out["largest other ops"] = dict(sorted(other.items(), key=lambda kv: -kv[1])[:12])
     return out
 
 

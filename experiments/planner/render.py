@@ -282,7 +282,9 @@ def time_validation(data, path) -> str:
            f"predicted with the attention kernel's table of `{path.parent}/cpu_kernel_table.json` (re-measured just "
            "before, head dims 8-128; Note [Kernel table below the smallest head dim]), the layer rates of "
            f"`{path.parent}/cpu_layer_rates.json` (micro-benchmarks: the linear layers at their shapes, norms and "
-           "activations, transformers' decoder layer's small ops, the loss, AdamW; Note [Layer rates]) and the fixed "
+           "activations, transformers' decoder layer's small ops, the loss per vocabulary, AdamW; Note [Layer rates]), "
+           f"the wait for the slowest rank per synchronization of `{path.parent}/cpu_sync_wait.json` (2 and 4 ranks "
+           "computing then all-reducing; Note [Rank skew]) and the fixed "
            f"time per step of `{path.parent}/cpu_step_overhead.json` (calibrated on tiny encoders and tiny "
            "transformers Llamas), none of them on these rows."]
     if "allocator" in data:
@@ -300,13 +302,14 @@ def time_validation(data, path) -> str:
         out += ["", f"{s['rows']} rows: step time mean error **{100 * s['mean_abs_error']:.1f}%**, worst "
                     f"{100 * s['max_abs_error']:.1f}%.{before}", "",
                 "| model | P | backend | data parallel | checkpointing | N | measured step s | predicted step s | "
-                "of which attention | of which other compute | of which fixed | error |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "of which attention | of which other compute | of which rank skew | of which fixed | error |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in data["rows"]:
             out.append(f"| {r['model']} | {r['world']} | `{r['backend']}` | {r['data_parallel']} | "
                        f"{'on' if r['activation_checkpointing'] else 'off'} | {r['seq_len']} | "
                        f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
                        f"{r['predicted_time']['attention_compute_s']:.3f} | {r['predicted_time']['other_compute_s']:.3f} | "
+                       f"{r['predicted_time'].get('sync_wait_s', 0.0):.3f} | "
                        f"{r['predicted_time'].get('fixed_s', 0.0):.3f} | {100 * r['error']:+.1f}% |")
     for setup, rec in data.get("recommendations", {}).items():
         pick = rec["planner_pick"]
@@ -326,6 +329,8 @@ def time_summary(data, path) -> str:
     """One line: a step-time run's command, date, allocator and errors (a repeat of ``time_validation``'s rows)."""
     s = data["summary"]
     allocator = "; glibc keeps freed memory" if "allocator" in data else ""
+    if "repredicted" in data:
+        allocator += f"; predictions recomputed by `{data['repredicted']['command']}`"
     return (f"`{data['command']}` ({data['date'][:16].replace('T', ' ')} UTC{allocator}): {s['rows']} rows, step time "
-            f"mean error **{100 * s['mean_abs_error']:.1f}%**, worst {100 * s['max_abs_error']:.1f}%, every row "
-            + ("predicted short." if all(r["error"] < 0 for r in data["rows"]) else "not all predicted short."))
+            f"mean error **{100 * s['mean_abs_error']:.1f}%**, worst {100 * s['max_abs_error']:.1f}%, "
+            + (f"{sum(r['error'] < 0 for r in data['rows'])} of {s['rows']} rows predicted short."))

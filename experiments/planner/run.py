@@ -7,7 +7,9 @@ steps (forward, backward, optimizer step) under ``SequenceParallelStrategy``, on
     OMP_NUM_THREADS=1 python -m experiments.planner.run --repredict --publish   # after a change to the planner
     OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --calibrate-kernel
     OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --calibrate-layer
+    OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --calibrate-sync
     OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --calibrate-overhead
+    OMP_NUM_THREADS=1 python -m experiments.planner.run --publish --calibrate-overhead --repredict   # refit
     OMP_NUM_THREADS=1 /work/coord/cpu_all python -m experiments.planner.run --publish --time   # (--recommend 0, 1)
     OMP_NUM_THREADS=1 python -m experiments.planner.run --publish --time --repredict   # (--recommend 0, 1)
     OMP_NUM_THREADS=1 python -m experiments.planner.run --smoke         # two rows, a few seconds
@@ -22,7 +24,8 @@ step time: the median over steps 3-8 of a separate, unprofiled fit (``on_train_b
 model, and for step times, measured just before the rows (this VM's speed drifts by tens of percent over hours):
 the attention kernel's table at head dims 8-128 (``--calibrate-kernel``), the layer's non-attention costs measured
 by micro-benchmarks (``--calibrate-layer``: matmul rates at the layers' shapes, norms and activations, transformers'
-decoder layer's small ops, the loss, AdamW; Note [Layer rates]) and the training loop's fixed time per step
+decoder layer's small ops, the loss per vocabulary, AdamW; Note [Layer rates]), the wait for the slowest rank
+at a synchronization (``--calibrate-sync``, 2 and 4 ranks; Note [Rank skew]) and the training loop's fixed time per step
 calibrated on tiny models (``CALIBRATION_MODELS``: the project's encoders, transformers' Llamas). Nothing in the
 planner is fitted to these rows.
 """
@@ -87,6 +90,10 @@ TIME_RESULTS = HERE / "results" / "planner_time_validation.json"
 LAYER_RATES = HERE / "results" / "cpu_layer_rates.json"
 """The layer's non-attention costs on this CPU (Note [Layer rates]), from ``--calibrate-layer``'s micro-benchmarks."""
 KERNEL_TABLE = HERE / "results" / "cpu_kernel_table.json"
+SYNC_WAIT = HERE / "results" / "cpu_sync_wait.json"
+SYNC_CHUNK_MATMULS = (1, 4, 16, 64, 256)
+"""Compute between two synchronizations in the sync-wait micro-benchmark: this many ``[128, 128] x [128, 512]``
+products (about 0.25 ms each on one core of this VM): from a tiny model's layer to a validated row's."""
 """The attention kernel's table on this CPU re-measured with the step times (``--calibrate-kernel``), at head dims
 ``KERNEL_DIMS`` (Note [Kernel table below the smallest head dim] in ``lightning_sp/cost_model.py``)."""
 KERNEL_DIMS = (8, 16, 32, 64, 128)
@@ -272,8 +279,9 @@ def _worker(rank: int, world: int, rows: list[dict], timed: bool, memory: bool =
 
 
 def cpu_profile():
-    """The committed CPU calibration of the cost model, with the kernel table of ``--calibrate-kernel`` and the layer
-    rates of ``--calibrate-layer`` when present (Note [Layer rates])."""
+    """The committed CPU calibration of the cost model, with the kernel table of ``--calibrate-kernel``, the layer
+    rates of ``--calibrate-layer`` and the rank-skew waits of ``--calibrate-sync`` when present (Note [Layer rates],
+    Note [Rank skew])."""
     from lightning_sp.planner import hardware_profile, with_layer_rates
 
     hw = hardware_profile(CPU_PROFILE)
@@ -283,7 +291,10 @@ def cpu_profile():
                                             for k, d, q, kl, f, b in kernel["kernel_table"]),
                      kernel_call_s=tuple(float(t) for t in kernel["kernel_call_s"]))
     if LAYER_RATES.is_file():
-        hw = with_layer_rates(hw, json.loads(LAYER_RATES.read_text())["layer_rates"])
+        rates = dict(json.loads(LAYER_RATES.read_text())["layer_rates"])
+        if SYNC_WAIT.is_file():  # Note [Rank skew]
+            rates["sync_wait"] = json.loads(SYNC_WAIT.read_text())["sync_wait"]
+        hw = with_layer_rates(hw, rates)
     return hw
 
 
@@ -354,7 +365,7 @@ def calibrate_layer() -> dict:
         labels = torch.randint(0, vocab, (1, tokens))
         return _median_time(fwd_bwd(lambda: [sequence_parallel_cross_entropy(logits, labels)], (logits,), []), reps=10)
 
-    loss = {vocab: (loss_time(1024, vocab) - loss_time(256, vocab)) / (768 * vocab) for vocab in (1024, 4096)}
+    loss = {vocab: (loss_time(1024, vocab) - loss_time(256, vocab)) / (768 * vocab) for vocab in (32, 256, 1024, 4096)}
 
     def adamw_time(width: int) -> tuple[int, float]:
         # AdamW as the models build it (two groups, PyTorch's CPU default), on four layers' worth of tensors
@@ -372,11 +383,68 @@ def calibrate_layer() -> dict:
     (n0, t0), (n1, t1) = adamw_time(128), adamw_time(256)
     hf = {width: hf_small_ops_s(width) for width in (64, 128, 256)}
     rates = {"matmul_table": matmul, "elementwise_s": statistics.mean(elementwise.values()),
-             "loss_s": statistics.mean(loss.values()), "optimizer_s": (t1 - t0) / (n1 - n0),
+             "loss_s": statistics.mean((loss[1024], loss[4096])), "loss_by_vocab": [[v, t] for v, t in loss.items()],
+             "optimizer_s": (t1 - t0) / (n1 - n0),
              "implementation_elementwise_s": [["hf", statistics.mean(hf.values())]]}
     return {"layer_rates": rates,
             "points": {"elementwise_s_by_width": elementwise, "loss_s_by_vocab": loss,
                        "adamw": [[n0, t0], [n1, t1]], "hf_elementwise_s_by_width": hf}}
+
+
+def _sync_worker(rank: int, world: int, repeats: int = 3) -> dict:
+    """One rank of the sync-wait micro-benchmark (Note [Rank skew] in ``lightning_sp/planner.py``): a chunk of
+    matmuls then a one-float all-reduce, ``rounds`` times (``synced``); the same chunks with no collective
+    (``free``: the ranks compute at once, so the cores' sharing is in both); the all-reduces alone (``collective``).
+    Interleaved ``repeats`` times; seconds per round, the median over repeats."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(128, 128), torch.randn(128, 512)
+    one = torch.zeros(1)
+    out = {}
+    for matmuls in SYNC_CHUNK_MATMULS:
+        rounds = max(4, 512 // matmuls)
+
+        def chunk():
+            for _ in range(matmuls):
+                torch.mm(a, b)
+
+        def timed(fn) -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                fn()
+            return (time.perf_counter() - t0) / rounds
+
+        chunk()
+        got = {"free": [], "synced": [], "collective": []}
+        for _ in range(repeats):
+            got["free"].append(timed(chunk))
+            got["synced"].append(timed(lambda: (chunk(), dist.all_reduce(one))))
+            got["collective"].append(timed(lambda: dist.all_reduce(one)))
+        out[matmuls] = {k: statistics.median(v) for k, v in got.items()}
+    return out
+
+
+def calibrate_sync(worlds: tuple[int, ...] = (2, 4)) -> dict:
+    """The wait for the slowest rank at one synchronization after ``c`` seconds of compute, per world size (Note
+    [Rank skew]): ``(ranks, c, wait)`` points, ``c`` = the free rounds' time (the ranks' mean), ``wait`` = the synced
+    rounds' (the slowest rank's) less the collective alone and ``c``."""
+    from experiments.common.launch import run_on_ranks
+
+    points, wait = {}, []
+    for world in worlds:
+        per_rank = run_on_ranks(_sync_worker, world, (), timeout_s=300)
+        fractions = {}
+        for matmuls in SYNC_CHUNK_MATMULS:
+            free = statistics.mean(r[matmuls]["free"] for r in per_rank)
+            synced = max(r[matmuls]["synced"] for r in per_rank)
+            collective = max(r[matmuls]["collective"] for r in per_rank)
+            fractions[matmuls] = {"free_s": free, "synced_s": synced, "collective_s": collective}
+            wait.append([world, free, max(1e-6, synced - collective - free)])
+        points[world] = fractions
+    return {"sync_wait": wait, "points": points}
 
 
 HF_STUB_ATTENTION = "planner_stub"
@@ -470,6 +538,18 @@ def step_overhead(row: dict, overhead: dict | None) -> float:
     return fixed + per_layer * planner_spec(row["model"]).num_layers
 
 
+def fit_overhead(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(fixed, per_layer)`` seconds through two ``(layers, residual)`` points, neither negative: a layer and the
+    loop cannot take negative time. Where the deeper model's residual is the smaller (the machine's noise, or the
+    tiny models' compute modelled long, exceeds a tiny layer's overhead), no per-layer part and the residuals' mean;
+    a negative fixed part is 0 (the tiny models' compute modelled long does not carry to larger models)."""
+    (l0, o0), (l1, o1) = sorted(points)
+    per_layer = (o1 - o0) / (l1 - l0)
+    if per_layer < 0:
+        return max(0.0, (o0 + o1) / 2), 0.0
+    return max(0.0, o0 - per_layer * l0), per_layer
+
+
 def _overhead_key(world: int, data_parallel: str, kind: str) -> str:
     """The fit of the tiny models of ``kind`` (``"project"``: the project's models; ``"hf"``: transformers')."""
     return f"{world}/{data_parallel}" + ("/hf" if kind == "hf" else "")
@@ -509,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     timing.add_argument("--calibrate-kernel", action="store_true",
                         help=f"re-measure the attention kernel's table at head dims {KERNEL_DIMS} into "
                              f"{KERNEL_TABLE.name}; run under both CPU slots, first")
+    timing.add_argument("--calibrate-sync", action="store_true",
+                        help=f"measure the wait for the slowest rank at a synchronization with 2 and 4 ranks "
+                             f"({SYNC_WAIT.name}, Note [Rank skew]); run under both CPU slots, before --calibrate-overhead")
     timing.add_argument("--calibrate-overhead", action="store_true",
                         help=f"measure the training loop's fixed time per step on tiny models ({OVERHEAD.name}); run "
                              "under both CPU slots")
@@ -528,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-only", action="store_true",
                     help="measure the peaks only (they do not depend on the machine's load; step times do)")
     args = ap.parse_args(argv)
-    if args.calibrate_kernel or args.calibrate_layer or args.calibrate_overhead or args.time or args.recommend is not None:
+    if args.calibrate_kernel or args.calibrate_layer or args.calibrate_sync or args.calibrate_overhead or args.time or args.recommend is not None:
         return _timing(args, argv)
     args.out = args.out or (RESULTS if args.publish else RUNS / "planner" / RESULTS.name)
     rows = grid(args.smoke)
@@ -649,7 +732,8 @@ def _timing(args, argv) -> int:
                "width C, FLOP/s; elementwise_s: two residual adds, two LayerNorms over [T, C] and GELU over [T, 4C], "
                "forward + backward, per element of their saved inputs and outputs (12 C per token) per pass (3), "
                "the slope between T=256 and T=1024, averaged over C=64, 128, 256; loss_s: lightning_sp.loss.sequence_parallel_cross_entropy (the models' loss) forward + "
-               "backward per logit, the slope between T=256 and 1024, averaged over V=1024, 4096; optimizer_s: one "
+               "backward per logit, the slope between T=256 and 1024, averaged over V=1024, 4096 (loss_by_vocab: "
+               "at V=32, 256, 1024, 4096); optimizer_s: one "
                "torch.optim.AdamW step (two groups), the slope per parameter between four layers' tensors at C=128 "
                "and C=256; implementation_elementwise_s hf: transformers' LlamaDecoderLayer (4 heads, 2 K/V heads, MLP 2 C) "
                "forward + backward with its attention stubbed, less its linear layers alone, per element of the "
@@ -661,10 +745,29 @@ def _timing(args, argv) -> int:
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print(json.dumps(doc["layer_rates"], indent=1))
         return 0
+    if args.calibrate_sync:
+        got = calibrate_sync()
+        doc = {**meta, "method": "micro-benchmark with 2 and 4 gloo ranks on one thread each (Note [Rank skew] in "
+               "lightning_sp/planner.py): rounds of a chunk of [128, 128] x [128, 512] matmuls (1, 4, 16, 64, 256 of them) then "
+               "a one-float all-reduce, against the same chunks with no collective (all ranks computing at once) and "
+               "the all-reduces alone, interleaved 3 times, medians; sync_wait: (ranks, compute c = free rounds' "
+               "time (mean rank), wait = synced (slowest rank) - collective - c) per round. None of the validated "
+               "training steps", **got}
+        path = where(SYNC_WAIT)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(json.dumps(got, indent=1))
+        return 0
     hw = cpu_profile()
     if args.calibrate_overhead:
         rows = calibration_rows()
-        times = _measure_times(rows)
+        if args.repredict:  # refit the committed measurements with the current planner's modelled compute
+            kept = json.loads(OVERHEAD.read_text())
+            times = _kept_times([{**k, "measured_step_s": k["step_s"]} for k in kept["rows"]], rows)
+            meta = {**{k: kept[k] for k in ("command", "date", "hardware", "git_commit", "git_dirty", "kind")},
+                    "repredicted": {"command": meta["command"], "date": meta["date"], "git_commit": meta.get("git_commit")}}
+        else:
+            times = _measure_times(rows)
         fits, table = {}, []
         for world, dp, kind in ((w, d, k) for w in (2, 4) for d in ("ddp", "fsdp") for k in ("project", "hf")):
             pts = []
@@ -674,11 +777,10 @@ def _timing(args, argv) -> int:
                     layers = planner_spec(row["model"]).num_layers
                     pts.append((layers, t - compute))
                     table.append({**row, "step_s": t, "modelled_compute_s": compute})
-            (l0, o0), (l1, o1) = sorted(pts)
-            per_layer = (o1 - o0) / (l1 - l0)
-            fits[_overhead_key(world, dp, kind)] = (o0 - per_layer * l0, per_layer)
+            fits[_overhead_key(world, dp, kind)] = fit_overhead(pts)
         doc = {**meta, "method": "median of steps 3-8 of a Trainer.fit (on_train_batch_start to on_train_batch_end), "
-               "max over ranks, minus the planner's modelled compute; fixed + per_layer x layers from two depths (1 and 3; 2 and 4 for the Llamas), "
+               "max over ranks, minus the planner's modelled compute; fixed + per_layer x layers from two depths (1 and 3; 2 and 4 for the Llamas; "
+               "neither part negative: a residual falling with depth gives no per-layer part and the two residuals' mean, a negative fixed part 0; fit_overhead), "
                "per world size, data parallelism and kind of model (the project's tiny encoders; transformers' tiny "
                "Llamas for ModelSpec.implementation 'hf')",
                "fits": fits, "rows": table}
@@ -696,7 +798,8 @@ def _timing(args, argv) -> int:
         doc.update(method="measured: median of steps 3-8 of a Trainer.fit (on_train_batch_start to on_train_batch_end, "
                           "the optimizer step included), max over ranks, both CPU slots held; predicted: "
                           "planner.step_time with the cpu-calibrated profile, the kernel table of "
-                          f"{KERNEL_TABLE.name}, the layer rates of {LAYER_RATES.name} and the fixed time per step of "
+                          f"{KERNEL_TABLE.name}, the layer rates of {LAYER_RATES.name}, the rank-skew waits of "
+                          f"{SYNC_WAIT.name} and the fixed time per step of "
                           f"{OVERHEAD.name} (micro-benchmarks and tiny models measured just before, none of these rows)")
         if args.time:
             rows = time_rows()

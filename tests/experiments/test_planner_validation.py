@@ -57,7 +57,8 @@ def test_committed_grid_is_the_current_planners_prediction_of_its_measured_rows(
     assert {row["world"] for row in committed["rows"]} == {2, 4}
 
 
-@pytest.mark.parametrize("name", ["planner_time_validation.json", "planner_time_validation_warm_pages.json",
+@pytest.mark.parametrize("name", ["planner_time_validation.json", "planner_time_validation_rerun.json",
+                                  "planner_time_validation_warm_pages.json",
                                   "planner_time_validation_warm_pages_rerun.json"])
 def test_committed_step_times_are_consistent_and_not_calibrated_on_their_rows(name):
     """The committed step-time validations (``run.py --time`` / ``--recommend``; with glibc keeping freed memory, and
@@ -75,13 +76,16 @@ def test_committed_step_times_are_consistent_and_not_calibrated_on_their_rows(na
 
     layer = json.loads((results / "cpu_layer_rates.json").read_text())
     assert layer["kind"] == "measured" and "none of the validated training steps" in layer["method"]
+    sync = json.loads((results / "cpu_sync_wait.json").read_text())  # Note [Rank skew]
+    assert sync["kind"] == "measured" and "None of the validated training steps" in sync["method"]
+    assert {w for w, _, _ in sync["sync_wait"]} == {2, 4}
     errors = []
     for r in data["rows"]:
         assert r["predicted_step_s"] == pytest.approx(sum(r["predicted_time"].values()))
         # the current planner's prediction, with the committed calibrations (a change must re-predict)
         assert r["predicted_step_s"] == pytest.approx(cpu_predict_step_s(r, overhead)), (r["model"], r["backend"])
         assert r["error"] == pytest.approx(r["predicted_step_s"] / r["measured_step_s"] - 1)
-        assert r["predicted_time"]["fixed_s"] > 0
+        assert r["predicted_time"]["fixed_s"] >= 0 and r["predicted_time"]["sync_wait_s"] > 0
         errors.append(abs(r["error"]))
     assert data["summary"]["rows"] == len(errors) >= 12
     assert data["summary"]["mean_abs_error"] == pytest.approx(sum(errors) / len(errors))
@@ -104,3 +108,16 @@ def test_committed_step_times_are_consistent_and_not_calibrated_on_their_rows(na
         assert rec["planner_pick"] == {k: picked[k] for k in ("backend", "activation_checkpointing")}
         fastest = min(c["measured_step_s"] for c in cands)
         assert rec["pick_over_fastest"] == pytest.approx(picked["measured_step_s"] / fastest - 1)
+
+
+def test_the_fixed_time_fit_is_never_negative():
+    """``fit_overhead``: through two depths' residuals; a residual falling with depth gives no per-layer part and the
+    residuals' mean; a negative fixed part is 0 (the plain line through the points, the control, has both)."""
+    from experiments.planner.run import fit_overhead
+
+    assert fit_overhead([(1, 0.010), (3, 0.016)]) == pytest.approx((0.007, 0.003))
+    assert fit_overhead([(3, 0.004), (1, 0.010)]) == pytest.approx((0.007, 0.0))  # plain line: 0.013 - 0.003 L
+    assert fit_overhead([(2, 0.010), (4, -0.020)]) == (0.0, 0.0)  # plain line: 0.040 - 0.015 L, < 0 from L = 3
+    assert fit_overhead([(1, 0.001), (3, 0.011)]) == pytest.approx((0.0, 0.005))  # plain line: -0.004 + 0.005 L
+    committed = json.loads((ROOT / "experiments/planner/results/cpu_step_overhead.json").read_text())["fits"]
+    assert all(fixed >= 0 and per_layer >= 0 for fixed, per_layer in committed.values())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_sp.planner import (Candidate, LayerRates, ModelSpec, PlannerProfile, hardware_profile, main,
-                                  memory_bytes, memory_phases, plan, step_time, with_layer_rates)
+                                  memory_bytes, memory_phases, plan, step_time, sync_points, with_layer_rates)
 
 ESM2_650M = {"architectures": ["EsmForMaskedLM"], "model_type": "esm", "hidden_size": 1280, "num_hidden_layers": 33,
              "num_attention_heads": 20, "intermediate_size": 5120, "vocab_size": 33, "hidden_act": "gelu",
@@ -395,7 +395,8 @@ def test_the_step_time_split_adds_up():
                           ulysses_degree=None, kv_pieces=1, activation_checkpointing=ckpt, tiled_loss=False)
             t = step_time(spec, c, seq_len=2048, batch=1, precision="32-true", data_parallel="ddp", hw=hw,
                           step_overhead_s=0.01)
-            assert set(t) == {"attention_compute_s", "exposed_comm_s", "other_compute_s", "fixed_s"}
+            assert set(t) == {"attention_compute_s", "exposed_comm_s", "other_compute_s", "sync_wait_s", "fixed_s"}
+            assert t["sync_wait_s"] == 0.0  # RATES has no rank-skew points
             assert min(t.values()) >= 0 and t["attention_compute_s"] > 0 and t["fixed_s"] == 0.01
             flops = 2.0 * tokens * spec.layer_params(active=True) * (3 + ckpt) + 2.0 * tokens * 128 * 4096 * 3
             terms = (flops / hw.layer_rates.matmul_rate(tokens, 128), 7e-9 * 2 * tokens * saved * (3 + ckpt),
@@ -446,3 +447,80 @@ def test_the_papers_table_has_a_finite_ratio_on_every_row():
         assert abs(ratio - predicted / paper) <= 0.01 + 0.01 * ratio, cells  # the printed figures are rounded
         assert cells[6].strip() in PAPER_NOTES, cells
     assert "**prediction**" in table and all(key + " " in table for key in PAPER_NOTES)
+
+
+SYNC_WAIT = [[2, 0.001, 0.0003], [2, 0.004, 0.0006], [2, 0.016, 0.0012], [4, 0.004, 0.0015], [4, 0.016, 0.003]]
+
+
+def test_sync_points_count_a_steps_synchronizations():
+    """Note [Rank skew]: per layer and pass (forward, backward, recomputed forward) the ring's P - 1 exchanges,
+    all-gather's one, Ulysses' two, USP's both, FSDP's block all-gather; DDP's all-reduce once per step."""
+    spec = ModelSpec(num_layers=3, hidden=64, num_heads=4, vocab=100)
+
+    def cand(backend, sp, ckpt=False, ulysses=None):
+        return Candidate(backend=backend, sequence_parallel_size=sp, data_parallel_size=1, tensor_parallel_size=1,
+                         ulysses_degree=ulysses, kv_pieces=1, activation_checkpointing=ckpt, tiled_loss=False)
+
+    assert sync_points(spec, cand("ring", 4), "ddp") == 3 * 2 * 3 + 1
+    assert sync_points(spec, cand("ring", 4, ckpt=True), "ddp") == 3 * 3 * 3 + 1
+    assert sync_points(spec, cand("allgather_kv", 4), "ddp") == 3 * 2 * 1 + 1
+    assert sync_points(spec, cand("ulysses", 4), "fsdp") == 3 * 2 * (2 + 1)
+    assert sync_points(spec, cand("usp", 4, ulysses=2), "ddp") == 3 * 2 * (1 + 2) + 1
+    assert sync_points(spec, cand("ring", 1), "ddp") == 0  # one rank waits for nobody
+
+
+def test_rank_skew_wait_is_priced_per_synchronization():
+    """A calibrated profile with ``sync_wait`` points adds, per synchronization, the wait measured after the step's
+    compute / its synchronizations, at the nearest measured world at or below P (log-log interpolated); the other
+    parts do not move, and the profile without the points (the control) has no wait. GPU presets have none."""
+    import math
+
+    spec = ModelSpec(num_layers=2, hidden=64, num_heads=4, vocab=1000)
+    kw = dict(seq_len=2048, batch=1, precision="32-true", data_parallel="ddp")
+    hw = with_layer_rates(hardware_profile("cpu"), dict(RATES, sync_wait=SYNC_WAIT))
+    control = with_layer_rates(hardware_profile("cpu"), RATES)
+    rates = hw.layer_rates
+    assert rates.wait_per_sync(2, 0.004) == pytest.approx(0.0006)
+    assert rates.wait_per_sync(2, 0.002) == pytest.approx(math.exp(0.5 * math.log(0.0003) + 0.5 * math.log(0.0006)))
+    assert rates.wait_per_sync(2, 1.0) == pytest.approx(0.0012)  # clamped
+    assert rates.wait_per_sync(8, 0.004) == pytest.approx(0.0015)  # the nearest measured world below
+    assert rates.wait_per_sync(1, 0.004) == 0.0
+    assert rates.wait_per_sync(2, 0.0005) == pytest.approx(0.0003 / 2)  # below the points: in proportion
+    for backend, sp in (("ring", 2), ("ulysses", 4), ("allgather_kv", 4)):
+        c = Candidate(backend=backend, sequence_parallel_size=sp, data_parallel_size=1, tensor_parallel_size=1,
+                      ulysses_degree=None, kv_pieces=1, activation_checkpointing=True, tiled_loss=False)
+        t, t0 = step_time(spec, c, hw=hw, **kw), step_time(spec, c, hw=control, **kw)
+        n = sync_points(spec, c, "ddp")
+        compute = t["attention_compute_s"] + t["other_compute_s"]
+        assert t["sync_wait_s"] == pytest.approx(n * rates.wait_per_sync(sp, compute / n)) and t["sync_wait_s"] > 0
+        assert t0["sync_wait_s"] == 0.0
+        assert {k: v for k, v in t.items() if k != "sync_wait_s"} == {k: v for k, v in t0.items() if k != "sync_wait_s"}
+        assert sum(t.values()) - sum(t0.values()) == pytest.approx(t["sync_wait_s"])
+        gpu = step_time(spec, c, hw=hardware_profile("h200-measured"), **kw)
+        assert gpu["sync_wait_s"] == 0.0
+    with pytest.raises(ValueError, match="sync_wait"):
+        LayerRates.from_dict(dict(RATES, sync_wait=[[1, 0.001, 0.0001]]))
+
+
+def test_loss_is_priced_at_its_vocabularys_rate():
+    """``loss_by_vocab`` prices the loss per logit at the model's vocabulary (log-interpolated, clamped) in place of
+    ``loss_s``: the prediction moves by exactly (rate(V) - loss_s) x logits x stretch; without it (the control),
+    ``loss_s``."""
+    import math
+
+    by_vocab = [[256, 2e-9], [4096, 8e-9]]
+    hw = with_layer_rates(hardware_profile("cpu"), dict(RATES, loss_by_vocab=by_vocab))
+    control = with_layer_rates(hardware_profile("cpu"), RATES)
+    assert hw.layer_rates.loss_per_logit(1024) == pytest.approx(math.exp(0.5 * math.log(2e-9) + 0.5 * math.log(8e-9)))
+    assert hw.layer_rates.loss_per_logit(31) == pytest.approx(2e-9)
+    assert control.layer_rates.loss_per_logit(1024) == RATES["loss_s"]
+    c = Candidate(backend="ring", sequence_parallel_size=2, data_parallel_size=1, tensor_parallel_size=1,
+                  ulysses_degree=None, kv_pieces=1, activation_checkpointing=False, tiled_loss=False)
+    for vocab in (31, 1024, 4096):
+        spec = ModelSpec(num_layers=2, hidden=64, num_heads=4, vocab=vocab)
+        kw = dict(seq_len=2048, batch=1, precision="32-true", data_parallel="ddp")
+        got = step_time(spec, c, hw=hw, **kw)["other_compute_s"] - step_time(spec, c, hw=control, **kw)["other_compute_s"]
+        expected = (hw.layer_rates.loss_per_logit(vocab) - RATES["loss_s"]) * 1024 * vocab * hw.compute_stretch(2)
+        assert got == pytest.approx(expected) and abs(got) > 0
+    with pytest.raises(ValueError, match="loss_by_vocab"):
+        LayerRates.from_dict(dict(RATES, loss_by_vocab=[[0, 1e-9]]))
