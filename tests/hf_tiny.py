@@ -325,6 +325,13 @@ def sweep_case(model_type: str, overrides: dict, group, backends=SWEEP_BACKENDS)
         return _sweep_case(model_type, overrides, group, backends)
 
 
+def first_token_changed(input_ids: torch.Tensor) -> torch.Tensor:
+    """A copy of ``input_ids [1, N]`` with its first token replaced: the negative control's input."""
+    other = input_ids.clone()
+    other[0, 0] = 4 if int(other[0, 0]) != 4 else 5
+    return other
+
+
 def _sweep_case(model_type: str, overrides: dict, group, backends) -> dict:
 
     from lightning_sp import gather_sequence, sequence_parallel_cross_entropy
@@ -337,10 +344,8 @@ def _sweep_case(model_type: str, overrides: dict, group, backends) -> dict:
     shift = 0 if masked else 1
     loss_ref = F.cross_entropy(logits_ref[:, : logits_ref.size(1) - shift].flatten(0, 1), batch["labels"][:, shift:].flatten())
     loss_ref.backward()
-    other = batch["input_ids"].clone()
-    other[0, 0] = 4 if int(other[0, 0]) != 4 else 5
     with torch.no_grad():  # (on a copy: a forward may change state, e.g. dynamic RoPE's cached length)
-        logits_other = clone(base)(input_ids=other).logits
+        logits_other = clone(base)(input_ids=first_token_changed(batch["input_ids"])).logits
     out: dict = {"class": type(base).__name__, "masked_lm": masked}
     for backend in backends:
         model = clone(base)
@@ -389,10 +394,8 @@ def _encoder_case(model_type: str, overrides: dict, group, backends) -> dict:
     hidden_ref = ref(input_ids=ids).last_hidden_state  # [1, N, d]
     loss_ref = (hidden_ref * weight).sum()
     loss_ref.backward()
-    other = ids.clone()
-    other[0, 0] = 4 if int(other[0, 0]) != 4 else 5
     with torch.no_grad():
-        hidden_other = clone(base)(input_ids=other).last_hidden_state
+        hidden_other = clone(base)(input_ids=first_token_changed(ids)).last_hidden_state
     out: dict = {"class": type(base).__name__, "masked_lm": False}
     for backend in backends:
         model = clone(base)

@@ -108,12 +108,13 @@ def kernel_table_points(sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_extra=CAUSA
     return points
 
 
-def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_extra=CAUSAL_EXTRA_SIDES,
-                    rounds: int = KERNEL_ROUNDS) -> dict:
-    """Everything one process measures (kernel table, per-call terms, matmul rate). Each table point is the median
-    over ``rounds`` rounds of the median of ``reps`` calls (fewer for the large ones, one for ``causal_extra``)."""
+def measure_kernel_table(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_extra=CAUSAL_EXTRA_SIDES,
+                         rounds: int = KERNEL_ROUNDS) -> dict:
+    """The local kernel's table (``HardwareProfile.kernel_table``): each point (``kernel_table_points``) the median
+    over ``rounds`` rounds, in an order rotated by one per round, of the median of ``reps`` calls (fewer for the
+    large ones, one for ``causal_extra``), the tiny call's time removed, per head. One thread, float32.
+    -> ``{"kernel_table", "kernel_call_s", "kernel_heads", "per_round"}``."""
     from lightning_sp.ops.kernels import make_kernel
-    from lightning_sp.ops.merge import merge_into
 
     torch.set_num_threads(1)
     kernel = make_kernel("auto")
@@ -130,6 +131,16 @@ def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_
         t_f, t_b = (statistics.median(t[i] for t in times) for i in (0, 1))
         table.append((kind, d, q_len, k_len, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
                       max(t_b - tiny[1], 1e-9) / KERNEL_HEADS))
+    return {"kernel_table": table, "kernel_call_s": list(tiny), "kernel_heads": KERNEL_HEADS, "per_round": per_round}
+
+
+def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_extra=CAUSAL_EXTRA_SIDES,
+                    rounds: int = KERNEL_ROUNDS) -> dict:
+    """Everything one process measures (kernel table: ``measure_kernel_table``; per-call terms, matmul rate)."""
+    from lightning_sp.ops.merge import merge_into
+
+    kernel = measure_kernel_table(reps, sides, dims, causal_extra, rounds)
+    per_round = kernel.pop("per_round")
     sizes = (4096, 1 << 18, 1 << 22, 1 << 24)  # 16 KiB .. 64 MiB of fp32: cache-resident to memory-bound
     merge_t, add_t = [], []
     for e in sizes:
@@ -142,8 +153,7 @@ def calibrate_local(reps: int = 3, sides=KERNEL_SIDES, dims=KERNEL_DIMS, causal_
     a, b = torch.randn(h, c, d), torch.randn(h, d, c)
     t_mm = median_seconds(lambda: a @ b, reps * 10)
     return {
-        "kernel_heads": KERNEL_HEADS, "kernel_table": table, "kernel_call_s": list(tiny),
-        "kernel_table_rounds": [[*p, [list(t) for t in per_round[p]]] for p in points],
+        **kernel, "kernel_table_rounds": [[*p, [list(t) for t in times]] for p, times in per_round.items()],
         "merge_s": list(fit_line(sizes, merge_t, relative=True)), "merge_points": list(zip(sizes, merge_t)),
         "elementwise_s": list(fit_line(sizes, add_t, relative=True)), "elementwise_points": list(zip(sizes, add_t)),
         "matmul_flops": 2.0 * h * c * c * d / t_mm,

@@ -498,30 +498,14 @@ def hf_small_ops_s(width: int) -> float:
 
 def calibrate_kernel(rounds: int = 3, reps: int = 3) -> dict:
     """The attention kernel's table (``HardwareProfile.kernel_table``) at ``KERNEL_DIMS``, measured as the cost
-    model's calibration measures it (``experiments/cost_model/calibrate.py``: one ``LocalKernel`` call per point,
-    ``KERNEL_HEADS`` heads, the tiny call's time removed, the median over rounds with the order rotated), with head
-    dims below 32 added. One thread, float32, no training step."""
-    import torch
+    model's calibration measures it (``experiments.cost_model.calibrate.measure_kernel_table``), with head dims
+    below 32 added. One thread, float32, no training step."""
+    from experiments.cost_model.calibrate import CAUSAL_EXTRA_SIDES, KERNEL_SIDES, measure_kernel_table
 
-    from experiments.cost_model.calibrate import CAUSAL_EXTRA_SIDES, KERNEL_HEADS, KERNEL_SIDES, _kernel_pair, kernel_table_points, rotated
-    from lightning_sp.ops.kernels import make_kernel
-
-    torch.set_num_threads(1)
-    kernel = make_kernel("auto")
-    tiny = _kernel_pair(kernel, "full", 8, 8, 1, 8, reps * 20)
-    points = kernel_table_points(KERNEL_SIDES, KERNEL_DIMS, CAUSAL_EXTRA_SIDES)
-    per_round = {p: [] for p in points}
-    for r in range(rounds):
-        for kind, d, q_len, k_len in rotated(points, r, rounds):
-            long_call = kind == "causal" and q_len in CAUSAL_EXTRA_SIDES
-            n = 1 if long_call else (reps if q_len * k_len < 1 << 20 else max(2, reps - 1))
-            per_round[(kind, d, q_len, k_len)].append(_kernel_pair(kernel, kind, q_len, k_len, KERNEL_HEADS, d, n))
-    table = []
-    for (kind, d, q_len, k_len), got in per_round.items():
-        t_f, t_b = (statistics.median(t[i] for t in got) for i in (0, 1))
-        table.append([kind, d, q_len, k_len, max(t_f - tiny[0], 1e-9) / KERNEL_HEADS,
-                      max(t_b - tiny[1], 1e-9) / KERNEL_HEADS])
-    return {"kernel_table": table, "kernel_call_s": list(tiny), "kernel_heads": KERNEL_HEADS}
+    kernel = measure_kernel_table(reps, KERNEL_SIDES, KERNEL_DIMS, CAUSAL_EXTRA_SIDES, rounds)
+    del kernel["per_round"]
+    kernel["kernel_table"] = [list(row) for row in kernel["kernel_table"]]
+    return kernel
 
 
 def _key(row: dict) -> tuple:
