@@ -140,10 +140,10 @@ class _RowsKeyPadding:
         self.inner = inner
 
     def __call__(self, b, h, q, k):
-        if self.bounds.device != k.device:
-            self.bounds = self.bounds.to(k.device)
-        bounds = self.bounds[b.flatten()].view(-1, 1, 1, 1, 2)  # [B, 1, 1, 1, 2]
-        visible = (k >= bounds[..., 0]) & (k < bounds[..., 1])  # [B, 1, 1, Sk]
+        # ``b`` of any shape that broadcasts with ``k``: ``[B, 1, 1, 1]`` from ``ScoreModKernel``, one index per
+        # call from FlexAttention's vmapped ``mask_mod``
+        bounds = self.bounds.to(k.device)[b]  # [*b.shape, 2]
+        visible = (k >= bounds[..., 0]) & (k < bounds[..., 1])  # [B, 1, 1, Sk] / per element
         return visible if self.inner is None else visible & torch.as_tensor(self.inner(b, h, q, k), dtype=torch.bool)
 
 

@@ -44,6 +44,7 @@ CASES = {  # name: (AttentionMask, causal, document bounds)
     "alibi": (AttentionMask(alibi_slopes=tuple(0.02 * (i + 1) for i in range(H_TOTAL))), False, None),
     "score_mod": (AttentionMask(score_mod=user_score_mod), True, None),
     "mask_mod": (AttentionMask(mask_mod=user_mask_mod), False, None),
+    "key_padding": (AttentionMask(key_padding=((0, 170), (20, 200))), True, None),  # rows padded differently
     "all": (AttentionMask(window=(90, 0), softcap=2.0, alibi_slopes=tuple(0.01 * i for i in range(H_TOTAL)),
                           score_mod=user_score_mod, mask_mod=user_mask_mod), True, (0, 120, 200)),
 }
@@ -260,7 +261,8 @@ def test_stand_in_refuses_what_the_real_op_refuses(bad):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("case", ["window", "packed_docs", "softcap", "alibi", "score_mod", "mask_mod", "all"])
+@pytest.mark.parametrize("case", ["window", "packed_docs", "softcap", "alibi", "score_mod", "mask_mod", "key_padding",
+                                  "all"])
 def test_real_flex_attention_forward_on_cpu(case):
     """PyTorch's own FlexAttention (uncompiled; CPU has no backward) through the kernel's closures and block masks
     equals ``ScoreModKernel``, so the stand-in's semantics are the real op's."""
