@@ -1176,16 +1176,11 @@ def plan(model: ModelSpec | dict | str | Path, *, seq_len: int, devices: int, no
     cands = _candidates(model, world, hw, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel)
     for c in cands:  # Note [Layouts for bidirectional spans]
         choose_layout(model, c, seq_len=seq_len, batch=batch, act_bytes=PRECISIONS[precision], hw=hw)
-    attention_times: dict[tuple, dict[str, float]] = {}
     for c in cands:
         c.memory = memory_bytes(model, c, seq_len=seq_len, **kw)
         c.peak_bytes_per_rank = sum(c.memory.values())
         c.fits = c.peak_bytes_per_rank <= memory_budget_bytes
-        key = (c.backend, c.sequence_parallel_size, c.data_parallel_size, c.tensor_parallel_size, c.ulysses_degree,
-               c.kv_pieces, c.activation_checkpointing, c.tiled_loss, c.layout)
-        if key not in attention_times:
-            attention_times[key] = step_time(model, c, seq_len=seq_len, step_overhead_s=step_overhead_s, **kw)
-        c.time = attention_times[key]
+        c.time = step_time(model, c, seq_len=seq_len, step_overhead_s=step_overhead_s, **kw)
         c.step_time_s = sum(c.time.values())
         c.tokens_per_s_per_device = batch * seq_len * c.data_parallel_size / c.step_time_s / world
         c.max_seq_len = _max_seq_len(model, c, memory_budget_bytes, 128 * c.sequence_parallel_size, **kw)
