@@ -132,6 +132,16 @@ def padding_ranges(attention_mask: torch.Tensor) -> tuple[tuple[int, int], ...]:
     return tuple((int(s), int(e)) for s, e in zip(starts.tolist(), ends.tolist()))
 
 
+def span_index(pos: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The index of the span ``[start, end)`` of ``spans`` (sorted, disjoint) holding each global position of
+    ``pos`` (any shape), ``-1`` outside every span."""
+    starts = torch.tensor([s for s, _ in spans], device=pos.device)
+    ends = torch.tensor([e for _, e in spans], device=pos.device)
+    i = torch.bucketize(pos, starts, right=True) - 1
+    inside = (i >= 0) & (pos < ends[i.clamp(min=0)])
+    return torch.where(inside, i, torch.full_like(i, -1))
+
+
 class _RowsKeyPadding:
     """``key_padding`` as a ``mask_mod``: key ``k`` of batch row ``b`` is visible iff ``start_b <= k < end_b``."""
 
@@ -454,15 +464,7 @@ class StructuredMask:
         if self.causal:
             order = kp <= qp
             if self.spans:
-                starts = torch.tensor([s for s, _ in self.spans], device=qpos.device)
-                ends = torch.tensor([e for _, e in self.spans], device=qpos.device)
-
-                def span_of(pos):
-                    i = torch.bucketize(pos, starts, right=True) - 1
-                    inside = (i >= 0) & (pos < ends[i.clamp(min=0)])
-                    return torch.where(inside, i, torch.full_like(i, -1))
-
-                sq, sk = span_of(qpos), span_of(kpos)
+                sq, sk = span_index(qpos, self.spans), span_index(kpos, self.spans)
                 order = order | ((sq[:, None] == sk[None, :]) & (sq[:, None] >= 0))
             visible &= order
         if self.left is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from typing_extensions import override
 
+from lightning_sp.masks import span_index
 from lightning_sp.models._attention import AttentionMask
 from lightning_sp.models.base import TransformerLM
 
@@ -124,7 +125,6 @@ def _labels_inside_spans(batch: dict[str, torch.Tensor], spans: tuple[tuple[int,
     pos = batch.get("position_ids")
     if pos is None:
         pos = torch.arange(labels.size(1), device=labels.device).expand_as(labels)
-    inside = torch.zeros_like(labels, dtype=torch.bool)
-    for start, end in spans:
-        inside |= (pos >= start) & (pos < end - 1)
+    here = span_index(pos, spans)  # [B, S]
+    inside = (here >= 0) & (here == span_index(pos + 1, spans))  # t and t + 1 in one span
     return (inside & (labels != IGNORE_INDEX)).sum()
