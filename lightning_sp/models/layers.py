@@ -229,15 +229,13 @@ class Block(TensorParallelModule):
         k = rotary(k.view(b, s, hkv, d), position_ids, self.cfg.rope_base)  # [B, S, Hkv/t, D]
         v = v.view(b, s, hkv, d)  # [B, S, Hkv/t, D]
         if self.cfg.dense_attention:
-            if mask is not None:
-                raise NotImplementedError("dense_attention=True does not take an AttentionMask; use dense_attention=False")
-            a = self._dense_attention(q, k, v, cu_seqlens)  # [B, S, H/t, D]
+            a = self._dense_attention(q, k, v, cu_seqlens, mask)  # [B, S, H/t, D]
         else:
             a = self.attn(q, k, v, cu_seqlens=cu_seqlens, mask=mask)  # [B, S, H/t, D]
         x = x + self.proj(a.reshape(b, s, h * d))  # [B, S_t, C]
         return x + self.mlp(self.ln2(x), s)
 
-    def _dense_attention(self, q, k, v, cu_seqlens) -> torch.Tensor:
+    def _dense_attention(self, q, k, v, cu_seqlens, mask=None) -> torch.Tensor:
         """Vanilla attention with the scores materialised (``TransformerConfig.dense_attention``).
         ``q [B, S, H, D]``, ``k, v [B, S, H_kv, D]`` -> ``[B, S, H, D]``."""
         group = self.attn.process_group
@@ -248,6 +246,8 @@ class Block(TensorParallelModule):
             )
         if cu_seqlens is not None:
             raise NotImplementedError("dense_attention=True does not take cu_seqlens; use dense_attention=False")
+        if mask is not None:
+            raise NotImplementedError("dense_attention=True does not take an AttentionMask; use dense_attention=False")
         groups = q.size(2) // k.size(2)
         qh = q.transpose(1, 2)  # [B, H, S, D]
         kh = k.repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, H, S, D]

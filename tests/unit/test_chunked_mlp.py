@@ -87,3 +87,7 @@ def test_config_errors():
     model = ProteinEncoder(d_model=32, n_layers=1, n_heads=4, dense_attention=True)
     with pytest.raises(NotImplementedError, match="cu_seqlens"):
         model(torch.randint(0, 31, (1, 8)), cu_seqlens=torch.tensor([0, 4, 8], dtype=torch.int32))
+    from lightning_sp import AttentionMask
+
+    with pytest.raises(NotImplementedError, match="AttentionMask"):
+        model.net(torch.randint(0, 31, (1, 8)), mask=AttentionMask(window=(2, 0)))
