@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,6 +200,10 @@ class _State:
     loss_takes_num_items: bool = True
     """The model's loss is HF's ``loss_function`` (which divides by ``num_items_in_batch``), not a mean of
     its own (ESM's and RoBERTa's ``CrossEntropyLoss()`` ignore ``num_items_in_batch``)."""
+
+    last_given_mask: tuple | None = None
+    """``(weakref to HF's attention_mask, its _version, query shape, _GivenMask)`` of the last unsharded call: HF
+    hands every layer the same mask tensor, which is read (O(B N^2) for a 4-D mask) once, not once per layer."""
 
     def running_info(self) -> ShardInfo | None:
         """The ShardInfo of the forward running now (``None`` between forwards or for an unsharded call)."""
@@ -442,7 +447,7 @@ def sequence_parallel_attention(
     causal = bool(is_causal) if is_causal is not None else bool(getattr(module, "is_causal", True))
     try:  # a rejection on one rank must not leave its peers waiting in their attention's collectives
         seq_len, cu_seqlens, info = _checked_arguments(module, sp, state, query, key, attention_mask, dropout, kwargs)
-        given = _given_mask_of_call(sp, attention_mask, info, query)  # padding, 4-D masks
+        given = _given_mask_of_call(sp, attention_mask, info, query, state)  # padding, 4-D masks
         if given is not None and given.causal is not None:  # a 4-D mask is the whole mask (HF's eager / sdpa)
             causal = given.causal
             kwargs.pop("sliding_window", None)
@@ -1231,13 +1236,29 @@ def _dense_rows_mask(visible: torch.Tensor, positions: torch.Tensor, padded_len:
 
 
 def _given_mask_of_call(sp: SequenceParallelAttention, attention_mask: torch.Tensor | None, info: "ShardInfo | None",
-                        query: torch.Tensor) -> _GivenMask | None:
+                        query: torch.Tensor, state: _State | None = None) -> _GivenMask | None:
     """The batch's mask for this attention call: from the ShardInfo (sharded), else from the mask HF hands
-    an unsharded call (2-D padding -> ``key_padding``; 4-D -> a recognised pattern or its rows)."""
+    an unsharded call (2-D padding -> ``key_padding``; 4-D -> a recognised pattern or its rows), read once
+    per mask tensor (``state.last_given_mask``), not once per layer."""
     if info is not None:
         return info.given_mask
     if attention_mask is None:
         return None
+    try:
+        key = (attention_mask._version, tuple(query.shape[:3]))
+    except RuntimeError:  # an inference tensor keeps no version counter: read it every call
+        return _read_given_mask(attention_mask, query)
+    last = state.last_given_mask if state is not None else None
+    if last is not None and last[0]() is attention_mask and last[1:3] == key:
+        return last[3]
+    given = _read_given_mask(attention_mask, query)
+    if state is not None:
+        state.last_given_mask = (weakref.ref(attention_mask), *key, given)
+    return given
+
+
+def _read_given_mask(attention_mask: torch.Tensor, query: torch.Tensor) -> _GivenMask | None:
+    """``_given_mask_of_call``'s reading of HF's ``attention_mask`` for an unsharded call."""
     if attention_mask.dim() == 2:
         ranges = _padding_ranges(attention_mask)
         if ranges is None or all(r == (0, ranges[0][1]) for r in ranges):

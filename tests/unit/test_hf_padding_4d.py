@@ -233,3 +233,26 @@ def test_a_4d_mask_replaces_chunks_and_windows(model_type):
         got_sharded = model(**shard).logits
     assert (got - ref).abs().max() < 1e-9 and (got_sharded - ref).abs().max() < 1e-9
     assert (ref_chunked - ref).abs().max() > 1e-4
+
+
+def test_an_unsharded_4d_mask_is_read_once_per_tensor_not_per_layer(monkeypatch):
+    """HF hands every layer the same mask tensor: it is read once per forward; the same tensor changed in place, or
+    another tensor, is read again (and the logits follow it)."""
+    reads = []
+    real_read = integration._read_given_mask
+    monkeypatch.setattr(integration, "_read_given_mask", lambda *a: reads.append(1) or real_read(*a))
+    visible = _batched(PATTERNS["causal_window_4"][0]).clone()
+    ids = torch.randint(4, 30, (2, N), generator=torch.Generator().manual_seed(0))
+    with KeepFloat64():
+        base = tiny_model("llama")
+        assert base.config.num_hidden_layers > 1
+        model = integration.apply_sequence_parallel(clone(base), backend="local")
+        first = model(input_ids=ids, attention_mask=visible).logits
+        assert len(reads) == 1  # control: without the memo, one read per layer
+        visible[..., 0] = False  # in place: the first key hidden from every query
+        changed = model(input_ids=ids, attention_mask=visible).logits
+        assert len(reads) == 2
+        fresh = model(input_ids=ids, attention_mask=visible.clone()).logits
+        assert len(reads) == 3
+    assert (changed - first).abs().max() > 1e-4
+    assert (fresh - changed).abs().max() < 1e-12
