@@ -26,6 +26,7 @@ from lightning_sp import choices
 from lightning_sp.comm.agree import describe_disagreement, gather_rows, global_ranks, stable_hash
 from lightning_sp.comm.stats import CommStats
 from lightning_sp.context import SequenceParallelContext
+from lightning_sp.cost_model import LAYOUT_BACKENDS, checked_layout, layout_backend_error
 from lightning_sp.layout import Run, SequenceLayout, as_layout, global_seq_len_of, padded_length
 from lightning_sp.masks import AttentionMask, route_table_gradient
 from lightning_sp.ops import backends
@@ -139,11 +140,6 @@ def auto_choice(num_heads: int, group_size: int, *, seq_len: int, num_kv_heads: 
         batch=batch, dtype_bytes=torch.empty((), dtype=dtype).element_size(), causal=causal,
     )
     return cost_model.choose_backend(shape, group_size, hw, usp_allowed=usp_allowed, mask=mask)
-
-
-LAYOUT_BACKENDS = ("ring", "zigzag_ring", "allgather_kv", "usp")
-"""Backends that run on any ``SequenceLayout`` given as ``SequenceParallelAttention(layout=)`` (their plans work on
-the layout's runs of global positions), e.g. ``SequenceLayout.balanced_for`` for a prefix-LM span."""
 
 
 def layout_for_backend(backend: str, *, group_size: int | None = None, ulysses_degree: int | None = None) -> SequenceLayout:
@@ -324,7 +320,7 @@ class SequenceParallelAttention(nn.Module):
             raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
         self.requested_layout = None if layout is None else as_layout(layout)
         if layout is not None and backend is not None and backend not in LAYOUT_BACKENDS + ("local",):
-            raise ValueError(_layout_backend_error(self.requested_layout, backend))
+            raise ValueError(layout_backend_error(self.requested_layout, backend))
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         if validate_inputs not in (True, False, "always"):
@@ -420,19 +416,10 @@ class SequenceParallelAttention(nn.Module):
         return layout_for_backend(backend, group_size=world, ulysses_degree=self._ulysses_degree(world) if backend == "usp" else None)
 
     def _checked_layout(self, backend: str, world: int) -> SequenceLayout:
-        """The ``layout=`` this module was built with, once it fits the resolved backend and group."""
-        layout = self.requested_layout
-        if backend not in LAYOUT_BACKENDS:
-            raise ValueError(_layout_backend_error(layout, backend))
-        u = self._ulysses_degree(world) if backend == "usp" else 1
-        if layout.ulysses_degree != u:
-            raise ValueError(
-                f"layout {layout} splits each ring rank over ulysses_degree={layout.ulysses_degree} ranks, but "
-                f"backend {backend!r} here runs "
-                + (f"usp with ulysses_degree={u}" if backend == "usp" else "its ring over every rank (ulysses_degree=1)")
-                + f": build the layout with ulysses_degree={u} (SequenceLayout.balanced_for(..., ulysses_degree={u}))")
-        padded_length(1, world, layout)  # a chunk table for another group size raises, naming the fix
-        return layout
+        """The ``layout=`` this module was built with, once it fits the resolved backend and group (the cost
+        model's own check: ``cost_model.checked_layout``)."""
+        return checked_layout(backend, world, self._ulysses_degree(world) if backend == "usp" else None,
+                              self.requested_layout)
 
     def raise_on_every_rank(self, error: Exception, q: torch.Tensor):
         """Raise ``error``, a caller's rejection of this call's inputs made before ``forward`` (the
@@ -913,11 +900,6 @@ def _mask_input_error(q, attn_mask: AttentionMask | None, sinks, world: int = 1)
         got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
         return 14, f"sinks must be a floating [H] = [{h}] tensor (one logit per query head); got {got}"
     return None
-
-
-def _layout_backend_error(layout: SequenceLayout, backend: str) -> str:
-    return (f"layout={layout} needs a backend that runs on any layout, one of {LAYOUT_BACKENDS}; backend {backend!r} "
-            f"shards its own way: drop layout= or use one of those backends")
 
 
 def _signature(q, k, error, causal, backend, decision_inputs, layout, bounds, seq_len, scale, kv_pieces,

@@ -858,7 +858,14 @@ def rank_counts(backend: str, shape: AttentionShape, world: int, *, ulysses_degr
 
 
 LAYOUT_BACKENDS = ("ring", "zigzag_ring", "allgather_kv", "usp")
-"""Backends priced on a given ``layout=`` (``attention.LAYOUT_BACKENDS``: their plans work on any layout's runs)."""
+"""Backends that run on any ``SequenceLayout`` given as ``SequenceParallelAttention(layout=)`` (their plans work on the
+layout's runs of global positions), e.g. ``SequenceLayout.balanced_for`` for a prefix-LM span; priced on it here."""
+
+
+def layout_backend_error(layout, backend: str) -> str:
+    """The error for ``layout=`` given with a backend outside ``LAYOUT_BACKENDS``."""
+    return (f"layout={layout} needs a backend that runs on any layout, one of {LAYOUT_BACKENDS}; backend {backend!r} "
+            f"shards its own way: drop layout= or use one of those backends")
 
 
 def checked_layout(backend: str, world: int, ulysses_degree: int | None, layout):
@@ -871,8 +878,7 @@ def checked_layout(backend: str, world: int, ulysses_degree: int | None, layout)
 
     layout = as_layout(layout)
     if backend not in LAYOUT_BACKENDS:
-        raise ValueError(f"layout={layout} needs a backend that runs on any layout, one of {LAYOUT_BACKENDS}; backend "
-                         f"{backend!r} shards its own way: drop layout= or use one of those backends")
+        raise ValueError(layout_backend_error(layout, backend))
     if world == 1:
         return None  # one rank attends over the whole sequence, as the module does
     u = (ulysses_degree or 1) if backend == "usp" else 1
