@@ -569,22 +569,31 @@ def block_attention(q, k, v, spec: BlockAttentionSpec, sinks: torch.Tensor | Non
 _KV_TAG, _GRAD_TAG = 1, 2
 
 
-def kv_rows_needed(spec: BlockAttentionSpec, dst: int, src: int) -> tuple[int, int] | None:
-    """Rows ``[lo, hi)`` of ring rank ``src``'s K/V block that ring rank ``dst``'s queries see under the spec's
-    mask (``None``: none): a pure function of global inputs, the same on every rank."""
-    calls = _plan(spec, spec.k_runs_by_rank[dst], spec.k_runs_by_rank[src])
+def rows_needed(q_runs, k_runs, *, causal: bool, doc_bounds, mask, piece: tuple[int, int] | None = None
+                ) -> tuple[int, int] | None:
+    """Rows ``[lo, hi)`` of the K/V block of ``k_runs`` that the queries of ``q_runs`` see (``plan_blocks`` under
+    ``causal``, ``doc_bounds``, ``mask``), cut to the block rows ``piece = (start, stop)`` if given (``None``:
+    none): a pure function of global inputs, the same on every rank, and what the cost model counts."""
+    calls = plan_blocks(q_runs, k_runs, causal=causal, doc_bounds=doc_bounds, mask=mask)
     if not calls:
         return None
-    return min(c.k_start for c in calls), max(c.k_start + c.k_len for c in calls)
+    lo, hi = min(c.k_start for c in calls), max(c.k_start + c.k_len for c in calls)
+    if piece is not None:
+        lo, hi = max(lo, piece[0]), min(hi, piece[1])
+    return (lo, hi) if lo < hi else None
+
+
+def kv_rows_needed(spec: BlockAttentionSpec, dst: int, src: int) -> tuple[int, int] | None:
+    """Rows ``[lo, hi)`` of ring rank ``src``'s K/V block that ring rank ``dst``'s queries see under the spec's
+    mask (``None``: none)."""
+    return rows_needed(spec.k_runs_by_rank[dst], spec.k_runs_by_rank[src], causal=spec.causal,
+                       doc_bounds=spec.doc_bounds, mask=spec.mask)
 
 
 def piece_rows_needed(spec: BlockAttentionSpec, dst: int, src: int, piece: tuple[int, int]) -> tuple[int, int] | None:
     """``kv_rows_needed(spec, dst, src)`` inside the block rows ``piece = (start, stop)`` (``None``: none)."""
-    rows = kv_rows_needed(spec, dst, src)
-    if rows is None:
-        return None
-    lo, hi = max(rows[0], piece[0]), min(rows[1], piece[1])
-    return (lo, hi) if lo < hi else None
+    return rows_needed(spec.k_runs_by_rank[dst], spec.k_runs_by_rank[src], causal=spec.causal,
+                       doc_bounds=spec.doc_bounds, mask=spec.mask, piece=piece)
 
 
 def _kv_exchange(spec, comm, k, v, t, piece):

@@ -41,7 +41,7 @@ from lightning_sp.layout import SequenceLayout, padded_length, runs_for_ranks
 from lightning_sp.masks import AttentionMask, StructuredMask
 from lightning_sp.ops.backends import head_group_count, kv_head_replication
 from lightning_sp.ops.plan import plan_blocks
-from lightning_sp.ops.ring_attention import piece_bounds, piece_count, query_chunks, slice_runs
+from lightning_sp.ops.ring_attention import piece_bounds, piece_count, query_chunks, rows_needed, slice_runs
 
 SCHEDULE_BACKENDS = ("local", "ulysses", "ring", "zigzag_ring", "allgather_kv", "usp", "colossal")
 
@@ -255,14 +255,6 @@ def _ring(q_runs, runs, rank, p, c, h, hkv, d, causal, kv_pieces, masking=NO_MAS
     return RankSchedule(fwd, bwd)
 
 
-def _kv_rows_needed(runs, dst: int, src: int, causal: bool, masking: Masking) -> tuple[int, int] | None:
-    """``ring_attention.kv_rows_needed``: rows ``[lo, hi)`` of ``src``'s block that ``dst``'s queries see."""
-    calls = plan_blocks(runs[dst], runs[src], causal=causal, doc_bounds=masking.doc_bounds, mask=masking.mask)
-    if not calls:
-        return None
-    return min(c.k_start for c in calls), max(c.k_start + c.k_len for c in calls)
-
-
 def _selective_ring(q_runs, runs, rank, p, c, h, hkv, d, causal, masking, pieces: int = 1) -> RankSchedule:
     """The ring that follows the mask (Note [Traffic follows the mask] in ``ops/ring_attention.py``): at step
     ``t`` the rows of ``rank - t``'s block this rank's queries see, exchanged pairwise, the next exchange in
@@ -272,17 +264,10 @@ def _selective_ring(q_runs, runs, rank, p, c, h, hkv, d, causal, masking, pieces
     row = 2 * hkv * d  # K and V of one row
     kb = piece_bounds(c, pieces)
     q_chunks = query_chunks(q_runs, c, pieces)
-    needed = {}
 
-    def need(dst, src, j):
-        key = (dst % p, src % p)
-        if key not in needed:
-            needed[key] = _kv_rows_needed(runs, key[0], key[1], causal, masking)
-        rows = needed[key]
-        if rows is None:
-            return None
-        lo, hi = max(rows[0], kb[j]), min(rows[1], kb[j + 1])
-        return (lo, hi) if lo < hi else None
+    def need(dst, src, j):  # the library's own rows (ring_attention.piece_rows_needed)
+        return rows_needed(runs[dst % p], runs[src % p], causal=causal, doc_bounds=masking.doc_bounds,
+                           mask=masking.mask, piece=(kb[j], kb[j + 1]))
 
     def length(rows):
         return 0 if rows is None else rows[1] - rows[0]
