@@ -158,9 +158,13 @@ class _RowsKeyPadding:
 
 
 def _callable_name(fn) -> str | None:
+    """How ranks compare a callable: its qualified name, plus its ``signature()`` if it has one (a mask held as
+    data, e.g. the Hugging Face integration's rows of a 4-D mask, says which data)."""
     if fn is None:
         return None
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    describe = getattr(fn, "signature", None)
+    return name if not callable(describe) else f"{name}:{describe()}"
 
 
 def t5_relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool = True, num_buckets: int = 32,

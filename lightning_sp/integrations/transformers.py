@@ -88,6 +88,7 @@ Note [The loss of model(**shard)]
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import warnings
 import weakref
@@ -1186,11 +1187,16 @@ class _DenseRows:
     Memory ``O(B Hm R N)``: ``R = N / P`` on the ring backends, ``N`` for Ulysses (every rank computes every
     position, for its heads)."""
 
-    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, padded_len: int):
+    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, padded_len: int, digest: str):
         self.rows = rows
+        self.digest = digest  # of the global mask, the same on every rank given the same batch
         self.row_of = torch.full((padded_len,), -1, dtype=torch.long)
         self.row_of[positions] = torch.arange(positions.numel())
         self._on_device: dict = {}  # device -> (rows, row_of): copied once, not per block
+
+    def signature(self) -> str:
+        """What ranks compare (``AttentionMask.signature``): each holds other rows of the same global mask."""
+        return self.digest
 
     def __call__(self, b, h, q, k):
         if k.device not in self._on_device:
@@ -1232,7 +1238,11 @@ def _dense_rows_mask(visible: torch.Tensor, positions: torch.Tensor, padded_len:
     )
     padded = visible.new_zeros(b, hm, padded_len, padded_len)
     padded[:, :, :n, :n] = visible
-    return AttentionMask(mask_mod=_DenseRows(padded[:, :, positions.to(visible.device)].clone(), positions, padded_len))
+    import numpy as np  # transformers' own dependency
+
+    digest = hashlib.sha1(np.packbits(visible.cpu().numpy()).tobytes() + repr(tuple(visible.shape)).encode()).hexdigest()
+    return AttentionMask(mask_mod=_DenseRows(padded[:, :, positions.to(visible.device)].clone(), positions, padded_len,
+                                             digest))
 
 
 def _given_mask_of_call(sp: SequenceParallelAttention, attention_mask: torch.Tensor | None, info: "ShardInfo | None",

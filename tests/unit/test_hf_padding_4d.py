@@ -256,3 +256,18 @@ def test_an_unsharded_4d_mask_is_read_once_per_tensor_not_per_layer(monkeypatch)
         assert len(reads) == 3
     assert (changed - first).abs().max() > 1e-4
     assert (fresh - changed).abs().max() < 1e-12
+
+
+def test_a_4d_mask_held_as_rows_is_compared_across_ranks_by_its_contents():
+    """Ranks given different unrecognised 4-D masks must disagree in the cross-rank check (which compares
+    ``AttentionMask.signature()``), not run different attention silently; the same mask agrees, whichever rows a
+    rank holds."""
+    visible = _batched(PATTERNS["strided"][0]).clone()
+    other = visible.clone()
+    other[0, 0, N - 1, 0] = ~other[0, 0, N - 1, 0]
+    with pytest.warns(UserWarning, match="query rows"):
+        rank0 = integration._dense_rows_mask(visible, torch.arange(0, 6), 12)
+        rank1 = integration._dense_rows_mask(visible, torch.arange(6, 12), 12)
+        changed = integration._dense_rows_mask(other, torch.arange(6, 12), 12)
+    assert rank0.signature() == rank1.signature()
+    assert changed.signature() != rank1.signature()  # control: by name alone they would agree
